@@ -1,0 +1,1 @@
+"""Resharding kernels (imported as `mtrain.kernels`)."""

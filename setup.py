@@ -1,0 +1,46 @@
+"""mtrain: a Megatron-core-native RL trainer with embedded SGLang.
+
+`kernels/` and `converters/` are top-level folders that import as `mtrain.kernels` and
+`mtrain.converters` (a top-level `kernels` package would collide with the `kernels` package
+that newer SGLang and transformers import).
+"""
+from setuptools import setup
+
+setup(
+    name="mtrain",
+    version="0.1.0",
+    python_requires=">=3.11",
+    packages=[
+        "mtrain", "mtrain.layouts", "mtrain.reshard", "mtrain.rollout", "mtrain.models",
+        "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer",
+        "mtrain.kernels", "mtrain.converters",
+    ],
+    package_dir={"mtrain.kernels": "kernels", "mtrain.converters": "converters"},
+    package_data={"mtrain": ["configs/*.yaml"]},
+    install_requires=[
+        # torch itself is chosen by an extra: `cpu` pins the CPU build (CI, laptops); on a GPU box
+        # the site's CUDA torch is used as it is (BUILD.md).
+        "megatron-core==0.16.1",
+        "transformers==5.12.1",  # the version SGLang 0.5.17 pins; the GPU bundle carries the same
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "psutil>=5.9",  # megatron dist checkpointing needs it
+        "pyyaml>=6.0",
+        "tqdm>=4.60",
+        "einops>=0.7",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "cpu": ["torch==2.13.0", "triton>=3.3"],
+        "test": ["pytest>=8", "pyarrow>=15", "matplotlib>=3.8"],
+        "gpu": ["sglang==0.5.17"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mtrain=mtrain.__main__:main",
+            "mtrain-convert=mtrain.converters.__main__:main",
+        ]
+    },
+)
