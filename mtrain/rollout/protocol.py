@@ -1,0 +1,188 @@
+"""The rollout engine protocol: what the trainer asks of any engine (SGLang on GPU, the CPU reference).
+
+The trainer only ever talks to `RolloutEngine`. Token ids go in, token ids and per-token logprobs come out,
+and new weights arrive bucket by bucket in the engine's *own* parameter names and per-rank shapes (the
+resharding planner produces them for the engine's `layout`). Keeping the contract this small is what lets
+CI run the whole RL loop on CPU with the reference engine and the GPU run it with SGLang unchanged.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+class EngineError(RuntimeError):
+    """An engine died or refused an operation; the message says which request/tensor/setting and why.
+
+    One exception type so the trainer can catch engine failures without knowing which engine it runs.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Frozen: one instance is shared by all n samples of a prompt.
+
+    max_new_tokens: upper bound on generated tokens; reaching it finishes with "length".
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    top_p: nucleus sampling, 1.0 disables it. top_k: keep the k most likely tokens, -1 disables it.
+    stop_token_ids: generation stops after emitting one of these (the stop token is part of the output,
+        finish "stop"). Engines do not add the model's EOS on their own: put it here.
+    seed: seeds this request's own sampler so results do not depend on batching; None = engine's choice.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a list for convenience but store a tuple, so the frozen instance stays hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Request:
+    """One sequence to generate. `rid` must be unique among in-flight requests (abort matches by prefix)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    """The result of one Request.
+
+    logprobs[i] is the log-probability of output_ids[i] under log_softmax(logits / temperature), taken
+    *before* top-k/top-p filtering (temperature 0: log_softmax(logits)). That is the distribution the trainer
+    recomputes, so the two can be compared token by token (and importance ratios formed).
+    weight_version: the engine's weight_version when the request ran, so stale rollouts can be detected.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise ValueError(
+                f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion {self.rid!r}: finish_reason must be one of {FINISH_REASONS}, "
+                             f"got {self.finish_reason!r}")
+
+
+class RolloutEngine(abc.ABC):
+    """An inference engine the trainer drives: generate, receive weights, give memory back.
+
+    layout: the destination layout the resharding planner targets ("hf" for the reference engine, "sglang");
+    tp_size: how many engine TP ranks `update_weights` receives tensors for.
+    """
+
+    layout: str
+    tp_size: int
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version passed to the last finish_weight_update (0 before any); stamped on every Completion."""
+
+    @abc.abstractmethod
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Generate every request; returns completions in the same order as `requests`."""
+
+    @abc.abstractmethod
+    def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Write one bucket of a weight sync.
+
+        rank_tensors[r] holds (name, tensor) pairs for engine TP rank r, in the engine's OWN parameter names
+        and per-rank shapes (the planner already sliced them), so the engine copies without re-slicing.
+        Called once per bucket; `finish_weight_update` closes the sync.
+        """
+
+    @abc.abstractmethod
+    def finish_weight_update(self, version: int) -> None:
+        """Called after the last bucket: the new weights are complete; bumps weight_version to `version`."""
+
+    @abc.abstractmethod
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Free the memory of `tags` ("weights", "kv_cache") so training can use it (colocated mode)."""
+
+    @abc.abstractmethod
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Re-allocate released memory. Resumed weights are garbage until a full weight sync is pushed."""
+
+    @abc.abstractmethod
+    def abort(self, rid_prefix: str | None = None) -> None:
+        """Finish in-flight requests whose rid starts with `rid_prefix` (all when None) with "abort";
+        their generate() returns the partial output."""
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (KV computed with old weights must not be reused after a sync)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and free everything it holds; the engine is unusable afterwards."""
+
+
+def expand_samples(
+    prompts: list[list[int]], n: int, params: SamplingParams, base_seed: int, rid_prefix: str
+) -> list[Request]:
+    """n requests per prompt (a GRPO group), prompt-major: prompt 0's n samples, then prompt 1's, ...
+
+    Every request gets a DISTINCT seed (base_seed + its index): with one shared seed a group's n samples
+    would be identical and its advantages all zero. rids are f"{rid_prefix}-{i:0Wd}-{j:0Wd}-" with fixed
+    widths and a closing dash, so no rid is a prefix of another (SGLang aborts by prefix: "a1" would
+    abort "a10"), and abort(rid_prefix) aborts the whole batch while abort(f"{rid_prefix}-{i:0Wd}-") one group.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"expand_samples: n must be an int >= 1, got {n!r}")
+    if isinstance(base_seed, bool) or not isinstance(base_seed, int) or base_seed < 0:
+        raise ValueError(f"expand_samples: base_seed must be an int >= 0, got {base_seed!r}")
+    if not isinstance(rid_prefix, str) or not rid_prefix:
+        raise ValueError(f"expand_samples: rid_prefix must be a non-empty string, got {rid_prefix!r}")
+    pw = len(str(max(len(prompts) - 1, 0)))
+    sw = len(str(n - 1))
+    requests = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"expand_samples: prompt {i} is empty")
+        for j in range(n):
+            seed = base_seed + i * n + j
+            requests.append(Request(
+                rid=f"{rid_prefix}-{i:0{pw}d}-{j:0{sw}d}-",
+                prompt_ids=list(prompt),
+                params=replace(params, seed=seed),
+            ))
+    return requests

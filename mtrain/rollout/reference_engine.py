@@ -1,0 +1,397 @@
+"""The CPU reference engine: a HF transformers model behind the RolloutEngine protocol.
+
+It exists so CI runs the whole RL loop for real on CPU (DESIGN.md, "Engines"): it really samples (per-request
+seeded generators, temperature/top-k/top-p, stop ids), really receives weights through the planner in the HF
+*on-disk* layout ("hf"), and really frees/reallocates its weight memory, with the same failure modes as SGLang
+(generate on released or half-synced weights is an error, not silent garbage). It is not fast and not a
+substitute for SGLang on GPU.
+"""
+from __future__ import annotations
+
+import difflib
+import glob
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.core_model_loading import revert_weight_conversion
+
+from mtrain.rollout.protocol import MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams
+
+
+def as_hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
+    """A HF config from a `config.json` dict (or a PretrainedConfig, returned as is)."""
+    if isinstance(config, PretrainedConfig):
+        return config
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise EngineError(f"ReferenceEngine needs a HF config dict with a 'model_type' or a PretrainedConfig, "
+                          f"got {type(config).__name__}")
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoConfig.for_model(config["model_type"], **rest)
+
+
+def hf_disk_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """On-disk (checkpoint) name -> a tensor sharing memory with the live model, for every stored weight.
+
+    transformers 5 keeps MoE experts fused in memory (`experts.gate_up_proj [E, 2I, H]`) while checkpoints
+    store `experts.{e}.gate_proj.weight`. We reuse transformers' own save-time conversion
+    (`revert_weight_conversion`, the reverse of the load-time `WeightConverter`s): applied to the live
+    parameters its reverse ops (chunk/unbind) return *views*, so copying into a view writes the fused
+    parameter. Tied aliases (lm_head when tie_word_embeddings) are dropped, as save_pretrained does.
+    """
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    state, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers
+        if name in tied or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        state[name] = tensor
+    views = revert_weight_conversion(model, state)
+    live = {t.untyped_storage().data_ptr() for t in state.values()}
+    for name, view in views.items():
+        # A conversion that concatenates on save would hand us a copy: writes would be lost silently.
+        if view.untyped_storage().data_ptr() not in live:
+            raise EngineError(f"weight {name!r}: transformers' conversion yields a copy, not a view of the "
+                              f"model's memory; the reference engine cannot write it in place")
+    return views
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """One token from a float32 [vocab] logits row; returns (token, logprob before top-k/top-p).
+
+    Sampling convention (SGLang's torch path): sort probs descending (stable), zero ranks >= top_k, zero
+    tokens whose preceding cumulative prob already exceeds top_p, then inverse-CDF with ONE float64 uniform
+    drawn from the request's own generator: the draw count is fixed per step, so results are reproducible
+    and independent of batching.
+    """
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs, order = torch.sort(logp.exp(), descending=True, stable=True)
+    if params.top_k != -1:
+        probs[params.top_k:] = 0.0
+    if params.top_p < 1.0:
+        probs[(torch.cumsum(probs, dim=0) - probs) > params.top_p] = 0.0
+    cdf = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    pos = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=probs.numel() - 1))
+    token = int(order[pos])
+    return token, float(logp[token])
+
+
+class ReferenceEngine(RolloutEngine):
+    """A HF model on CPU generating with a KV cache, one request group per prompt length (no padding).
+
+    Requests of equal prompt length decode together and stay aligned (finished ones are dropped from the
+    cache), so no padding or attention mask ever enters the computation: a request's tokens are those of
+    a plain uncached loop, whatever it is batched with.
+    """
+
+    layout = "hf"
+    tp_size = 1
+
+    def __init__(self, config: dict[str, Any] | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
+                 init_seed: int = 0, allow_dtype_cast: bool = False) -> None:
+        self._config = as_hf_config(config)
+        with torch.random.fork_rng(devices=[]):  # random init must not disturb the caller's RNG stream
+            torch.manual_seed(init_seed)
+            # eager attention and experts: the plainest paths, identical math for any batch composition
+            model = AutoModelForCausalLM.from_config(self._config, dtype=dtype, attn_implementation="eager",
+                                                     experts_implementation="eager")
+        self._model = model.eval().requires_grad_(False)
+        self._views = hf_disk_views(self._model)
+        self._allow_dtype_cast = allow_dtype_cast
+        storages = {}
+        for t in self._model.state_dict(keep_vars=True).values():
+            storages.setdefault(t.untyped_storage().data_ptr(), (t, t.untyped_storage().nbytes()))
+        self._storages = list(storages.values())  # (tensor owning it, bytes) once per storage
+        self._vocab = int(self._model.get_output_embeddings().weight.shape[0])
+        self._max_positions = getattr(self._config, "max_position_embeddings", None)
+        self._version = 0
+        self._stale: set[str] = set()  # names not written since weights were resumed
+        self._sync_open = False  # update_weights called, finish_weight_update not yet
+        self._released: set[str] = set()
+        self._shut = False
+        self._model_lock = threading.Lock()  # one generate / update / release at a time
+        self._abort_lock = threading.Lock()
+        self._progress: dict[str, int] = {}  # in-flight rid -> tokens generated so far
+        self._aborted: set[str] = set()
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str, **kwargs: Any) -> "ReferenceEngine":
+        """An engine holding the weights of a HF checkpoint folder (config.json + *.safetensors), loaded
+        through update_weights so that a checkpoint missing any weight is an error."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        if not files:
+            raise EngineError(f"ReferenceEngine.from_pretrained: no *.safetensors in {hf_dir!r}")
+        engine = cls(AutoConfig.from_pretrained(hf_dir), **kwargs)
+        tied = set(getattr(engine._model, "all_tied_weights_keys", None) or {})
+        engine._stale = set(engine._views)
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                bucket = []
+                for name in f.keys():
+                    if name in tied:  # some checkpoints store the tied lm_head too
+                        continue
+                    tensor = f.get_tensor(name)
+                    bucket.append((name, tensor.to(engine._views[name].dtype) if name in engine._views else tensor))
+            engine.update_weights([bucket])
+        engine.finish_weight_update(0)
+        return engine
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        return self._config
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF on-disk name -> (shape, dtype) of every weight update_weights accepts (tied lm_head absent)."""
+        return {name: (tuple(v.shape), v.dtype) for name, v in self._views.items()}
+
+    def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
+        self._check_alive("update_weights")
+        if not isinstance(rank_tensors, (list, tuple)) or len(rank_tensors) != 1:
+            n = len(rank_tensors) if isinstance(rank_tensors, (list, tuple)) else type(rank_tensors).__name__
+            raise EngineError(f"update_weights: the reference engine has tp_size=1, expected tensors for 1 rank, got {n}")
+        with self._model_lock:
+            if "weights" in self._released:
+                raise EngineError("update_weights: weights are released; call resume_memory(('weights',)) first")
+            bucket = list(rank_tensors[0])
+            seen: set[str] = set()
+            for item in bucket:  # check the whole bucket before writing any of it
+                name, tensor = item
+                self._check_tensor(name, tensor, seen)
+                seen.add(name)
+            with torch.no_grad():
+                for name, tensor in bucket:
+                    self._views[name].copy_(tensor)
+            self._stale -= seen
+            self._sync_open = True
+
+    def _check_tensor(self, name: str, tensor: Any, seen: set[str]) -> None:
+        if name not in self._views:
+            close = difflib.get_close_matches(str(name), list(self._views), n=3)
+            tied = " (tied to the embedding, not a separate weight)" if name in (
+                getattr(self._model, "all_tied_weights_keys", None) or {}) else ""
+            raise EngineError(f"update_weights: unknown parameter {name!r}{tied}; closest HF names: {close}")
+        if name in seen:
+            raise EngineError(f"update_weights: parameter {name!r} appears twice in one bucket")
+        if not isinstance(tensor, torch.Tensor):
+            raise EngineError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        want = self._views[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                              f"the engine expects {tuple(want.shape)}")
+        if tensor.dtype != want.dtype and not self._allow_dtype_cast:
+            raise EngineError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine holds {want.dtype} "
+                              f"(pass allow_dtype_cast=True to cast)")
+
+    def finish_weight_update(self, version: int) -> None:
+        self._check_alive("finish_weight_update")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise EngineError(f"finish_weight_update: version must be an int, got {version!r}")
+        with self._model_lock:
+            if "weights" in self._released:
+                raise EngineError("finish_weight_update: weights are released; resume and push them first")
+            if self._stale:
+                missing = sorted(self._stale)
+                raise EngineError(f"finish_weight_update({version}): {len(missing)} parameters were not written since "
+                                  f"the weights were resumed: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            self._version = version
+            self._sync_open = False
+
+    # ---------------------------------------------------------------- memory
+    def release_memory(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = self._check_tags("release_memory", tags)
+        if not self._model_lock.acquire(blocking=False):  # SGLang also requires an idle engine
+            raise EngineError("release_memory: generate() or a weight update is running")
+        try:
+            for tag in tags:
+                if tag in self._released:
+                    raise EngineError(f"release_memory: {tag!r} is already released")
+            if "weights" in tags:
+                for tensor, _ in self._storages:
+                    tensor.untyped_storage().resize_(0)  # really gives the bytes back
+            # kv_cache: KV lives only inside one generate() call, so there is nothing left to drop; the tag is
+            # tracked so that generating without resuming it fails here as it would in SGLang.
+            self._released.update(tags)
+        finally:
+            self._model_lock.release()
+
+    def resume_memory(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = self._check_tags("resume_memory", tags)
+        with self._model_lock:
+            for tag in tags:
+                if tag not in self._released:
+                    raise EngineError(f"resume_memory: {tag!r} was not released")
+            if "weights" in tags:
+                with torch.no_grad():
+                    for tensor, nbytes in self._storages:
+                        tensor.untyped_storage().resize_(nbytes)
+                        # garbage until pushed (SGLang without a CPU backup); NaN makes misuse visible
+                        tensor.fill_(float("nan") if tensor.is_floating_point() else 0)
+                self._stale = set(self._views)
+            self._released.difference_update(tags)
+
+    def _check_tags(self, op: str, tags: Iterable[str]) -> tuple[str, ...]:
+        self._check_alive(op)
+        tags = (tags,) if isinstance(tags, str) else tuple(tags)
+        if not tags:
+            raise EngineError(f"{op}: no tags given (use {MEMORY_TAGS})")
+        for tag in tags:
+            if tag not in MEMORY_TAGS:
+                raise EngineError(f"{op}: unknown memory tag {tag!r}; known: {MEMORY_TAGS}")
+        return tags
+
+    def flush_cache(self) -> None:
+        # No prefix cache survives a generate() call here, so KV from old weights can never be reused.
+        self._check_alive("flush_cache")
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self.abort(None)
+        with self._model_lock:
+            self._shut = True
+            self._model = None
+            self._views = {}
+            self._storages = []
+
+    def _check_alive(self, op: str) -> None:
+        if self._shut:
+            raise EngineError(f"{op}: the engine was shut down")
+
+    # ---------------------------------------------------------------- generation
+    def abort(self, rid_prefix: str | None = None) -> None:
+        with self._abort_lock:
+            self._aborted.update(r for r in self._progress if rid_prefix is None or r.startswith(rid_prefix))
+
+    def active_requests(self) -> dict[str, int]:
+        """In-flight rid -> tokens generated so far (queued requests show 0)."""
+        with self._abort_lock:
+            return dict(self._progress)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        self._check_alive("generate")
+        for req in requests:
+            self._check_request(req)
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids):
+            dup = sorted({r for r in rids if rids.count(r) > 1})
+            raise EngineError(f"generate: duplicate rids {dup[:5]}")
+        with self._abort_lock:  # registered before waiting for the model, so queued requests can be aborted
+            busy = [r for r in rids if r in self._progress]
+            if busy:
+                raise EngineError(f"generate: rids already in flight: {busy[:5]}")
+            self._progress.update((r, 0) for r in rids)
+        try:
+            with self._model_lock:
+                self._check_alive("generate")  # shutdown may have happened while this call waited
+                self._check_ready()
+                results: list[Completion | None] = [None] * len(requests)
+                groups: dict[int, list[int]] = {}
+                for i, req in enumerate(requests):
+                    groups.setdefault(len(req.prompt_ids), []).append(i)
+                for idx in groups.values():
+                    for i, completion in zip(idx, self._generate_group([requests[i] for i in idx])):
+                        results[i] = completion
+                return results  # type: ignore[return-value]
+        finally:
+            with self._abort_lock:
+                for r in rids:
+                    self._progress.pop(r, None)
+                    self._aborted.discard(r)
+
+    def _check_request(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise EngineError(f"generate: expected Request, got {type(req).__name__}")
+        if not isinstance(req.rid, str) or not req.rid:
+            raise EngineError(f"generate: request rid must be a non-empty string, got {req.rid!r}")
+        if not isinstance(req.params, SamplingParams):
+            raise EngineError(f"generate: request {req.rid!r} params must be SamplingParams")
+        if len(req.prompt_ids) == 0:
+            raise EngineError(f"generate: request {req.rid!r} has an empty prompt")
+        bad = [t for t in req.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab]
+        if bad:
+            raise EngineError(f"generate: request {req.rid!r} has token ids outside [0, {self._vocab}): {bad[:5]}")
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        if self._max_positions is not None and total > self._max_positions:
+            raise EngineError(f"generate: request {req.rid!r}: prompt length {len(req.prompt_ids)} + max_new_tokens "
+                              f"{req.params.max_new_tokens} = {total} exceeds max_position_embeddings "
+                              f"{self._max_positions}")
+
+    def _check_ready(self) -> None:
+        if self._released:
+            raise EngineError(f"generate: memory {sorted(self._released)} is released; call resume_memory first")
+        if self._stale:
+            raise EngineError(f"generate: {len(self._stale)} weights not pushed since resume_memory "
+                              f"(e.g. {sorted(self._stale)[0]!r}); finish a full weight sync first")
+        if self._sync_open:
+            raise EngineError("generate: a weight sync is in progress (update_weights without "
+                              "finish_weight_update); the engine's weights are partial")
+
+    def _is_aborted(self, rid: str) -> bool:
+        with self._abort_lock:
+            return rid in self._aborted
+
+    @torch.no_grad()
+    def _generate_group(self, reqs: list[Request]) -> list[Completion]:
+        """Decode requests that share one prompt length, in lock step, with one KV cache."""
+        outputs: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[list[float]] = [[] for _ in reqs]
+        finish: list[str | None] = [None] * len(reqs)
+        gens = []
+        for req in reqs:
+            seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            gens.append(torch.Generator().manual_seed(seed))
+        alive = list(range(len(reqs)))  # rows of the current batch -> request index
+        cache = DynamicCache(config=self._model.config)
+        length = len(reqs[0].prompt_ids)
+        input_ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
+        positions = torch.arange(length).unsqueeze(0)
+        while True:
+            # abort is checked between decoding steps (and before the prefill of a queued group)
+            for i in alive:
+                if self._is_aborted(reqs[i].rid):
+                    finish[i] = "abort"
+            keep = [row for row, i in enumerate(alive) if finish[i] is None]
+            if len(keep) != len(alive):
+                if not keep:
+                    break
+                if cache.get_seq_length() > 0:
+                    cache.batch_select_indices(torch.tensor(keep))
+                input_ids, alive = input_ids[keep], [alive[row] for row in keep]
+            logits = self._model(input_ids=input_ids, position_ids=positions.expand(len(alive), -1),
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+            next_ids = []
+            for row, i in enumerate(alive):
+                params = reqs[i].params
+                token, logprob = sample_token(logits[row], params, gens[i])
+                outputs[i].append(token)
+                logprobs[i].append(logprob)
+                next_ids.append(token)
+                if token in params.stop_token_ids:
+                    finish[i] = "stop"
+                elif len(outputs[i]) >= params.max_new_tokens:
+                    finish[i] = "length"
+            with self._abort_lock:
+                for i in alive:
+                    self._progress[reqs[i].rid] = len(outputs[i])
+            input_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
+            positions = torch.tensor([[length]])
+            length += 1
+            if all(finish[i] is not None for i in alive):
+                break
+        return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
+                           finish_reason=finish[i], weight_version=self._version)  # type: ignore[arg-type]
+                for i, r in enumerate(reqs)]
