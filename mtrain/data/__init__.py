@@ -1,0 +1,27 @@
+"""Prompt datasets, chat templates, generated tasks, reward functions and the resumable sampler."""
+from mtrain.data.arithmetic import TaskError, evaluate, make_arithmetic_splits
+from mtrain.data.chat import PromptError, TokenizedPrompt, render_prompt, tokenize_prompts
+from mtrain.data.datasets import DatasetError, PromptSample, load_prompts
+from mtrain.data.rewards import (RewardError, exact_match_reward, extract_answer, load_reward_fn,
+                                 normalize_answer, safe_reward, score_responses)
+from mtrain.data.sampler import PromptSampler, SamplerStateError
+from mtrain.data.tiny_tokenizer import CharTokenizer
+
+__all__ = [
+    "TaskError", "evaluate", "make_arithmetic_splits", "PromptError", "TokenizedPrompt", "render_prompt",
+    "tokenize_prompts", "DatasetError", "PromptSample", "load_prompts", "RewardError", "exact_match_reward",
+    "extract_answer", "load_reward_fn", "normalize_answer", "safe_reward", "score_responses", "PromptSampler",
+    "SamplerStateError", "CharTokenizer", "load_datasets",
+]
+
+
+def load_datasets(cfg) -> tuple[list[PromptSample], list[PromptSample]]:
+    """(train, eval) samples for a RunConfig's `data` section; eval is [] when none is configured."""
+    d = cfg.data
+    if d.task == "arithmetic":
+        a = d.arithmetic
+        return make_arithmetic_splits(a.num_train, a.num_eval, seed=d.seed, max_operand=a.max_operand,
+                                      num_operands=a.num_operands, ops=a.ops)
+    train = load_prompts(d.train_path, d.prompt_key, d.answer_key)
+    evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else []
+    return train, evals

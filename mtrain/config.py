@@ -1,0 +1,456 @@
+"""One dataclass tree for a run: YAML file + `a.b.c=value` overrides, validated at load.
+
+    cfg = load_config("mtrain/configs/tiny_llama_grpo.yaml", ["algo.name=dapo", "optim.lr=2e-6"])
+    print(cfg.format_config())
+
+Every key is checked: an unknown key (in the file or an override) is an error that names the full dotted
+key and suggests the closest valid one, a value of the wrong type names the key and the expected type.
+Algorithm knobs left unset (None) are filled from the preset of `algo.name` (ALGO_PRESETS), so
+`algo.name=dapo` alone gives clip-higher, token-mean aggregation and no KL, as in the paper.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = ""  # HF model dir with config.json (and tokenizer files unless a tiny tokenizer is used)
+    mcore_ckpt: str | None = None  # Megatron dist checkpoint to start from instead of the HF weights
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline stages per PP rank (needs pp > 1)
+    ep: int = 1
+    etp: int | None = None  # expert TP; None = same as tp
+    cp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class EngineConfig:
+    kind: Literal["auto", "sglang", "reference"] = "auto"  # auto: sglang on GPU, reference on CPU
+    tp: int = 1
+    mem_fraction_static: float = 0.5
+    attention_backend: str | None = None  # None = SGLang's choice
+    colocate: bool = True
+    offload_train: bool = True  # move grads/optimizer state to host while the engines generate
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4  # the group size of group-baseline algorithms
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
+    max_prompt_len: int = 256
+
+
+ALGO_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp")
+# Paper defaults per algorithm. Any knob the user sets explicitly wins over its preset.
+ALGO_PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath GRPO: group-std advantages, per-sequence token mean, k3 KL to the reference.
+    "grpo": dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.001, kl_estimator="k3",
+                 adv_norm="group_std", loss_agg="seq_mean_token_mean", filter_uniform_groups=False),
+    # Dr. GRPO: no std division, no length normalisation per sequence (constant normaliser).
+    "dr_grpo": dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                    adv_norm="none", loss_agg="seq_mean_token_sum_norm", filter_uniform_groups=False),
+    # DAPO: clip-higher, token-level loss, no KL, dynamic sampling (drop groups with equal rewards).
+    "dapo": dict(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3",
+                 adv_norm="group_std", loss_agg="token_mean", filter_uniform_groups=True),
+    # GSPO: sequence-level importance ratio with a tiny clip range.
+    "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3",
+                 adv_norm="group_std", loss_agg="seq_mean_token_mean", filter_uniform_groups=False),
+    # REINFORCE++-baseline: group-mean baseline, then whitening over the whole batch; k2 KL in the loss.
+    "reinforce_pp": dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.001, kl_estimator="k2",
+                         adv_norm="batch_std", loss_agg="token_mean", filter_uniform_groups=False),
+}
+
+
+@dataclass
+class AlgoConfig:
+    name: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
+    # None = take the value from ALGO_PRESETS[name]
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None  # dual-clip PPO lower bound for negative advantages (e.g. 3.0)
+    kl_coef: float | None = None  # KL(policy || reference) in the loss; 0 = no reference model needed
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    adv_norm: Literal["group_std", "batch_std", "none"] | None = None
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                      "seq_mean_token_sum_norm"] | None = None
+    filter_uniform_groups: bool | None = None  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    entropy_coef: float = 0.0
+    adv_eps: float = 1e-6
+    tis_cap: float | None = None  # truncated importance sampling cap for engine-vs-trainer logprob mismatch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 = no clipping
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ArithmeticTaskConfig:
+    num_train: int = 1024
+    num_eval: int = 128
+    max_operand: int = 50
+    num_operands: int = 2
+    ops: str = "+"  # any of "+-*"; with several operands, standard precedence applies
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = None  # .jsonl / .json / .parquet
+    eval_path: str | None = None
+    prompt_key: str = "prompt"  # dotted paths reach into nested records, e.g. "extra.question"
+    answer_key: str = "answer"  # e.g. "reward_model.ground_truth" for verl-style parquet
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    drop_overlong_prompts: bool = False  # False: a prompt longer than rollout.max_prompt_len is an error
+    task: Literal["arithmetic"] | None = None  # a generated task instead of train_path/eval_path
+    arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "mtrain.data.rewards:exact_match_reward"  # "module:function" or "path/to/file.py:function"
+    timeout_s: float | None = None  # per call; None = no limit
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None  # samples per optimizer step; None = the whole rollout batch
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    save_interval: int = 0  # 0 = only at the end
+    eval_interval: int = 0  # 0 = no periodic eval
+    eval_samples: int = 1  # responses generated per eval prompt
+    val_before_train: bool = False
+    val_only: bool = False
+    resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
+    log_tensorboard: bool = True
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = 512
+    backend: Literal["auto", "triton", "torch"] = "auto"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def format_config(self) -> str:
+        """The full resolved config as YAML, for printing at start."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def dump_yaml(self, path: str | os.PathLike) -> Path:
+        """Write the full config (loadable by load_config) via a temp file + rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.format_config())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return path
+
+
+# ---- cross-field validation ----------------------------------------------------------------------------
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> None:
+    """Simple lower bounds: `section.key >= lo` (or null when optional)."""
+    for key in keys:
+        section, name = key.split(".", 1)
+        obj = getattr(cfg, section)
+        for part in name.split(".")[:-1]:
+            obj = getattr(obj, part)
+        v = getattr(obj, name.split(".")[-1])
+        _check((optional and v is None) or (v is not None and v >= lo), key,
+               f"must be >= {lo}{' or null' if optional else ''}, got {v}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
+    p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
+    _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
+    _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
+              "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len",
+              "data.arithmetic.num_train", "data.arithmetic.max_operand", "train.micro_batch_size",
+              "train.eval_samples", "sync.bucket_mb")
+    _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
+              "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
+    _at_least(cfg, 1, "parallel.etp", optional=True)
+    _at_least(cfg, 2, "parallel.vpp", optional=True)
+    _at_least(cfg, 2, "data.arithmetic.num_operands")
+    _check(p.vpp is None or p.pp > 1, "parallel.vpp", f"needs parallel.pp > 1 (pp={p.pp})")
+    _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
+           f"must be in (0, 1), got {e.mem_fraction_static}")
+    # Every algorithm here uses a group baseline: one sample per prompt gives advantage 0 everywhere.
+    _check(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+           f"must be >= 2 for {a.name} (the group baseline needs several samples), got {r.samples_per_prompt}")
+    _check(r.temperature > 0, "rollout.temperature",
+           f"must be > 0 (greedy rollouts give equal samples and zero advantages), got {r.temperature}")
+    _check(0.0 < r.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    _check(all(i >= 0 for i in r.stop_token_ids), "rollout.stop_token_ids", "token ids must be >= 0")
+    _check(0.0 < a.clip_eps_low < 1.0, "algo.clip_eps_low", f"must be in (0, 1), got {a.clip_eps_low}")
+    _check(a.clip_eps_high > 0.0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
+    _check(a.dual_clip_c is None or a.dual_clip_c > 1.0, "algo.dual_clip_c",
+           f"must be > 1 or null, got {a.dual_clip_c}")
+    _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
+    _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
+    for k in ("adam_beta1", "adam_beta2"):
+        _check(0.0 <= getattr(o, k) < 1.0, f"optim.{k}", f"must be in [0, 1), got {getattr(o, k)}")
+    _check(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _check((d.task is None) != (d.train_path is None), "data.train_path",
+           "set exactly one of data.train_path and data.task "
+           f"(got train_path={d.train_path!r}, task={d.task!r})")
+    _check(not (d.task and d.eval_path), "data.eval_path",
+           f"a generated task (data.task={d.task!r}) makes its own eval set; unset data.eval_path")
+    _check(bool(d.prompt_key) and bool(d.answer_key), "data.prompt_key", "prompt_key/answer_key must be set")
+    _check(bool(d.arithmetic.ops) and set(d.arithmetic.ops) <= set("+-*"), "data.arithmetic.ops",
+           f"must be a non-empty string of '+', '-', '*', got {d.arithmetic.ops!r}")
+    _check(":" in cfg.reward.fn, "reward.fn", f"must look like 'module:function', got {cfg.reward.fn!r}")
+    _check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0, "reward.timeout_s",
+           f"must be > 0 or null, got {cfg.reward.timeout_s}")
+    _check(t.steps >= 1 or t.val_only, "train.steps", f"must be >= 1, got {t.steps}")
+    gbs = t.global_batch_size if t.global_batch_size is not None else cfg.rollout_batch_size
+    _check(gbs >= 1 and cfg.rollout_batch_size % gbs == 0, "train.global_batch_size",
+           f"must divide the rollout batch (prompts_per_step*samples_per_prompt = {cfg.rollout_batch_size}), "
+           f"got {gbs}")
+    _check(gbs % t.micro_batch_size == 0, "train.micro_batch_size",
+           f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
+    if t.eval_interval > 0 or t.val_before_train or t.val_only:
+        has_eval = d.eval_path is not None or (d.task is not None and d.arithmetic.num_eval > 0)
+        _check(has_eval, "train.eval_interval",
+               "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
+               "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
+    _check(bool(t.run_dir), "train.run_dir", "must not be empty")
+    _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
+
+
+# ---- loading -------------------------------------------------------------------------------------------
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(t):
+            keys.extend(_leaf_keys(t, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    valid = _leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:  # a typo in the last part only: compare against the siblings' names
+        parent, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == parent]
+        near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
+        close = [f"{parent}.{near[0]}" if parent else near[0]] if near else []
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}' ({source}){hint}")
+
+
+def _type_name(t: Any) -> str:
+    if typing.get_origin(t) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(t))
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def _coerce(value: Any, t: Any, key: str) -> Any:
+    """Check/convert one value to the field type `t`; errors name the key."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _coerce(value, non_none[0], key)
+        raise ConfigError(f"{key}: unsupported union type {t}")  # not used by the tree above
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not {_type_name(t)}")
+        return value
+    if origin is list:
+        (elem,) = args
+        if isinstance(value, str):  # "1,2,3" from a shell override
+            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif t is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise ConfigError(f"{key}: unsupported field type {t}")
+    raise ConfigError(f"{key}: expected {_type_name(t)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or '<root>'}' ({source}) must be a mapping of keys, "
+                          f"got {type(data).__name__}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise _unknown_key(key, source)
+        t = hints[k]
+        kwargs[k] = _build(t, v, f"{key}.", source) if dataclasses.is_dataclass(t) else _coerce(v, t, key)
+    return cls(**kwargs)
+
+
+def _is_str_field(t: Any) -> bool:
+    args = [a for a in typing.get_args(t) if a is not type(None)] or [t]
+    return args == [str]
+
+
+def _apply_override(tree: dict, override: str) -> None:
+    text = override[2:] if override.startswith("--") else override
+    if "=" not in text:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    parts = key.split(".")
+    cls, node = RunConfig, tree
+    for i, part in enumerate(parts):
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise _unknown_key(key, f"override {override!r}")
+        t = _hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(t):
+            if last:
+                raise ConfigError(f"override {override!r}: '{key}' is a section; set one of its keys, "
+                                  f"e.g. {_leaf_keys(t, key + '.')[0]}=...")
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"'{key}' must be a mapping")
+            cls = t
+        elif not last:
+            raise _unknown_key(key, f"override {override!r}")
+        elif _is_str_field(t) and raw not in ("null", "None", "~"):
+            node[part] = raw  # keep strings verbatim: YAML would turn "no" into False, "007" into 7
+        else:
+            node[part] = yaml.safe_load(raw) if raw else None
+
+
+def resolve_presets(cfg: RunConfig) -> RunConfig:
+    """Fill the algorithm knobs left at None from ALGO_PRESETS[cfg.algo.name] (in place)."""
+    for k, v in ALGO_PRESETS[cfg.algo.name].items():
+        if getattr(cfg.algo, k) is None:
+            setattr(cfg.algo, k, v)
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate."""
+    tree: dict = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        source = str(path)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
+    for o in overrides:
+        _apply_override(tree, o)
+    cfg = _build(RunConfig, tree, "", f"{source} + overrides" if overrides else source)
+    resolve_presets(cfg)
+    validate(cfg)
+    return cfg

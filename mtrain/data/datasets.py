@@ -1,0 +1,130 @@
+"""Prompt datasets from .jsonl, .json (a list of records) and .parquet files.
+
+A record holds a prompt (a string, or a list of chat messages {"role", "content"} as in verl's parquet files)
+and an answer (anything the reward function understands; the default one compares numbers/strings).
+Keys may be dotted paths into nested records: answer_key="reward_model.ground_truth".
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class DatasetError(ValueError):
+    """A prompt file that cannot be read; the message names the file and the line/row."""
+
+
+@dataclass(frozen=True)
+class PromptSample:
+    index: int  # position in its dataset: the id used in logs and reward errors
+    prompt: str | list[dict[str, str]]  # text, or chat messages
+    answer: Any
+    metadata: dict[str, Any] = field(default_factory=dict)  # the rest of the record, for reward functions
+
+
+_MISSING = object()
+
+
+def _get(record: dict, dotted: str) -> Any:
+    node: Any = record
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str]]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DatasetError(f"{where}: prompt '{key}' is empty")
+        return prompt
+    if isinstance(prompt, (list, tuple)) and prompt:
+        msgs = list(prompt)
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DatasetError(f"{where}: prompt '{key}' message {i} must be a dict with string "
+                                   f"'role' and 'content', got {m!r}"[:300])
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    raise DatasetError(f"{where}: prompt '{key}' must be a non-empty string or a list of chat messages, "
+                       f"got {type(prompt).__name__}")
+
+
+def _records_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            yield where, rec
+
+
+def _records_json(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: a .json prompt file must hold a list of records (use .jsonl for one "
+                           f"record per line), got {type(data).__name__}")
+    for i, rec in enumerate(data):
+        yield f"{path}: record {i}", rec
+
+
+def _records_parquet(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid etc.
+        raise DatasetError(f"{path}: cannot read parquet: {e}") from None
+    columns = table.column_names
+    for key in keys:  # a missing column is one error for the file, not one per row
+        if key.split(".")[0] not in columns:
+            raise DatasetError(f"{path}: missing column '{key.split('.')[0]}' (for key '{key}'); "
+                               f"columns: {columns}")
+    for i, rec in enumerate(table.to_pylist()):
+        yield f"{path}: row {i}", rec
+
+
+def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+                 limit: int | None = None) -> list[PromptSample]:
+    """Read every record of `path` into PromptSamples (index = position in the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"prompt file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        records = _records_jsonl(path)
+    elif suffix == ".json":
+        records = _records_json(path)
+    elif suffix == ".parquet":
+        records = _records_parquet(path, (prompt_key, answer_key))
+    else:
+        raise DatasetError(f"{path}: unknown prompt file type '{suffix}' (expected .jsonl, .json or .parquet)")
+    samples: list[PromptSample] = []
+    for where, rec in records:
+        if limit is not None and len(samples) >= limit:
+            break
+        if not isinstance(rec, dict):
+            raise DatasetError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+        values = []
+        for key in (prompt_key, answer_key):
+            v = _get(rec, key)
+            if v is _MISSING or v is None:
+                what = "missing key" if v is _MISSING else "null value for key"
+                raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})")
+            values.append(v)
+        prompt = _check_prompt(values[0], where, prompt_key)
+        top = {prompt_key.split(".")[0], answer_key.split(".")[0]}
+        meta = {k: v for k, v in rec.items() if k not in top}
+        samples.append(PromptSample(index=len(samples), prompt=prompt, answer=values[1], metadata=meta))
+    if not samples:
+        raise DatasetError(f"{path}: no records")
+    return samples
