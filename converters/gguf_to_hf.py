@@ -1,0 +1,124 @@
+"""GGUF -> HF checkpoint (config, generation config, sharded safetensors, tokenizer with chat template).
+
+Dequantisation and name mapping are transformers' own (the code behind `from_pretrained(gguf_file=)`):
+its tensor processor undoes llama.cpp's interleaving of q/k rows for rotary embeddings
+(`LlamaTensorProcessor._reverse_permute_weights`). We call those pieces one tensor at a time and
+stream each into a ShardedWriter, so only one dequantised tensor is in memory at once, where
+`from_pretrained` would dequantise the whole model first.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .errors import ConvertError, UnsupportedModelError
+from .safetensors_io import ShardedWriter, check_output_dir
+
+# Architectures whose transformers tensor processor maps each GGUF tensor to exactly one HF tensor.
+# (MoE processors fuse experts into transformers 5's in-memory 3-D layout, which is not the on-disk
+# per-expert layout HF checkpoints use; they are refused rather than written wrong.)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def gguf_to_hf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Convert a GGUF file to a HF checkpoint directory at `out_dir`; return `out_dir`."""
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint,
+    )
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ConvertError(f"GGUF file {gguf_path} does not exist")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConvertError(f"dtype {dtype} is not supported for a HF checkpoint (float32, bfloat16, float16)")
+    check_output_dir(out_dir, overwrite)  # fail before the slow parts, not after them
+
+    gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # gguf raises bare ValueErrors/struct errors on corrupt files
+        raise ConvertError(f"{gguf_path}: not a readable GGUF file: {e}") from e
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf_path}: GGUF architecture '{architecture}' is not supported by gguf_to_hf "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    config.dtype = dtype
+    generation_config = GenerationConfig.from_model_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+
+    # Same steps as from_pretrained(gguf_file=): a meta-device model only provides the HF names.
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:  # tied: the checkpoint holds the embedding only, as HF's own tied checkpoints do
+        expected.pop("lm_head.weight", None)
+    parsed_config = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed_config)
+    name_map = get_gguf_hf_weights_map(meta_model, processor)
+
+    writer = ShardedWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    with writer:
+        unmapped = []
+        for tensor in tqdm(reader.tensors, desc=f"gguf -> hf ({gguf_path.name})", unit="tensor"):
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
+                                       parsed_parameters={"tensors": {}, "config": parsed_config})
+            if result.name not in name_map:
+                unmapped.append(tensor.name)
+                continue
+            hf_name = name_map[result.name]
+            if hf_name not in expected:  # e.g. an lm_head that is tied to the embedding
+                unmapped.append(tensor.name)
+                continue
+            # Unquantised (F32) GGUF tensors are read-only views of the mapped file: copy those.
+            out = torch.from_numpy(np.require(result.weights, requirements=["C", "W"])).to(dtype)
+            if tuple(out.shape) != expected[hf_name]:
+                raise ConvertError(
+                    f"{gguf_path}: tensor '{tensor.name}' -> '{hf_name}' has shape {list(out.shape)}, "
+                    f"the model expects {list(expected[hf_name])}"
+                )
+            writer.add(hf_name, out)
+            expected.pop(hf_name)
+        if expected:
+            raise ConvertError(
+                f"{gguf_path}: the GGUF lacks {len(expected)} tensors the HF model needs, e.g. '{next(iter(expected))}'"
+            )
+        if unmapped:
+            logging.getLogger(__name__).info("GGUF tensors without a HF counterpart, skipped: %s", unmapped)
+        config.save_pretrained(writer.path)
+        generation_config.save_pretrained(writer.path)
+        tokenizer.save_pretrained(writer.path)
+    return writer.out_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: `mtrain-convert gguf-to-hf --gguf FILE|smollm2 --out DIR [--dtype] [--force]`."""
+    gguf = args.gguf
+    if gguf == "smollm2" and not Path(gguf).exists():
+        from .smollm2 import fetch_smollm2_gguf
+
+        gguf = fetch_smollm2_gguf()
+    dtype = args.dtype or torch.float32
+    out = gguf_to_hf(gguf, args.out, dtype=dtype, overwrite=args.force)
+    print(f"wrote {out}")
+    return 0
