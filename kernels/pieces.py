@@ -1,0 +1,186 @@
+"""Piece tables: the resharding planner's output, their validation, and the torch reference executor.
+
+A piece is one 2-D block copy between flat tensors:
+    src[src_index].flat[src_offset + r*src_row_stride + c] -> dst.flat[dst_offset + r*dst_row_stride + c]
+for r < nrows, c < ncols; src_index = -1 fills zeros. Offsets and strides count elements of the
+respective tensor's dtype, so a bf16 source and an fp32 destination each use their own units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+# Column order of PieceTable.rows.
+SRC_INDEX, SRC_OFFSET, SRC_STRIDE, DST_OFFSET, DST_STRIDE, NROWS, NCOLS = range(7)
+FILL = -1
+
+# Any offset/stride/size beyond 2**48 elements is nonsense for GPU memory and would let the int64
+# end-of-piece arithmetic below overflow, so it is rejected outright.
+_MAX_FIELD = 1 << 48
+
+# Casts the executors perform. Both torch and Triton round fp32 -> bf16/fp16 to nearest-even, so the
+# two agree bit for bit; float64 is excluded because torch narrows it through fp32 (double rounding).
+CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class PieceTableError(ValueError):
+    """A piece table, or the tensors passed with it, cannot be executed as given."""
+
+
+@dataclass
+class PieceTable:
+    """int64 tensor [N, 7], one row per piece (see module docstring). Treat as immutable once used:
+    executors cache derived data (validation, Triton tile plans) keyed on the tensor's identity and
+    version counter, so in-place edits are detected but rebuilding a table is the intended use."""
+
+    rows: torch.Tensor
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, torch.Tensor):
+            raise PieceTableError(f"PieceTable.rows must be a torch.Tensor, got {type(self.rows).__name__}")
+        if self.rows.dtype != torch.int64 or self.rows.dim() != 2 or self.rows.shape[1] != 7:
+            raise PieceTableError(
+                f"PieceTable.rows must be int64 [N, 7], got {self.rows.dtype} {list(self.rows.shape)}")
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def derived(self) -> dict:
+        """Per-table cache for derived data; emptied whenever `rows` is replaced or edited in place."""
+        stamp = (id(self.rows), self.rows.data_ptr(), self.rows._version)
+        if self._cache.get("stamp") != stamp:
+            self._cache.clear()
+            self._cache["stamp"] = stamp
+        return self._cache
+
+    def numpy(self) -> np.ndarray:
+        """The rows as a host int64 array (one device->host copy per table version)."""
+        cache = self.derived()
+        if "numpy" not in cache:
+            cache["numpy"] = self.rows.detach().to("cpu").contiguous().numpy().copy()
+        return cache["numpy"]
+
+    @staticmethod
+    def from_rows(rows: Sequence[Sequence[int]]) -> "PieceTable":
+        return PieceTable(torch.tensor(list(rows), dtype=torch.int64).reshape(-1, 7))
+
+
+def _first_bad(mask: np.ndarray) -> int | None:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def validate(table: PieceTable, dst_numel: int, src_numels: Sequence[int], check_overlap: bool = True) -> None:
+    """Raise PieceTableError naming the first bad piece: negative or absurd sizes/offsets/strides,
+    a source index out of range, a read or write out of bounds, or (check_overlap) two pieces that
+    write the same destination element. Empty pieces (nrows or ncols == 0) are always allowed.
+    Cost: O(N) plus, for the overlap check, O(R log R) over R destination row segments."""
+    rows = table.numpy()
+    n_src = len(src_numels)
+    if rows.size == 0:
+        return
+    bad = _first_bad((rows[:, 1:] < 0).any(axis=1))
+    if bad is not None:
+        raise PieceTableError(f"piece {bad}: negative offset, stride or size in {rows[bad].tolist()}")
+    bad = _first_bad((rows[:, 1:] > _MAX_FIELD).any(axis=1))
+    if bad is not None:
+        raise PieceTableError(f"piece {bad}: offset, stride or size above 2**48 in {rows[bad].tolist()}")
+    src_idx = rows[:, SRC_INDEX]
+    bad = _first_bad((src_idx < FILL) | (src_idx >= n_src))
+    if bad is not None:
+        raise PieceTableError(
+            f"piece {bad}: src_index {int(src_idx[bad])} out of range (-1 for zero fill, or 0..{n_src - 1})")
+    nr, nc = rows[:, NROWS], rows[:, NCOLS]
+    live = (nr > 0) & (nc > 0)
+    # One past the last element touched; only meaningful for non-empty pieces.
+    dst_end = rows[:, DST_OFFSET] + (nr - 1) * rows[:, DST_STRIDE] + nc
+    bad = _first_bad(live & (dst_end > dst_numel))
+    if bad is not None:
+        raise PieceTableError(
+            f"piece {bad}: writes dst elements up to {int(dst_end[bad])} but dst has {dst_numel} "
+            f"(row {rows[bad].tolist()})")
+    bad = _first_bad(live & (nr > 1) & (rows[:, DST_STRIDE] < nc))
+    if bad is not None:
+        raise PieceTableError(
+            f"piece {bad}: dst_row_stride {int(rows[bad, DST_STRIDE])} < ncols {int(nc[bad])} "
+            "makes the piece overlap itself in dst")
+    numels = np.asarray(list(src_numels) + [0], dtype=np.int64)  # index -1 -> the dummy 0
+    src_end = rows[:, SRC_OFFSET] + (nr - 1) * rows[:, SRC_STRIDE] + nc
+    bad = _first_bad(live & (src_idx >= 0) & (src_end > numels[src_idx]))
+    if bad is not None:
+        raise PieceTableError(
+            f"piece {bad}: reads src {int(src_idx[bad])} elements up to {int(src_end[bad])} but it has "
+            f"{int(numels[src_idx[bad]])} (row {rows[bad].tolist()})")
+    if check_overlap:
+        _check_no_dst_overlap(rows[live], np.flatnonzero(live))
+
+
+def _check_no_dst_overlap(rows: np.ndarray, piece_ids: np.ndarray) -> None:
+    """Expand each piece into its destination row segments (a row-contiguous piece is one segment),
+    sort by start, and require each segment to end before the next begins. Exact, unlike comparing
+    bounding ranges, which would reject the common case of column blocks interleaved row by row."""
+    nr, nc, ds = rows[:, NROWS], rows[:, NCOLS], rows[:, DST_STRIDE]
+    contiguous = (nr == 1) | (ds == nc)
+    seg_rows = np.where(contiguous, 1, nr)
+    seg_len = np.where(contiguous, nr * nc, nc)
+    owner = np.repeat(np.arange(len(rows)), seg_rows)
+    first = np.cumsum(seg_rows) - seg_rows
+    r = np.arange(int(seg_rows.sum()), dtype=np.int64) - np.repeat(first, seg_rows)
+    start = rows[owner, DST_OFFSET] + r * ds[owner]
+    end = start + seg_len[owner]
+    order = np.argsort(start, kind="stable")
+    start, end, owner = start[order], end[order], owner[order]
+    clash = _first_bad(start[1:] < end[:-1])
+    if clash is not None:
+        a, b = sorted((int(piece_ids[owner[clash]]), int(piece_ids[owner[clash + 1]])))
+        raise PieceTableError(
+            f"piece {b}: overlaps piece {a} in dst at element {int(start[clash + 1])}")
+
+
+def check_tensors(dst: torch.Tensor, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Check dst/srcs against the contract and return the sources as flat views."""
+    if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
+        raise PieceTableError(
+            f"dst must be a flat contiguous 1-D tensor, got shape {getattr(dst, 'shape', None)}")
+    flat = []
+    for i, s in enumerate(srcs):
+        if not isinstance(s, torch.Tensor) or not s.is_contiguous():
+            raise PieceTableError(f"srcs[{i}] must be a contiguous tensor")
+        if s.device != dst.device:
+            raise PieceTableError(f"srcs[{i}] is on {s.device} but dst is on {dst.device}")
+        if s.dtype != dst.dtype and (s.dtype not in CAST_DTYPES or dst.dtype not in CAST_DTYPES):
+            raise PieceTableError(
+                f"srcs[{i}] has dtype {s.dtype} and dst {dst.dtype}: casts are supported only among "
+                f"{[str(d) for d in CAST_DTYPES]}")
+        flat.append(s.reshape(-1))
+    return flat
+
+
+def validate_call(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> list[torch.Tensor]:
+    """Tensor checks + table validation, the latter cached per (table version, dst and src sizes)."""
+    flat = check_tensors(dst, srcs)
+    key = ("valid", dst.numel(), tuple(s.numel() for s in flat))
+    cache = table.derived()
+    if key not in cache:
+        validate(table, dst.numel(), [s.numel() for s in flat])
+        cache[key] = True
+    return flat
+
+
+def execute_pieces_torch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> None:
+    """Reference executor: one as_strided view pair and one copy_ (which casts) per piece."""
+    flat = validate_call(dst, srcs, table)
+    d0 = dst.storage_offset()
+    for i, so, ss, do, ds, nr, nc in table.numpy().tolist():
+        if nr == 0 or nc == 0:
+            continue
+        out = dst.as_strided((nr, nc), (ds, 1), d0 + do)
+        if i == FILL:
+            out.zero_()
+        else:
+            src = flat[i]
+            out.copy_(src.as_strided((nr, nc), (ss, 1), src.storage_offset() + so))
