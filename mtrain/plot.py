@@ -1,0 +1,85 @@
+"""`mtrain plot RUN_DIR`: the curves an RL run is judged by, from RUN_DIR/metrics.jsonl, into a PNG.
+
+reward/mean (with eval/reward/mean on the same axes when logged), kl/mean (policy vs reference) and
+logprob_diff/max_abs (engine vs trainer logprobs: a growing value means the weight sync is off).
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
+
+DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
+OVERLAYS = {"reward/mean": "eval/reward/mean"}
+WIDTH_IN, ROW_HEIGHT_IN, DPI = 8.0, 2.6, 100  # the PNG is 800 x (260 * rows) pixels
+
+
+class PlotError(MetricsError):
+    """A run whose metrics cannot be plotted; the message names the keys and the file."""
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(r["step"])
+            values.append(float(v))
+    return steps, values
+
+
+def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = None,
+             keys: Sequence[str] = DEFAULT_KEYS) -> Path:
+    """Draw each key against step, one panel per key; returns the PNG path (default RUN_DIR/metrics.png)."""
+    run_dir = Path(run_dir)
+    try:
+        records = read_metrics(run_dir)
+    except MetricsError as e:
+        raise PlotError(str(e)) from None
+    if not records:
+        raise PlotError(f"{run_dir / METRICS_FILE} has no records yet")
+    series = {k: _series(records, k) for k in keys}
+    missing = [k for k, (steps, _) in series.items() if not steps]
+    if missing:
+        available = sorted({k for r in records for k in r if k != "step"})
+        raise PlotError(f"{run_dir / METRICS_FILE}: no values for {missing}; keys present: {available}")
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(WIDTH_IN, ROW_HEIGHT_IN * len(keys)), dpi=DPI,
+                             sharex=True, squeeze=False)
+    try:
+        for ax, key in zip(axes[:, 0], keys):
+            steps, values = series[key]
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+            overlay = OVERLAYS.get(key)
+            if overlay:
+                o_steps, o_values = _series(records, overlay)
+                if o_steps:
+                    ax.plot(o_steps, o_values, marker="o", linestyle="--", label=overlay)
+                    ax.legend(loc="best", fontsize="small")
+            ax.set_ylabel(key)
+            ax.grid(True, alpha=0.3)
+        axes[-1, 0].set_xlabel("step")
+        fig.suptitle(run_dir.name)
+        fig.tight_layout()
+        out = Path(out_png) if out_png is not None else run_dir / "metrics.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+        os.close(fd)
+        try:
+            fig.savefig(tmp, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays as documented
+            os.replace(tmp, out)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    finally:
+        plt.close(fig)
+    return out
