@@ -1,0 +1,232 @@
+"""Runs a resharding `Plan` on the ranks of a job, bucket by bucket, with bounded memory.
+
+Per bucket every process: packs the pieces other processes need from its tensors into one buffer per peer
+and sends it; receives what it needs; then writes every destination tensor it owns with one kernel call
+per destination buffer (`mtrain.kernels.execute_pieces`), taking sources from its own tensors and the
+received buffers. Only the slices a destination needs ever move. Buckets hold whole destination
+parameters, so a bucket is at most max(bucket_bytes, the largest single parameter) per destination rank.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mtrain.kernels import PieceTable, execute_pieces
+from mtrain.reshard.planner import Piece, Plan, TensorRef
+
+Key = tuple[int, int, str]  # (rank, chunk, name)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _geom(ref: TensorRef, slot: int | None) -> tuple[int, int]:
+    """(element offset of the slot, row length) of a parameter seen as [slots,] rows x cols."""
+    shape = ref.shape[1:] if slot is not None else ref.shape
+    cols = shape[1] if len(shape) == 2 else 1
+    rows = shape[0]
+    return (slot or 0) * rows * cols, cols
+
+
+def piece_row(p: Piece, src_index: int, src_base: int | None, src_stride: int | None, dst_base: int) -> list[int]:
+    """One kernel table row. src_base/src_stride override the source geometry (a packed receive buffer)."""
+    d_off, d_cols = _geom(p.dst, p.dst_slot)
+    nrows, ncols = p.nrows, p.ncols
+    if p.src is None:
+        s_off, s_stride = 0, ncols
+    elif src_base is not None:
+        s_off, s_stride = src_base, src_stride
+    else:
+        slot_off, s_cols = _geom(p.src, p.src_slot)
+        s_off, s_stride = slot_off + p.src_row * s_cols + p.src_col, s_cols
+    d = dst_base + d_off + p.dst_row * d_cols + p.dst_col
+    if ncols == s_stride == d_cols:  # whole rows on both sides: one contiguous run
+        ncols, nrows, s_stride, d_stride = nrows * ncols, 1, nrows * ncols, nrows * ncols
+    else:
+        d_stride = d_cols
+    return [src_index if p.src is not None else -1, s_off, s_stride, d, d_stride, nrows, ncols]
+
+
+@dataclass
+class Bucket:
+    keys: list[Key]  # destination tensors, all ranks
+    pieces: list[Piece]
+
+
+def make_buckets(plan: Plan, bucket_bytes: int, itemsize: int) -> list[Bucket]:
+    """Group destination tensors (same name on all ranks together) in plan order into bounded buckets."""
+    by_dst: dict[Key, list[Piece]] = defaultdict(list)
+    order: list[str] = []
+    names: dict[str, list[Key]] = defaultdict(list)
+    for p in plan.pieces:
+        k = (p.dst.rank, p.dst.chunk, p.dst.name)
+        if k not in by_dst:
+            if (p.dst.chunk, p.dst.name) not in names:
+                order.append((p.dst.chunk, p.dst.name))
+            names[(p.dst.chunk, p.dst.name)].append(k)
+        by_dst[k].append(p)
+    buckets, cur, cur_bytes = [], [], defaultdict(int)
+    for cn in order:
+        keys = names[cn]
+        add = {k[0]: _numel(plan.dst_tensors[k].shape) * itemsize for k in keys}
+        if cur and any(cur_bytes[r] + b > bucket_bytes for r, b in add.items()):
+            buckets.append(cur)
+            cur, cur_bytes = [], defaultdict(int)
+        cur.extend(keys)
+        for r, b in add.items():
+            cur_bytes[r] += b
+    if cur:
+        buckets.append(cur)
+    return [Bucket(keys, [p for k in keys for p in by_dst[k]]) for keys in buckets]
+
+
+class Executor:
+    """Executes a plan on this process.
+
+    rank: this process's rank in `group` (the training ranks); sources(ref) -> the tensor `ref` names (a
+    TensorRef: rank, chunk, name; in a live job always one of this rank's own);
+    src_everywhere: every process can read every source itself (an HF checkpoint on a shared disk), so
+    nothing is sent.
+    """
+
+    def __init__(self, plan: Plan, rank: int, sources: Callable[[TensorRef], torch.Tensor], *,
+                 bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16, group=None,
+                 src_everywhere: bool = False, backend: str = "auto", device: str | torch.device = "cpu"):
+        self.plan, self.rank, self.sources = plan, rank, sources
+        self.dtype, self.group, self.everywhere, self.backend = dtype, group, src_everywhere, backend
+        self.device = torch.device(device)
+        self.buckets = make_buckets(plan, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+
+    def owner(self, dst_rank: int) -> int:
+        return self.plan.owner.get(dst_rank, dst_rank)
+
+    def _src_rank(self, p: Piece) -> int:
+        return self.owner(p.dst.rank) if self.everywhere else p.src.rank
+
+    def _exchange(self, bucket: Bucket) -> dict[int, tuple[torch.Tensor, list[Piece]]]:
+        """Send my pieces that others own; return per peer (received buffer, its pieces in order)."""
+        send: dict[int, list[Piece]] = defaultdict(list)
+        recv: dict[int, list[Piece]] = defaultdict(list)
+        for p in bucket.pieces:
+            if p.src is None:
+                continue
+            s, o = self._src_rank(p), self.owner(p.dst.rank)
+            if s == o:
+                continue
+            if s == self.rank:
+                send[o].append(p)
+            elif o == self.rank:
+                recv[s].append(p)
+        ops, out, keep = [], {}, []
+        for peer in sorted(send):
+            ps = send[peer]
+            buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=self.device)
+            self._pack(buf, ps)
+            keep.append(buf)
+            ops.append(dist.isend(buf, peer, group=self.group))
+        for peer in sorted(recv):
+            ps = recv[peer]
+            buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=self.device)
+            out[peer] = (buf, ps)
+            ops.append(dist.irecv(buf, peer, group=self.group))
+        for op in ops:
+            op.wait()
+        return out
+
+    def _local_sources(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], dict[Key, int]]:
+        srcs, index = [], {}
+        for p in pieces:
+            k = (p.src.rank, p.src.chunk, p.src.name)
+            if k not in index:
+                t = self.sources(p.src)
+                if tuple(t.shape) != p.src.shape:
+                    raise ValueError(f"source {p.src.name} on rank {self.rank} has shape {tuple(t.shape)}, "
+                                     f"the layout table expects {p.src.shape}")
+                index[k] = len(srcs)
+                srcs.append(t.contiguous().view(-1))
+        return srcs, index
+
+    def _pack(self, buf: torch.Tensor, pieces: list[Piece]) -> None:
+        srcs, index = self._local_sources(pieces)
+        rows, off = [], 0
+        for p in pieces:
+            slot_off, s_cols = _geom(p.src, p.src_slot)
+            s = slot_off + p.src_row * s_cols + p.src_col
+            rows.append([index[(p.src.rank, p.src.chunk, p.src.name)], s, s_cols, off, p.ncols, p.nrows, p.ncols])
+            off += p.numel
+        execute_pieces(buf, srcs, PieceTable(torch.tensor(rows, dtype=torch.int64)), backend=self.backend)
+
+    def _fill(self, dst: torch.Tensor, dst_base: dict[Key, int], pieces: list[Piece],
+              received: dict[int, tuple[torch.Tensor, list[Piece]]]) -> None:
+        local = [p for p in pieces if p.src is not None and self._src_rank(p) == self.rank]
+        srcs, index = self._local_sources(local)
+        rows = []
+        for p in pieces:
+            if p.src is None:
+                rows.append(piece_row(p, -1, None, None, dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
+            elif self._src_rank(p) == self.rank:
+                rows.append(piece_row(p, index[(p.src.rank, p.src.chunk, p.src.name)], None, None,
+                                      dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
+        for peer, (buf, ps) in received.items():
+            wanted = {id(p) for p in pieces}
+            srcs.append(buf)
+            off = 0
+            for p in ps:
+                if id(p) in wanted:
+                    rows.append(piece_row(p, len(srcs) - 1, off, p.ncols,
+                                          dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
+                off += p.numel
+        if rows:
+            execute_pieces(dst, srcs, PieceTable(torch.tensor(rows, dtype=torch.int64)), backend=self.backend)
+
+    def write_into(self, destinations: Callable[[TensorRef], torch.Tensor]) -> None:
+        """Write every destination tensor this process owns in place (converters, the reference engine)."""
+        for bucket in self.buckets:
+            received = self._exchange(bucket)
+            mine = [k for k in bucket.keys if self.owner(k[0]) == self.rank]
+            by_key: dict[Key, list[Piece]] = defaultdict(list)
+            for p in bucket.pieces:
+                by_key[(p.dst.rank, p.dst.chunk, p.dst.name)].append(p)
+            for k in mine:
+                ref = self.plan.dst_tensors[k]
+                t = destinations(ref)
+                if tuple(t.shape) != ref.shape:
+                    raise ValueError(f"destination {k[2]} has shape {tuple(t.shape)}, the layout table expects "
+                                     f"{ref.shape}")
+                if not t.is_contiguous():
+                    raise ValueError(f"destination {k[2]} is not contiguous")
+                self._fill(t.view(-1), {k: 0}, by_key[k], {peer: (b, ps) for peer, (b, ps) in received.items()})
+
+    def stream(self) -> Iterator[dict[int, list[tuple[str, torch.Tensor]]]]:
+        """Yield, per bucket, {dst rank: [(name, tensor)]} for the destination ranks this process owns.
+
+        Each bucket is one flat buffer per destination rank, written by one kernel call; the tensors are
+        views into it, valid until the next bucket is requested.
+        """
+        for bucket in self.buckets:
+            received = self._exchange(bucket)
+            out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+            by_rank: dict[int, list[Key]] = defaultdict(list)
+            for k in bucket.keys:
+                if self.owner(k[0]) == self.rank:
+                    by_rank[k[0]].append(k)
+            for r, keys in sorted(by_rank.items()):
+                base, off = {}, 0
+                for k in keys:
+                    base[k] = off
+                    off += _numel(self.plan.dst_tensors[k].shape)
+                buf = torch.empty(off, dtype=self.dtype, device=self.device)
+                kset = set(keys)
+                self._fill(buf, base, [p for p in bucket.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) in kset],
+                           received)
+                out[r] = [(k[2], buf[base[k]: base[k] + _numel(self.plan.dst_tensors[k].shape)]
+                           .view(self.plan.dst_tensors[k].shape)) for k in keys]
+            yield out

@@ -1,0 +1,160 @@
+"""Where each side keeps each weight: which ranks, under which parameter name, as which shard.
+
+`MegatronLayout` knows Megatron's rank order (decoder ranks "tp-cp-dp-pp", expert ranks "etp-ep-edp-pp"),
+how pipeline (and virtual pipeline) stages split the layers, and how EP spreads routed experts.
+`SGLangLayout` knows SGLang's engine ranks (attention TP, MoE TP x EP), `HFLayout` is one rank holding full
+tensors. Each answers `holders(model_layout, weight)` with a `Holder` per rank that keeps a copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from mtrain.layouts.rules import LayoutError
+from mtrain.layouts.table import ModelLayout, Part, Weight
+
+
+@dataclass(frozen=True)
+class Holder:
+    rank: int
+    chunk: int  # virtual-pipeline model chunk on that rank (0 without VPP; always 0 for engines)
+    part: int  # index of the Part in the weight's side tuple
+    name: str
+    slot: int | None  # index into a stacked parameter's first dim (SGLang's FusedMoE), else None
+    rule_rank: int
+    rule_world: int
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """A Megatron training layout. etp defaults to tp, as in megatron-core."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    dp: int = 1
+    side = "megatron"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    def check(self, model: ModelLayout) -> None:
+        per_stage = self.tp * self.cp * self.dp
+        if per_stage % (self.expert_tp * self.ep):
+            raise LayoutError(f"tp*cp*dp ({per_stage}) is not divisible by etp*ep ({self.expert_tp}*{self.ep})")
+        if model.num_experts and model.num_experts % self.ep:
+            raise LayoutError(f"num experts ({model.num_experts}) is not divisible by expert parallel size ({self.ep})")
+        if not model.num_experts and self.ep > 1:
+            raise LayoutError(f"expert parallel size {self.ep} given for a model without experts")
+        chunks = self.pp * (self.vpp or 1)
+        if model.num_layers % chunks:
+            raise LayoutError(f"num layers ({model.num_layers}) is not divisible by pp*vpp ({chunks})")
+
+    @cached_property
+    def coords(self) -> list[dict]:
+        """Coordinates of every global rank, as megatron-core's parallel_state assigns them by default."""
+        out = []
+        edp = (self.tp * self.cp * self.dp) // (self.expert_tp * self.ep)
+        for r in range(self.world):
+            per_stage = self.tp * self.cp * self.dp
+            pp_rank, q = divmod(r, per_stage)
+            tp_rank, q2 = q % self.tp, q // self.tp
+            cp_rank, dp_rank = q2 % self.cp, q2 // self.cp
+            etp_rank, e2 = q % self.expert_tp, q // self.expert_tp
+            ep_rank, edp_rank = e2 % self.ep, e2 // self.ep
+            assert edp_rank < edp
+            out.append(dict(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank, etp=etp_rank, ep=ep_rank, edp=edp_rank))
+        return out
+
+    def stage_of(self, model: ModelLayout, w: Weight) -> tuple[int, int, int | None]:
+        """(pp rank, vpp chunk, layer index inside the chunk) that holds weight w."""
+        vpp = self.vpp or 1
+        last = (self.pp - 1, vpp - 1)
+        if w.region == "embed":
+            return 0, 0, None
+        if w.region in ("final", "mtp"):
+            return last[0], last[1], w.layer if w.region == "mtp" else None
+        per_chunk = model.num_layers // (self.pp * vpp)
+        chunk_global, local = divmod(w.layer, per_chunk)  # chunk_global = vchunk * pp + pp_rank
+        vchunk, pp_rank = divmod(chunk_global, self.pp)
+        return pp_rank, vchunk, local
+
+    def holders(self, model: ModelLayout, w: Weight) -> list[Holder]:
+        pp_rank, chunk, local = self.stage_of(model, w)
+        out = []
+        for pi, part in enumerate(w.megatron):
+            if part.name == "output_layer.weight" and model.tied_embeddings and self.pp == 1:
+                continue  # a single stage shares the embedding tensor: no separate head parameter
+            for r, c in enumerate(self.coords):
+                if c["pp"] != pp_rank:
+                    continue
+                if w.expert is not None:
+                    per = model.num_experts // self.ep
+                    if c["ep"] != w.expert // per:
+                        continue
+                    name = part.name.format(layer=local, expert=w.expert % per)
+                    out.append(Holder(r, chunk, pi, name, None, c["etp"], self.expert_tp))
+                else:
+                    name = part.name.format(layer=local) if local is not None else part.name
+                    out.append(Holder(r, chunk, pi, name, None, c["tp"], self.tp))
+        return out
+
+
+@dataclass(frozen=True)
+class SGLangLayout:
+    """One SGLang engine: attention TP over `tp` ranks; MoE over ep x (tp // ep) (moe_tp) ranks."""
+
+    tp: int = 1
+    ep: int = 1
+    side = "sglang"
+
+    @property
+    def world(self) -> int:
+        return self.tp
+
+    def check(self, model: ModelLayout) -> None:
+        if self.tp % self.ep:
+            raise LayoutError(f"engine tp ({self.tp}) is not divisible by engine ep ({self.ep})")
+        if model.num_experts and model.num_experts % self.ep:
+            raise LayoutError(f"num experts ({model.num_experts}) is not divisible by engine ep ({self.ep})")
+
+    def holders(self, model: ModelLayout, w: Weight) -> list[Holder]:
+        out = []
+        moe_tp = self.tp // self.ep
+        for pi, part in enumerate(w.sglang):
+            for r in range(self.tp):
+                if w.expert is not None:
+                    per = model.num_experts // self.ep
+                    ep_rank, moe_tp_rank = divmod(r, moe_tp)
+                    if ep_rank != w.expert // per:
+                        continue
+                    out.append(Holder(r, 0, pi, part.name, w.expert % per if part.slot else None, moe_tp_rank, moe_tp))
+                else:
+                    out.append(Holder(r, 0, pi, part.name, None, r, self.tp))
+        return out
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """HF checkpoint / the CPU reference engine: one rank, full tensors."""
+
+    side = "hf"
+    world = 1
+
+    def check(self, model: ModelLayout) -> None:
+        return None
+
+    def holders(self, model: ModelLayout, w: Weight) -> list[Holder]:
+        return [Holder(0, 0, pi, p.name, None, 0, 1) for pi, p in enumerate(w.hf)]
+
+
+def parts_of(layout, w: Weight) -> tuple[Part, ...]:
+    return w.parts(layout.side)

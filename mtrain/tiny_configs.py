@@ -1,0 +1,43 @@
+"""Tiny HF config.json dicts for every supported architecture: tests, CPU examples and docs use them.
+
+Sizes are chosen to exercise awkward layouts: an odd vocabulary (padding on both sides), fewer KV heads
+than a TP-4 engine (SGLang replicates KV heads), biases, tied embeddings, MoE with and without shared
+experts, MLA with and without q-LoRA, and an MTP layer.
+"""
+from __future__ import annotations
+
+import copy
+
+_COMMON = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=16, intermediate_size=96, max_position_embeddings=256, rms_norm_eps=1e-6,
+               rope_theta=10000.0, hidden_act="silu", initializer_range=0.05, torch_dtype="float32",
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY = {
+    "llama": dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
+                  attention_bias=False, mlp_bias=False),
+    "qwen2": dict(_COMMON, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False,
+                  use_sliding_window=False),
+    "qwen3": dict(_COMMON, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
+                  attention_bias=False),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                      tie_word_embeddings=False, attention_bias=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                      output_router_logits=False, router_aux_loss_coef=0.0),
+    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                        tie_word_embeddings=False, num_key_value_heads=4, num_attention_heads=4, head_dim=24,
+                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, moe_layer_freq=1, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+                        topk_method="noaux_tc", num_nextn_predict_layers=1, rope_interleave=True,
+                        attention_bias=False),
+}
+# DeepSeek-style MLA without q-LoRA (DeepSeek-V2-Lite's attention) on the V3 code path.
+TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)
+
+
+def tiny_config(name: str, **overrides) -> dict:
+    cfg = copy.deepcopy(TINY[name])
+    cfg.update(overrides)
+    return cfg
