@@ -1,0 +1,452 @@
+"""The SGLang engine, created inside the training process (`sglang.Engine`, SGLang 0.5.17).
+
+sglang is imported only when an engine is built: CPU installs never need it, and importing
+`sglang.srt.entrypoints.engine` has process-wide side effects (uvloop event-loop policy; at Engine start
+`mp.set_start_method("spawn", force=True)` and a SIGQUIT handler; engine.py:1639-1670).
+
+Facts this adapter relies on are in docs/sglang-layout.md (file:line in SGLang's source). In short:
+- token ids in and out (`skip_tokenizer_init=True`); requests run concurrently as one task each on
+  `engine.loop`, every one with its own `sampling_seed` (only used with deterministic inference, where a
+  missing seed means 42 for all: sampling_batch_info.py:118-132);
+- weights go per TP rank: `UpdateWeightsFromTensorReqInput.serialized_named_tensors[r]` is deserialized only
+  by rank r (tp_worker.py:198-212); `Engine.update_weights_from_tensor` would send one list to every rank;
+- the weight version travels on that request (`weight_version`, a str in SGLang) and comes back in every
+  output's meta_info; `finish_weight_update` sends it with a FINISH marker that runs the post-load hook;
+- a failing scheduler SIGQUITs this process and SGLang's handler SIGKILLs the whole process tree. The adapter
+  replaces that handler so an engine death becomes an EngineError, and the loader never raises (it reports
+  through files in a status directory, sglang_loader.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import tempfile
+import threading
+import uuid
+from typing import Any, Awaitable, Mapping, Sequence
+
+import torch
+
+from mtrain.rollout.engine_env import engine_environment
+from mtrain.rollout.protocol import (
+    MEMORY_TAGS,
+    Completion,
+    EngineError,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+)
+from mtrain.rollout.sglang_loader import (
+    DUMP_PARAMS,
+    DUMP_PREFIX,
+    FINISH_NAME,
+    LOAD_DIRECT,
+    STATUS_DIR_ENV,
+    collect_errors,
+)
+
+logger = logging.getLogger(__name__)
+
+SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _launch_sigquit_handler(signum: int, frame: Any) -> None:
+    """Replaces SGLang's launch-phase handler, which kills the whole process tree (engine.py:1649-1655).
+
+    Module-level so it pickles by name into the scheduler processes with the server args. A scheduler that
+    fails during start also makes `sglang.Engine(...)` raise, which becomes an EngineError.
+    """
+    logger.error("SGLang: a child process failed during engine start (SIGQUIT)")
+
+
+def engine_server_args(
+    model_path: str,
+    *,
+    tp_size: int,
+    mem_fraction_static: float,
+    base_gpu_id: int,
+    load_format: str,
+    random_seed: int,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
+    args: dict[str, Any] = dict(
+        model_path=model_path,
+        tp_size=tp_size,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        enable_memory_saver=True,  # release/resume by tags
+        attention_backend="triton",
+        sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:263)
+        grammar_backend="none",
+        mem_fraction_static=mem_fraction_static,
+        cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
+        load_format=load_format,
+        custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
+        # The direct loader writes w13_weight as [gate; up] in [E, 2I, H]: that is the triton runner's layout.
+        # flashinfer_trtllm ("auto" on Blackwell) stores [up; gate] re-blocked, triton_kernel transposes.
+        moe_runner_backend="triton",
+        # DeepSeek-V3 (256 routed + 1 shared expert) would fuse the shared expert into FusedMoE as expert 256
+        # on an H200; the layout tables keep it as mlp.shared_experts.* (deepseek_v2.py:2974-3044).
+        disable_shared_experts_fusion=True,
+        base_gpu_id=base_gpu_id,
+        weight_version="0",
+        random_seed=random_seed,
+        custom_sigquit_handler=_launch_sigquit_handler,
+        log_level="error",
+    )
+    for k, v in (extra or {}).items():
+        if k == "custom_weight_loader":
+            args[k] = list(args[k]) + [x for x in v if x not in args[k]]
+        else:
+            args[k] = v
+    return args
+
+
+def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
+    """Our SamplingParams as SGLang's sampling_params dict. Temperature 0 is SGLang's greedy too
+    (sampling_params.py:143-146: temperature 1, top_k 1, logprobs = log_softmax(logits))."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": params.top_k,
+        "sampling_seed": seed,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
+    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
+    meta = out.get("meta_info", {})
+    output_ids = [int(t) for t in out.get("output_ids", [])]
+    entries = meta.get("output_token_logprobs") or []
+    logprobs = [float(e[0]) for e in entries]
+    if len(logprobs) != len(output_ids):
+        raise EngineError(f"request {req.rid!r}: SGLang returned {len(output_ids)} output ids but "
+                          f"{len(logprobs)} logprobs")
+    for i, e in enumerate(entries):
+        if int(e[1]) != output_ids[i]:
+            raise EngineError(f"request {req.rid!r}: logprob {i} is for token {e[1]}, output has {output_ids[i]}")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in _FINISH:
+        raise EngineError(f"request {req.rid!r}: unexpected SGLang finish_reason {reason!r}")
+    version = meta.get("weight_version", default_version)
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
+    return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
+                      finish_reason=_FINISH[kind], weight_version=version)
+
+
+def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """One engine rank's bucket as the bytes SGLang deserializes (CUDA tensors travel as IPC handles).
+
+    Call it in the process that owns the tensors; the bytes can then be gathered to the process that owns
+    the engine (update_weights_serialized). The tensors must stay alive and unmodified until that call returns.
+    """
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    # Device by UUID instead of index, as SGLang's receiving side expects (utils/patch_torch.py:41-90).
+    monkey_patch_torch_reductions()
+    for entry in named_tensors:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], torch.Tensor)):
+            raise EngineError(f"update_weights: entries must be (str, torch.Tensor), got {entry!r:.80}")
+    return MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in named_tensors])
+
+
+class SGLangEngine(RolloutEngine):
+    """`sglang.Engine` in this process. One per process: it owns the process's SIGQUIT handler."""
+
+    layout = "sglang"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tp_size: int = 1,
+        mem_fraction_static: float = 0.5,
+        base_gpu_id: int = 0,
+        load_format: str = "auto",
+        random_seed: int = 0,
+        server_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        try:
+            import sglang
+            from sglang.srt.managers import io_struct
+            from sglang.srt.managers.tokenizer_manager import RequestAbortedError
+        except Exception as e:  # ImportError, or a broken install failing at import
+            raise EngineError(f"SGLangEngine needs sglang 0.5.17 (GPU bundle, benchmarks/gpu_setup.sh); "
+                              f"importing it failed: {type(e).__name__}: {e}") from e
+        self._io = io_struct
+        self._aborted_error = RequestAbortedError
+        self.tp_size = int(tp_size)
+        self._weight_version = 0
+        self._released: set[str] = set()
+        self._inflight: dict[str, Request] = {}
+        self._task: asyncio.Task | None = None
+        self._dead: str | None = None
+        self._engine = None
+        self._seeds = random.Random(random_seed)
+        self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
+        kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
+                                    base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
+                                    extra=server_args)
+        children_before = _child_pids()
+        with engine_environment(extra={STATUS_DIR_ENV: self._status_dir}):
+            try:
+                self._engine = sglang.Engine(**kwargs)
+            except BaseException as e:
+                _kill_new_children(children_before)  # a failed start leaves scheduler processes behind
+                shutil.rmtree(self._status_dir, ignore_errors=True)
+                raise EngineError(f"sglang.Engine failed to start for {model_path!r} (tp_size={tp_size}): "
+                                  f"{type(e).__name__}: {e}") from e
+        self._engine.loop.run_until_complete(self._arm())
+
+    async def _arm(self) -> None:
+        """Start SGLang's output loop on engine.loop and own SIGQUIT from now on.
+
+        auto_create_handle_loop attaches to the *running* loop (utils/common.py:4529); called outside a running
+        loop it would build a second loop that never runs. It installs a SIGQUIT handler that SIGKILLs the
+        process tree (tokenizer_manager.py:2159-2167); ours turns an engine death into an EngineError.
+        """
+        tm = self._engine.tokenizer_manager
+        tm.auto_create_handle_loop()
+        if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            loop.remove_signal_handler(signal.SIGQUIT)
+            loop.add_signal_handler(signal.SIGQUIT, self._on_engine_death)
+
+    def _on_engine_death(self) -> None:
+        self._dead = ("an SGLang scheduler or detokenizer process died (SIGQUIT); its traceback is in the log "
+                      "above. The engine is unusable: shutdown() and start a new one")
+        watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it would keep re-sending SIGQUIT
+        if self._task is not None:
+            self._task.cancel()
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _run(self, coro: Awaitable, what: str) -> Any:
+        if self._dead is not None:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise EngineError(f"SGLangEngine.{what}: {self._dead}")
+        loop = self._engine.loop
+        if loop.is_running():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise EngineError(f"SGLangEngine.{what} called while engine.loop is running (from a coroutine or "
+                              "another thread during generate); call it from the thread that owns the engine")
+        self._task = loop.create_task(coro)
+        try:
+            return loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            raise EngineError(f"SGLangEngine.{what}: {self._dead or 'cancelled'}") from None
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"SGLangEngine.{what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._task = None
+
+    def _check_loader_errors(self, what: str) -> None:
+        errors = collect_errors(self._status_dir)
+        if errors:
+            raise EngineError(f"SGLangEngine.{what}: the engine rejected the bucket, nothing of it was written: "
+                              + " | ".join(errors))
+
+    # -- generation -------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        if not requests:
+            return []
+        for r in requests:
+            if not r.prompt_ids or not all(isinstance(t, int) and t >= 0 for t in r.prompt_ids):
+                raise EngineError(f"request {r.rid!r}: prompt_ids must be a non-empty list of token ids")
+        # Our own fixed-length rids: SGLang's scheduler aborts by prefix, so "a1" would also abort "a10".
+        srids = [uuid.uuid4().hex for _ in requests]
+        self._inflight.update(zip(srids, requests))
+        try:
+            outs = self._run(self._generate_all(requests, srids), "generate")
+        finally:
+            for s in srids:
+                self._inflight.pop(s, None)
+        errors = [f"{r.rid!r}: {type(o).__name__}: {o}" for r, o in zip(requests, outs) if isinstance(o, Exception)]
+        if errors:
+            raise EngineError(f"SGLang failed {len(errors)} of {len(requests)} requests: " + "; ".join(errors[:5]))
+        return [self._completion(r, o) for r, o in zip(requests, outs)]
+
+    async def _generate_all(self, requests: list[Request], srids: list[str]) -> list[Any]:
+        async def one(req: Request, srid: str) -> Any:
+            seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
+            try:
+                return await self._engine.async_generate(
+                    input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
+                    return_logprob=True, rid=srid)
+            except self._aborted_error:
+                return None  # aborted before it reached the scheduler: no tokens
+
+        return await asyncio.gather(*(one(r, s) for r, s in zip(requests, srids)), return_exceptions=True)
+
+    def _completion(self, req: Request, out: Any) -> Completion:
+        if out is None:
+            return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
+                              finish_reason="abort", weight_version=self._weight_version)
+        return completion_from_output(req, out, self._weight_version)
+
+    def abort(self, rid_prefix: str | None = None) -> None:
+        """Abort our in-flight requests whose rid starts with rid_prefix (all when None). Thread-safe: may be
+        called from another thread while generate() runs. The tokenizer manager only forwards an abort for an
+        rid it knows exactly (tokenizer_manager.py:1930-1968), so each matching rid is aborted by name."""
+        if self._dead is not None or self._engine is None:
+            return
+
+        def do() -> None:
+            for srid, req in list(self._inflight.items()):
+                if rid_prefix is None or req.rid.startswith(rid_prefix):
+                    self._engine.tokenizer_manager.abort_request(rid=srid)
+
+        loop = self._engine.loop
+        if loop.is_running():
+            loop.call_soon_threadsafe(do)
+        else:
+            do()
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
+        if len(rank_tensors) != self.tp_size:
+            raise EngineError(f"update_weights: got tensors for {len(rank_tensors)} ranks, engine tp_size is "
+                              f"{self.tp_size}")
+        self.update_weights_serialized([serialize_bucket(list(t)) for t in rank_tensors])
+
+    def update_weights_serialized(self, payloads: list[bytes]) -> None:
+        """One bucket, already serialized per engine rank (serialize_bucket in each tensor-owning process)."""
+        self._send_weights(payloads, LOAD_DIRECT, flush_cache=False, weight_version=None, what="update_weights")
+
+    def finish_weight_update(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise EngineError(f"finish_weight_update: version must be an int >= 0, got {version!r}")
+        marker = serialize_bucket([(FINISH_NAME, torch.empty(0))])
+        # flush_cache: KV computed with the old weights must not be reused. SGLang asserts that the flush
+        # succeeds (scheduler weight_updater.py:103-108), i.e. no request may be running: syncs happen idle.
+        self._send_weights([marker] * self.tp_size, LOAD_DIRECT, flush_cache=True, weight_version=str(version),
+                           what="finish_weight_update")
+        self._weight_version = version
+
+    def _send_weights(self, payloads: list[bytes], load_format: str, *, flush_cache: bool,
+                      weight_version: str | None, what: str) -> None:
+        if len(payloads) != self.tp_size:
+            raise EngineError(f"{what}: got {len(payloads)} payloads, engine tp_size is {self.tp_size}")
+        if "weights" in self._released:
+            raise EngineError(f"{what}: weights are released; resume_memory(('weights',)) first")
+        obj = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=list(payloads),
+                                                       load_format=load_format, flush_cache=flush_cache,
+                                                       weight_version=weight_version)
+        ok, message = self._run(self._engine.tokenizer_manager.update_weights_from_tensor(obj, None), what)
+        self._check_loader_errors(what)
+        if not ok:
+            raise EngineError(f"SGLangEngine.{what}: SGLang reported failure: {message}")
+
+    def dump_params(self, out_dir: str, names: Sequence[str] | None = None, what: str = "sha256") -> list[str]:
+        """Each engine rank writes `names` (all when None) to out_dir/rank<r>.json (sha256, shape, dtype per
+        parameter) or .pt (CPU tensors). Returns the paths, rank order."""
+        spec = DUMP_PREFIX + json.dumps({"dir": os.path.abspath(out_dir), "names": None if names is None
+                                         else list(names), "what": what})
+        marker = serialize_bucket([(spec, torch.empty(0))])
+        self._send_weights([marker] * self.tp_size, DUMP_PARAMS, flush_cache=False, weight_version=None,
+                           what="dump_params")
+        ext = "json" if what == "sha256" else "pt"
+        return [os.path.join(os.path.abspath(out_dir), f"rank{r}.{ext}") for r in range(self.tp_size)]
+
+    def weight_checksums(self) -> list[dict]:
+        """SGLang's own per-parameter checksums, one dict per TP rank (CheckWeightsReqInput, 0.5.17)."""
+        obj = self._io.CheckWeightsReqInput(action="checksum")
+        ok, message, ranks, _ = self._run(self._engine.tokenizer_manager.check_weights(obj, None),
+                                          "weight_checksums")
+        if not ok:
+            raise EngineError(f"SGLangEngine.weight_checksums: {message}")
+        return ranks or []
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """SGLang's get_weights_by_name: first `truncate_size` rows as float32 lists, from TP rank 0.
+        Implemented by the Llama model class only among ours; None when the model lacks it or the name."""
+        obj = self._io.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)
+        return self._run(self._engine.tokenizer_manager.get_weights_by_name(obj, None), "get_weights_by_name")
+
+    # -- memory and cache -------------------------------------------------------------------------------
+    def _tags(self, tags: Sequence[str], what: str) -> list[str]:
+        tags = list(tags)
+        bad = [t for t in tags if t not in SGLANG_MEMORY_TAGS]
+        if bad or not tags:
+            raise EngineError(f"{what}: tags must be a non-empty subset of {SGLANG_MEMORY_TAGS}, got {tags}")
+        return tags
+
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        tags = self._tags(tags, "release_memory")
+        again = [t for t in tags if t in self._released]
+        if again:
+            raise EngineError(f"release_memory: {again} already released")
+        if self._inflight:
+            # The scheduler asserts it is idle (scheduler weight_updater.py:203-205); an assert there kills us.
+            raise EngineError(f"release_memory: {len(self._inflight)} requests still running")
+        self._run(self._engine.tokenizer_manager.release_memory_occupation(
+            self._io.ReleaseMemoryOccupationReqInput(tags=tags), None), "release_memory")
+        self._released.update(tags)
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        tags = self._tags(tags, "resume_memory")
+        missing = [t for t in tags if t not in self._released]
+        if missing:
+            # Resuming a tag that is not released raises KeyError in the scheduler (weight_updater.py:254-255).
+            raise EngineError(f"resume_memory: {missing} not released")
+        self._run(self._engine.tokenizer_manager.resume_memory_occupation(
+            self._io.ResumeMemoryOccupationReqInput(tags=tags), None), "resume_memory")
+        self._released.difference_update(tags)
+
+    def flush_cache(self) -> None:
+        out = self._run(self._engine.tokenizer_manager.flush_cache(), "flush_cache")
+        if not getattr(out, "success", False):
+            raise EngineError(f"flush_cache: SGLang refused (requests running?): {getattr(out, 'message', out)}")
+
+    def shutdown(self) -> None:
+        """Stop the engine. Note: SGLang's shutdown kills EVERY child process of this process
+        (engine.py:1230, kill_process_tree(os.getpid(), include_parent=False)), not only its own."""
+        if self._engine is not None:
+            try:
+                self._engine.shutdown()
+            finally:
+                self._engine = None
+                self._dead = self._dead or "the engine was shut down"
+                shutil.rmtree(self._status_dir, ignore_errors=True)
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_new_children(before: set[int]) -> None:
+    """Kill the processes a failed engine start left behind, by pid; other children are not touched."""
+    import psutil
+
+    for pid in sorted(_child_pids() - before):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass

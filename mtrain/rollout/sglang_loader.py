@@ -1,0 +1,288 @@
+"""Weight loaders that run INSIDE SGLang's scheduler processes (one per engine TP rank).
+
+SGLang calls a loader registered with the `custom_weight_loader` server argument as
+`loader(model, named_tensors)` when `update_weights_from_tensor(..., load_format="<its import path>")` arrives
+(`model_executor/model_runner_components/weight_updater.py:346-348`); `named_tensors` is this rank's own
+payload, already on this rank's GPU (CUDA IPC, no host copy).
+
+Names are SGLang's internal parameter names (`dict(model.named_parameters())`) with per-rank shapes:
+    "model.layers.3.self_attn.qkv_proj.weight"        the whole per-rank parameter
+    "model.layers.3.mlp.experts.w13_weight@8:16"      rows [8, 16) along dim 0 of it
+The row-range form writes part of a parameter: local experts 8..15 of a FusedMoE weight, or one piece of a
+tensor too big for one bucket. The tensor must have exactly the destination's shape and dtype; nothing is
+cast or re-sliced here (the planner already produced per-rank shards).
+
+Control names (a zero-size tensor goes with them):
+    FINISH_NAME      end of a sync: run the model's post-load hook (DeepSeek's kv_b_proj -> w_kc/w_vc).
+    DUMP_PREFIX+JSON dump_params only: {"dir": ..., "names": [...] | null, "what": "sha256" | "tensors"}.
+
+A loader must never raise: an exception in a scheduler process makes SGLang SIGQUIT the parent, whose
+handler kills the whole process tree -- the training process included (`managers/scheduler.py:4949-4952`,
+`managers/tokenizer_manager.py:3753-3763`). So every error is caught, nothing of the bucket is written
+(all entries are validated before the first copy), and the message goes to a file in the directory named by
+$MTRAIN_SGLANG_STATUS_DIR, which the engine adapter reads after each call and turns into an EngineError.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+LOAD_DIRECT = "mtrain.rollout.sglang_loader.load_direct"
+DUMP_PARAMS = "mtrain.rollout.sglang_loader.dump_params"
+FINISH_NAME = "__mtrain_finish__"
+DUMP_PREFIX = "__mtrain_dump__"
+STATUS_DIR_ENV = "MTRAIN_SGLANG_STATUS_DIR"
+ERROR_FILE_PREFIX = "error."
+
+logger = logging.getLogger(__name__)
+
+_TARGET_RE = re.compile(r"^(?P<param>[^@]+?)(?:@(?P<start>\d+):(?P<stop>\d+))?$")
+
+# Parameters written since the last FINISH_NAME, per scheduler process (one process = one TP rank).
+_touched_since_finish: set[str] = set()
+
+
+class LoaderError(ValueError):
+    """A bucket does not fit the engine's parameters; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str
+    start: int | None = None  # row range along dim 0; None = the whole parameter
+    stop: int | None = None
+
+    def __str__(self) -> str:
+        return self.param if self.start is None else f"{self.param}@{self.start}:{self.stop}"
+
+
+def parse_target(name: str) -> Target:
+    """'p' -> whole parameter p; 'p@a:b' -> rows [a, b) of p along dim 0."""
+    if not isinstance(name, str):
+        raise LoaderError(f"tensor name must be a str, got {type(name).__name__}: {name!r}")
+    m = _TARGET_RE.match(name)
+    if m is None:
+        raise LoaderError(f"bad tensor name {name!r}: expected '<param>' or '<param>@<start>:<stop>'")
+    if m["start"] is None:
+        return Target(m["param"])
+    start, stop = int(m["start"]), int(m["stop"])
+    if stop <= start:
+        raise LoaderError(f"bad row range in {name!r}: stop {stop} must exceed start {start}")
+    return Target(m["param"], start, stop)
+
+
+def _unknown(name: str, params: Mapping[str, torch.Tensor]) -> LoaderError:
+    close = difflib.get_close_matches(name, list(params), n=3)
+    hint = f"; closest: {close}" if close else ""
+    return LoaderError(f"engine has no parameter {name!r} ({len(params)} parameters){hint}")
+
+
+def plan_copies(
+    params: Mapping[str, torch.Tensor], named_tensors: Sequence[tuple[str, Any]]
+) -> list[tuple[Target, torch.Tensor, torch.Tensor]]:
+    """Validate a whole bucket against the parameters before anything is written.
+
+    Returns (target, destination view, source) triples. Raises LoaderError naming the first bad entry:
+    unknown parameter, row range out of bounds, shape or dtype mismatch, two entries writing the same rows.
+    """
+    plan: list[tuple[Target, torch.Tensor, torch.Tensor]] = []
+    written: dict[str, list[tuple[int, int]]] = {}
+    for entry in named_tensors:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise LoaderError(f"bucket entries must be (name, tensor) pairs, got {type(entry).__name__}")
+        name, tensor = entry
+        target = parse_target(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise LoaderError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        param = params.get(target.param)
+        if param is None:
+            raise _unknown(target.param, params)
+        rows = param.shape[0] if param.dim() > 0 else 1
+        if target.start is None:
+            dst, span = param.data, (0, rows)
+        else:
+            if param.dim() == 0:
+                raise LoaderError(f"{name}: row range on a 0-d parameter {target.param}")
+            if target.stop > rows:
+                raise LoaderError(f"{name}: rows [{target.start}, {target.stop}) out of range for "
+                                  f"{target.param} with {rows} rows (shape {tuple(param.shape)})")
+            dst, span = param.data[target.start:target.stop], (target.start, target.stop)
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise LoaderError(f"{name}: shape {tuple(tensor.shape)} does not match {target.param}"
+                              f"{'' if target.start is None else f'[{target.start}:{target.stop}]'} "
+                              f"shape {tuple(dst.shape)}")
+        if tensor.dtype != dst.dtype:
+            raise LoaderError(f"{name}: dtype {tensor.dtype} does not match {target.param} dtype {dst.dtype} "
+                              "(the loader never casts)")
+        for a, b in written.get(target.param, []):
+            if span[0] < b and a < span[1]:
+                raise LoaderError(f"{name}: rows [{span[0]}, {span[1]}) of {target.param} are written twice in "
+                                  f"one bucket (also [{a}, {b}))")
+        written.setdefault(target.param, []).append(span)
+        plan.append((target, dst, tensor))
+    return plan
+
+
+def apply_copies(plan: Sequence[tuple[Target, torch.Tensor, torch.Tensor]]) -> None:
+    for _, dst, src in plan:
+        dst.copy_(src, non_blocking=True)
+    # The sources are the trainer's bucket buffers (CUDA IPC): the trainer may overwrite them as soon as the
+    # call returns, so the copies must have run by then.
+    devices = {dst.device for _, dst, _ in plan if dst.device.type == "cuda"}
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+def post_load_kwargs(hook: Any, touched: Sequence[str]) -> dict | None:
+    """How to call a model's `post_load_weights` after a sync, or None to skip it.
+
+    DeepSeek's hook (`deepseek_weight_loader.py:474`) takes `weight_names` and re-derives w_kc/w_vc only for
+    the layers whose kv_b_proj appears there; other hooks take no arguments (SGLang's own loaders call them
+    that way: `model_loader/loader.py:333-339`).
+    """
+    params = inspect.signature(hook).parameters
+    if "weight_names" in params:
+        names = sorted(n for n in touched if "kv_b_proj" in n)
+        return {"weight_names": names} if names else None
+    return {}
+
+
+def run_post_load_hooks(model: Any, touched: Sequence[str]) -> None:
+    hook = getattr(model, "post_load_weights", None)
+    if hook is None:
+        return
+    kwargs = post_load_kwargs(hook, touched)
+    if kwargs is not None:
+        hook(**kwargs)
+
+
+def select_params(params: Mapping[str, torch.Tensor], names: Sequence[str] | None) -> dict[str, torch.Tensor]:
+    if names is None:
+        return dict(params)
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise _unknown(missing[0], params)
+    return {n: params[n] for n in names}
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the raw bytes (dtype-exact, device-independent)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def param_checksums(params: Mapping[str, torch.Tensor]) -> dict[str, dict]:
+    return {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "sha256": tensor_sha256(p)}
+            for n, p in params.items()}
+
+
+def parse_dump_spec(named_tensors: Sequence[tuple[str, Any]]) -> dict:
+    if len(named_tensors) != 1 or not str(named_tensors[0][0]).startswith(DUMP_PREFIX):
+        raise LoaderError(f"dump_params expects exactly one ({DUMP_PREFIX}<json>, tensor) entry, "
+                          f"got {[n for n, _ in named_tensors][:3]}")
+    try:
+        spec = json.loads(named_tensors[0][0][len(DUMP_PREFIX):])
+    except json.JSONDecodeError as e:
+        raise LoaderError(f"dump_params: bad JSON spec: {e}") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("dir"), str):
+        raise LoaderError(f"dump_params: spec needs a 'dir' string, got {spec!r}")
+    if spec.get("what", "sha256") not in ("sha256", "tensors"):
+        raise LoaderError(f"dump_params: 'what' must be 'sha256' or 'tensors', got {spec.get('what')!r}")
+    names = spec.get("names")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise LoaderError(f"dump_params: 'names' must be null or a list of str, got {names!r}")
+    return {"dir": spec["dir"], "what": spec.get("what", "sha256"), "names": names}
+
+
+def write_dump(params: Mapping[str, torch.Tensor], spec: dict, rank: int) -> str:
+    """Write this rank's dump to <dir>/rank<r>.json (checksums) or .pt (CPU tensors); returns the path."""
+    chosen = select_params(params, spec["names"])
+    os.makedirs(spec["dir"], exist_ok=True)
+    ext = "json" if spec["what"] == "sha256" else "pt"
+    path = os.path.join(spec["dir"], f"rank{rank}.{ext}")
+    fd, tmp = tempfile.mkstemp(dir=spec["dir"], prefix=f".rank{rank}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if spec["what"] == "sha256":
+                f.write(json.dumps(param_checksums(chosen), indent=0, sort_keys=True).encode())
+            else:
+                torch.save({n: p.detach().cpu().clone() for n, p in chosen.items()}, f)
+        os.replace(tmp, path)  # readers never see a half-written file
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _rank() -> int:
+    # SGLang's scheduler initialises torch.distributed over its TP (x PP) ranks; with PP = 1 this is the TP rank.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def report_error(message: str, status_dir: str | None = None) -> None:
+    """Leave the error where the adapter looks for it; never raises (see the module docstring)."""
+    status_dir = status_dir if status_dir is not None else os.environ.get(STATUS_DIR_ENV)
+    logger.error("mtrain loader: %s", message)
+    if not status_dir:
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(dir=status_dir, prefix=".err.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"engine rank {_rank()} (pid {os.getpid()}): {message}")
+        os.replace(tmp, os.path.join(status_dir, f"{ERROR_FILE_PREFIX}rank{_rank()}.{os.getpid()}.txt"))
+    except OSError as e:  # the status dir vanished: the log line above is all that is left
+        logger.error("mtrain loader: could not write the error file in %s: %s", status_dir, e)
+
+
+def collect_errors(status_dir: str) -> list[str]:
+    """Read and delete the error files the loaders left (adapter side)."""
+    out = []
+    for fname in sorted(os.listdir(status_dir)):
+        if fname.startswith(ERROR_FILE_PREFIX):
+            path = os.path.join(status_dir, fname)
+            with open(path) as f:
+                out.append(f.read())
+            os.unlink(path)
+    return out
+
+
+def load_direct(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader: copy per-rank shards into the parameters (see the module docstring)."""
+    try:
+        if any(n == FINISH_NAME for n, _ in named_tensors):
+            if len(named_tensors) != 1:
+                raise LoaderError(f"{FINISH_NAME} must be sent alone, got {len(named_tensors)} entries")
+            run_post_load_hooks(model, sorted(_touched_since_finish))
+            _touched_since_finish.clear()
+            return
+        plan = plan_copies(dict(model.named_parameters()), named_tensors)
+        apply_copies(plan)
+        _touched_since_finish.update(t.param for t, _, _ in plan)
+    except Exception as e:  # noqa: BLE001 -- raising here would kill the training process (module docstring)
+        report_error(f"{type(e).__name__}: {e}")
+
+
+def dump_params(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader that writes parameters instead of reading them.
+
+    Lets a test compare what SGLang holds after a direct sync with what it holds after a load from disk, for
+    models without `get_weights_by_name` (Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V3 in 0.5.17).
+    """
+    try:
+        spec = parse_dump_spec(named_tensors)
+        write_dump(dict(model.named_parameters()), spec, _rank())
+    except Exception as e:  # noqa: BLE001 -- see load_direct
+        report_error(f"dump_params: {type(e).__name__}: {e}")
