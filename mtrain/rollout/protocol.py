@@ -33,7 +33,8 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
     top_p: nucleus sampling, 1.0 disables it. top_k: keep the k most likely tokens, -1 disables it.
     stop_token_ids: generation stops after emitting one of these (the stop token is part of the output,
-        finish "stop"). Engines do not add the model's EOS on their own: put it here.
+        finish "stop"). Put the model's EOS ids here: the reference engine stops on these ids only, while
+        SGLang also stops on the config's / generation_config's eos_token_id; with EOS listed, both agree.
     seed: seeds this request's own sampler so results do not depend on batching; None = engine's choice.
     """
 
@@ -162,7 +163,8 @@ def expand_samples(
     """n requests per prompt (a GRPO group), prompt-major: prompt 0's n samples, then prompt 1's, ...
 
     Every request gets a DISTINCT seed (base_seed + its index): with one shared seed a group's n samples
-    would be identical and its advantages all zero. rids are f"{rid_prefix}-{i:0Wd}-{j:0Wd}-" with fixed
+    would be identical and its advantages all zero. Seeds span [base_seed, base_seed + len(prompts) * n), so
+    callers advance base_seed by at least that much between calls (e.g. step * 10**9) to keep steps apart. rids are f"{rid_prefix}-{i:0Wd}-{j:0Wd}-" with fixed
     widths and a closing dash, so no rid is a prefix of another (SGLang aborts by prefix: "a1" would
     abort "a10"), and abort(rid_prefix) aborts the whole batch while abort(f"{rid_prefix}-{i:0Wd}-") one group.
     """
