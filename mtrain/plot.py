@@ -52,6 +52,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
 
     matplotlib.use("Agg", force=True)  # files only: never needs a display
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(len(keys), 1, figsize=(WIDTH_IN, ROW_HEIGHT_IN * len(keys)), dpi=DPI,
                              sharex=True, squeeze=False)
@@ -68,6 +69,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
             ax.set_ylabel(key)
             ax.grid(True, alpha=0.3)
         axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         fig.suptitle(run_dir.name)
         fig.tight_layout()
         out = Path(out_png) if out_png is not None else run_dir / "metrics.png"

@@ -1,0 +1,146 @@
+"""The run config: YAML + overrides, type coercion, unknown keys with suggestions, presets, validation."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtrain.config import ALGO_PRESETS, ConfigError, RunConfig, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+BASE = ["model.hf_path=/models/tiny", "data.task=arithmetic"]  # the two settings without a default
+
+
+def write_yaml(tmp_path, tree) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(tree))
+    return p
+
+
+def test_example_config_loads_and_prints_every_section():
+    cfg = load_config(EXAMPLE)
+    assert cfg.model.hf_path == "runs/tiny_llama/hf" and cfg.data.task == "arithmetic"
+    text = cfg.format_config()
+    for section in ("model", "parallel", "engine", "rollout", "algo", "optim", "data", "reward", "train", "sync"):
+        assert f"\n{section}:" in "\n" + text
+    assert yaml.safe_load(text) == cfg.to_dict()
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    cfg = load_config(EXAMPLE, ["data.arithmetic.ops=+-*", "rollout.stop_token_ids=[5, 7]",
+                                "data.system_prompt=no", "algo.name=dapo"])
+    out = cfg.dump_yaml(tmp_path / "sub" / "config.yaml")
+    assert load_config(out) == cfg
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temp file left behind
+
+
+def test_overrides_are_coerced_to_field_types():
+    cfg = load_config(None, BASE + [
+        "optim.lr=1e-6",  # PyYAML reads this as a string: must become a float
+        "rollout.max_new_tokens=32", "rollout.temperature=1", "engine.colocate=false",
+        "rollout.stop_token_ids=3,4", "engine.attention_backend=fa3", "parallel.vpp=null",
+        "model.hf_path=007",  # strings stay verbatim (YAML would make this the int 7)
+        "data.system_prompt=no",  # ... and this False
+        "--train.steps=7",
+    ])
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)
+    assert cfg.rollout.max_new_tokens == 32 and cfg.rollout.temperature == 1.0
+    assert cfg.engine.colocate is False and cfg.rollout.stop_token_ids == [3, 4]
+    assert cfg.engine.attention_backend == "fa3" and cfg.parallel.vpp is None
+    assert cfg.model.hf_path == "007" and cfg.data.system_prompt == "no" and cfg.train.steps == 7
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.max_new_tokens=abc", "rollout.max_new_tokens: expected int, got 'abc'"),
+    ("engine.colocate=maybe", "engine.colocate: expected bool"),
+    ("rollout.stop_token_ids=[1, x]", "rollout.stop_token_ids[1]: expected int"),
+    ("algo.name=ppo", "algo.name: 'ppo' is not one of 'grpo', 'dr_grpo', 'dapo', 'gspo', 'reinforce_pp'"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator: 'k4' is not one of 'k1', 'k2', 'k3'"),
+    ("algo=grpo", "'algo' is a section"),
+    ("train.steps", "must look like section.key=value"),
+])
+def test_bad_override_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(None, BASE + [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr'"),
+    ("optim.lrr=1", "did you mean 'optim.lr'?"),
+    ("optm.lr=1", "did you mean 'optim.lr'?"),
+    ("algo.clip_eps_hgh=0.3", "did you mean 'algo.clip_eps_high'?"),
+    ("data.arithmetic.max_operands=9", "did you mean 'data.arithmetic.max_operand'?"),
+    ("train.steps.x=1", "unknown config key 'train.steps.x'"),
+])
+def test_unknown_override_key_suggests_the_closest(override, suggestion):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + [override])
+    assert suggestion in str(e.value)
+
+
+def test_unknown_yaml_key_names_file_and_full_key(tmp_path):
+    path = write_yaml(tmp_path, {"model": {"hf_path": "x"}, "rollout": {"samples_per_promt": 4}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["data.task=arithmetic"])
+    msg = str(e.value)
+    assert "'rollout.samples_per_promt'" in msg and str(path) in msg
+    assert "did you mean 'rollout.samples_per_prompt'?" in msg
+
+
+def test_yaml_type_errors_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.lr: expected float, got \[1\]"):
+        load_config(write_yaml(tmp_path, {"optim": {"lr": [1]}}), BASE)
+    with pytest.raises(ConfigError, match="'rollout' .* must be a mapping"):
+        load_config(write_yaml(tmp_path, {"rollout": 5}), BASE)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+
+
+def test_algorithm_presets_fill_only_unset_knobs():
+    dapo = load_config(None, BASE + ["algo.name=dapo"])
+    assert dapo.algo.clip_eps_high == 0.28 and dapo.algo.loss_agg == "token_mean"
+    assert dapo.algo.kl_coef == 0.0 and dapo.algo.filter_uniform_groups is True
+    mine = load_config(None, BASE + ["algo.name=dapo", "algo.clip_eps_high=0.3"])
+    assert mine.algo.clip_eps_high == 0.3 and mine.algo.clip_eps_low == 0.2
+    for name, preset in ALGO_PRESETS.items():
+        cfg = load_config(None, BASE + [f"algo.name={name}"])
+        assert {k: getattr(cfg.algo, k) for k in preset} == preset
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt: must be >= 2 for grpo"),
+    (["algo.clip_eps_low=0"], "algo.clip_eps_low: must be in (0, 1)"),
+    (["algo.clip_eps_high=-0.1"], "algo.clip_eps_high: must be > 0"),
+    (["algo.dual_clip_c=0.5"], "algo.dual_clip_c: must be > 1"),
+    (["data.train_path=x.jsonl"], "set exactly one of data.train_path and data.task"),
+    (["parallel.vpp=2"], "parallel.vpp: needs parallel.pp > 1"),
+    (["parallel.tp=0"], "parallel.tp: must be >= 1"),
+    (["engine.mem_fraction_static=1.5"], "engine.mem_fraction_static: must be in (0, 1)"),
+    (["train.global_batch_size=12"], "train.global_batch_size: must divide the rollout batch"),
+    (["train.micro_batch_size=3"], "train.micro_batch_size: must divide the global batch size 32"),
+    (["rollout.temperature=0"], "rollout.temperature: must be > 0"),
+    (["optim.min_lr=1"], "optim.min_lr: must be in [0, optim.lr=1e-06]"),
+    (["train.eval_interval=5", "data.arithmetic.num_eval=0"], "there is no eval set"),
+    (["reward.fn=nocolon"], "reward.fn: must look like 'module:function'"),
+    (["data.arithmetic.ops=+/"], "data.arithmetic.ops: must be a non-empty string"),
+])
+def test_cross_field_validation(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + overrides)
+    assert message in str(e.value)
+
+
+def test_hf_path_is_required():
+    with pytest.raises(ConfigError, match="model.hf_path: is required"):
+        load_config(None, ["data.task=arithmetic"])
+
+
+def test_defaults_and_rollout_batch_size():
+    cfg = load_config(None, BASE + ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=5",
+                                    "train.micro_batch_size=5"])
+    assert isinstance(cfg, RunConfig) and cfg.rollout_batch_size == 15
+    assert cfg.algo.name == "grpo" and cfg.reward.fn == "mtrain.data.rewards:exact_match_reward"
