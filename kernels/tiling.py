@@ -73,11 +73,13 @@ def _tile_cost(pieces: np.ndarray, block: int, block_c: int) -> float:
 
 
 def choose_block_c(rows: np.ndarray, block: int) -> int:
-    contiguous, strided = _split(rows)
+    """Tile width minimising padding on the strided pieces. Row-contiguous pieces are left out: they
+    are re-cut to whatever width is chosen and fill their tiles (all but one tail) at any width."""
+    _, strided = _split(rows)
     best, best_cost = block, None
     c = MIN_BLOCK_C
     while c <= block:
-        cost = _tile_cost(np.concatenate([_recut_contiguous(contiguous, c), strided]), block, c)
+        cost = _tile_cost(strided, block, c)
         if best_cost is None or cost <= best_cost:  # ties go to the wider tile: longer contiguous runs
             best, best_cost = c, cost
         c *= 2
