@@ -1,0 +1,64 @@
+# Make SGLang 0.5.17, megatron-core and mtrain importable on the GPU machine (no network there).
+# Usage, from the repository root:   source benchmarks/gpu_setup.sh
+# Needs in .gpu/ (git-ignored; carry it to the machine): sglang-0.5.17-device-py312-torch211.tar.xz
+# (the bundle of /work/shared/device) and megatron_core-0.16.1-cp312-*.whl. The machine's image brings
+# Python 3.12, torch 2.11 (CUDA), triton, numpy, safetensors (/work/shared/device/README.md).
+# Sourced, so: no `set -e` (it would leak into the caller's shell); errors `return 1`.
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    echo "gpu_setup.sh must be sourced: source benchmarks/gpu_setup.sh" >&2
+    exit 1
+fi
+
+_mt_setup() {
+    local repo site pkg bundle wheel py
+    repo=$(pwd)
+    site=${MTRAIN_SITE:-/tmp/site}
+    pkg=${MTRAIN_PKG:-/tmp/mtrain_pkg}
+    py=${PYTHON:-python3}
+    bundle="$repo/.gpu/sglang-0.5.17-device-py312-torch211.tar.xz"
+    wheel=$(ls "$repo"/.gpu/megatron_core-0.16.1-cp312-*.whl 2>/dev/null | head -n 1)
+    if [ ! -f "$repo/mtrain/__init__.py" ]; then
+        echo "gpu_setup.sh: run from the mtrain repository root (no mtrain/ in $repo)" >&2; return 1
+    fi
+    if [ ! -f "$bundle" ]; then
+        echo "gpu_setup.sh: missing $bundle (carry .gpu/ to this machine)" >&2; return 1
+    fi
+    if [ -z "$wheel" ]; then
+        echo "gpu_setup.sh: missing .gpu/megatron_core-0.16.1-cp312-*.whl" >&2; return 1
+    fi
+
+    # 1. SGLang runtime bundle (~5 s); a marker makes a second source on a warm machine free.
+    if [ ! -f "$site/.mtrain-sglang-bundle" ]; then
+        mkdir -p "$site" && tar -xJf "$bundle" -C "$site" && touch "$site/.mtrain-sglang-bundle" || {
+            echo "gpu_setup.sh: unpacking $bundle into $site failed" >&2; return 1; }
+    fi
+    # 2. megatron-core, without dependencies (torch etc. come from the image / the bundle).
+    if [ ! -d "$site/megatron/core" ]; then
+        "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$wheel" || {
+            echo "gpu_setup.sh: installing $wheel failed" >&2; return 1; }
+    fi
+    # 3. mtrain as setup.py lays it out: kernels/ and converters/ import as mtrain.kernels / mtrain.converters.
+    #    A fresh copy each time, so edits in the checkout are what runs.
+    rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$repo/mtrain" "$pkg/mtrain" || {
+        echo "gpu_setup.sh: copying mtrain to $pkg failed" >&2; return 1; }
+    [ -d "$repo/kernels" ] && cp -r "$repo/kernels" "$pkg/mtrain/kernels"
+    [ -d "$repo/converters" ] && cp -r "$repo/converters" "$pkg/mtrain/converters"
+
+    # SGLang's scheduler processes are spawned: they find mtrain's loader through this PYTHONPATH.
+    export PYTHONPATH="$pkg:$site${PYTHONPATH:+:$PYTHONPATH}"
+    export MTRAIN_REPO="$repo"
+    "$py" - <<'EOF' || { echo "gpu_setup.sh: import check failed" >&2; return 1; }
+import importlib, sys
+for m in ("torch", "sglang", "megatron.core", "mtrain.rollout.sglang_loader"):
+    mod = importlib.import_module(m)
+    print(f"gpu_setup: {m} {getattr(mod, '__version__', '')} from {mod.__file__}")
+import torch
+print(f"gpu_setup: python {sys.version.split()[0]}, cuda available={torch.cuda.is_available()}, "
+      f"devices={torch.cuda.device_count()}")
+EOF
+}
+_mt_setup
+_mt_rc=$?
+unset -f _mt_setup
+return $_mt_rc
