@@ -64,6 +64,10 @@ def gguf_to_hf(
     config.dtype = dtype
     generation_config = GenerationConfig.from_model_config(config)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    _set_special_tokens_from_gguf(tokenizer, reader)
+    tokenizer.model_max_length = getattr(config, "max_position_embeddings", tokenizer.model_max_length)
+    # transformers ignores this for BPE tokenizers anyway (and warns on every load if it is True).
+    tokenizer.clean_up_tokenization_spaces = False
 
     # Same steps as from_pretrained(gguf_file=): a meta-device model only provides the HF names.
     with torch.device("meta"):
@@ -109,6 +113,32 @@ def gguf_to_hf(
         generation_config.save_pretrained(writer.path)
         tokenizer.save_pretrained(writer.path)
     return writer.out_dir
+
+
+# GGUF metadata key -> tokenizer special-token attribute
+_SPECIAL_TOKEN_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.unknown_token_id": "unk_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+}
+
+
+def _set_special_tokens_from_gguf(tokenizer, reader) -> None:
+    """Take bos/eos/unk/pad from the GGUF's own ids.
+
+    transformers 5.12.1's GGUF BPE converter sets eos to the *bos* token (integrations/ggml.py:
+    `eos_token = proto.tokens[proto.bos_token_id]`) and drops pad; for SmolLM2 that makes eos
+    `<|im_start|>` instead of `<|im_end|>`, so generation would never stop at the end of a turn.
+    """
+    for key, attr in _SPECIAL_TOKEN_KEYS.items():
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if not 0 <= token_id < len(tokenizer):
+            raise ConvertError(f"GGUF {key} = {token_id} is outside the vocabulary ({len(tokenizer)} tokens)")
+        setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def run(args: argparse.Namespace) -> int:
