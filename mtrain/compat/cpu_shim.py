@@ -1,0 +1,180 @@
+"""Let megatron-core 0.16.1 run on a CPU-only torch build (tests, CI, the CPU reference loop).
+
+Megatron-core assumes CUDA everywhere: it allocates with ``device=torch.cuda.current_device()`` or
+``device="cuda"``, moves tensors with ``.cuda()``, keeps its dropout/init RNG streams in CUDA generators,
+synchronises streams and records events, and checks ``param.type() == "torch.cuda.FloatTensor"``.
+On a CPU build each of those raises "Torch not compiled with CUDA enabled".
+
+``apply()`` redirects exactly those calls to the CPU. It is idempotent, does nothing when CUDA is
+available (so it can be called unconditionally), and touches no Megatron source: only attributes of
+``torch.cuda`` and one name that Megatron imported *from* ``torch.cuda`` (``_lazy_call``), plus a
+torch-function mode that rewrites CUDA device arguments. Every redirect below says why it is needed.
+
+Megatron-level traps that are not ``torch.cuda`` calls live elsewhere, where they belong:
+MLA's core attention on the local spec (``mtrain.models.local_attention``), the equal-size gloo
+all-gather for MoE token splits (``moe_token_dispatcher_type="alltoall"`` in ``mtrain.models``),
+``batch_p2p_comm=False`` for PP/VPP on gloo (``mtrain.models.forward``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+_lock = threading.Lock()
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: object) -> bool:
+    """A device argument Megatron meant as 'the current GPU': an int index, 'cuda[:i]', or torch.device('cuda')."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch call.
+
+    Megatron passes ``device=torch.cuda.current_device()`` (an int, which torch reads as cuda:N) or
+    ``device="cuda"`` to factory functions (``torch.empty/zeros/ones/arange/tensor``) and to
+    ``Tensor.to``, and calls ``Tensor.cuda()``. A torch-function mode sees all of these (it is how
+    ``with torch.device(...)`` works), so one small class covers ~200 call sites without touching them.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        # Tensor.cuda() / Tensor.cuda(device): the tensor is already where it can live.
+        if func is torch.Tensor.cuda:
+            return args[0]
+        # Megatron's optimizers compare param.type() with 'torch.cuda.FloatTensor' etc. to pick the
+        # fp32-master path; report the CUDA type name so the CPU tensor takes the same branch.
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        # torch.device(torch.cuda.current_device()) / torch.device("cuda"), e.g. `with torch.device(...)`.
+        if func is torch.device and args and _is_cuda_device(args[0]):
+            return _CPU
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        # Tensor.to('cuda') / Tensor.to(0) / Tensor.to(torch.device('cuda'), dtype): device is positional.
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoopStream:
+    """Stands in for torch.cuda.Stream/ExternalStream: CPU work is already ordered, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoopEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoopEvent:
+    """Stands in for torch.cuda.Event: recording/waiting orders nothing on the CPU; timing reads 0."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+_DEFAULT_STREAM = _NoopStream()
+
+
+class _DropCpuRngWarning(logging.Filter):
+    """Megatron's RNG tracker warns when the CPU RNG changes inside a CUDA-RNG fork. With the shim the
+    'CUDA' generator *is* the CPU generator, so every fork that draws numbers would warn spuriously."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def apply() -> bool:
+    """Install the redirects once; returns True if the shim is (now) active, False when CUDA is available."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _applied:
+            return True
+        cuda = torch.cuda
+        # current_device(): the index 0 it returns is turned into the CPU by _CudaToCpuMode where used
+        # as a device, and indexes default_generators below where used for the RNG.
+        cuda.current_device = lambda: 0
+        cuda.device_count = lambda: 1
+        cuda.set_device = lambda device: None
+        # The RNG tracker (model_parallel_cuda_manual_seed, get_cuda_rng_tracker().fork()) saves and
+        # restores the *CUDA* generator state around tensor-parallel init/dropout. On CPU the tensors
+        # draw from the CPU default generator, so that generator is the one to track.
+        cuda.default_generators = (torch.default_generator,)
+        cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+        # (torch.manual_seed itself calls cuda.manual_seed_all, which stays lazy and harmless: seed the
+        # generator directly so there is no recursion.)
+        cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+        # Megatron's _set_cuda_rng_state defers through torch.cuda._lazy_call, which only *queues* the
+        # call until CUDA initialises (never, here): the tracker would silently keep the wrong state.
+        import megatron.core.tensor_parallel.random as mcore_random
+
+        mcore_random._lazy_call = lambda callback, **kwargs: callback()
+        logging.getLogger(mcore_random.__name__).addFilter(_DropCpuRngWarning())
+        # synchronize / streams / events: used for overlap and timing; the CPU is synchronous.
+        cuda.synchronize = lambda device=None: None
+        cuda.Stream = _NoopStream
+        cuda.ExternalStream = _NoopStream
+        cuda.Event = _NoopEvent
+        cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+        cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+        cuda.stream = lambda stream=None: contextlib.nullcontext()
+        cuda.set_stream = lambda stream: None
+        # Memory statistics (reported in logs by training loops): nothing is on a GPU.
+        cuda.memory_allocated = lambda device=None: 0
+        cuda.max_memory_allocated = lambda device=None: 0
+        cuda.memory_reserved = lambda device=None: 0
+        # device="cuda" / device=current_device() / .cuda() / .type(): see _CudaToCpuMode.
+        _CudaToCpuMode().__enter__()
+        _applied = True
+        return True
+
+
+def is_applied() -> bool:
+    """True once apply() has installed the redirects in this process."""
+    return _applied

@@ -1,0 +1,346 @@
+"""HF ``config.json`` (a dict) -> Megatron-core ``TransformerConfig`` fields and ``GPTModel`` arguments.
+
+Every field that changes numerics is mapped here and nowhere else. Fields HF has that Megatron cannot
+express the same way raise ``ModelConfigError`` naming the field (never a silent approximation).
+Accepts both on-disk configs (``rope_theta``, ``rope_scaling``) and transformers-5 dicts
+(``rope_parameters``).
+
+Common to all five architectures (llama, qwen2, qwen3, qwen3_moe, deepseek_v3)
+-------------------------------------------------------------------------------
+| HF field                         | Megatron field                                         |
+|----------------------------------|--------------------------------------------------------|
+| num_hidden_layers                | num_layers                                             |
+| hidden_size                      | hidden_size                                            |
+| num_attention_heads              | num_attention_heads                                    |
+| num_key_value_heads              | num_query_groups (GQA; MLA: = num_attention_heads)     |
+| head_dim (else hidden/heads)     | kv_channels                                            |
+| intermediate_size                | ffn_hidden_size (dense layers)                         |
+| rms_norm_eps                     | layernorm_epsilon, normalization="RMSNorm"             |
+| hidden_act == "silu"             | activation_func=F.silu, gated_linear_unit=True (SwiGLU)|
+| rope_theta / rope_parameters     | GPTModel(rotary_base=...), position_embedding_type=rope|
+| max_position_embeddings          | GPTModel(max_sequence_length=...)                      |
+| vocab_size                       | GPTModel(vocab_size=padded_vocab_size(...)); logits cut|
+| tie_word_embeddings              | GPTModel(share_embeddings_and_output_weights=...)      |
+| initializer_range                | init_method_std                                        |
+| attention_dropout (must be 0)    | attention_dropout=0, hidden_dropout=0                  |
+| (no biases)                      | add_bias_linear=False                                  |
+
+llama:   attention_bias -> add_qkv_bias (o_proj bias unsupported -> error); mlp_bias -> error if true;
+         rope_scaling {rope_type: llama3, factor, low_freq_factor=1, high_freq_factor=4,
+         original_max_position_embeddings=8192} -> GPTModel(rope_scaling=True, rope_scaling_factor=factor)
+         (Megatron hard-codes low/high/original; other values -> error).
+qwen2:   add_qkv_bias=True (HF Qwen2 always has q/k/v bias, no o_proj bias); sliding window -> error if used.
+qwen3:   qk_layernorm=True (RMSNorm over head_dim: q_norm/k_norm); attention_bias -> add_qkv_bias.
+qwen3_moe (qwen3 +):
+| num_experts (num_local_experts)  | num_moe_experts                                        |
+| moe_intermediate_size            | moe_ffn_hidden_size                                    |
+| num_experts_per_tok              | moe_router_topk                                        |
+| norm_topk_prob                   | True: moe_router_pre_softmax=False (top-k of logits,   |
+|                                  | softmax over the k = renormalised); False: pre_softmax |
+| decoder_sparse_step, mlp_only_layers | moe_layer_freq (list: 1 = MoE layer, 0 = dense)    |
+| (router: softmax)                | moe_router_score_function="softmax"                    |
+| router_aux_loss_coef             | not mapped: aux loss off (moe_router_load_balancing_type="none") |
+deepseek_v3 (MLATransformerConfig):
+| q_lora_rank (None -> linear_q_proj) | q_lora_rank                                         |
+| kv_lora_rank                     | kv_lora_rank                                           |
+| qk_nope_head_dim                 | qk_head_dim                                            |
+| qk_rope_head_dim                 | qk_pos_emb_head_dim                                    |
+| v_head_dim                       | v_head_dim                                             |
+| (q_a_layernorm, kv_a_layernorm)  | qk_layernorm=True (q_layernorm / kv_layernorm)         |
+| rope_interleave (default True)   | always on in Megatron MLA (False -> error)             |
+| rope_scaling yarn: factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, |
+|   mscale_all_dim                 | rope_type="yarn", rotary_scaling_factor, original_..., |
+|                                  | beta_fast, beta_slow, mscale, mscale_all_dim (softmax  |
+|                                  | scale = mscale(factor, mscale_all_dim)^2/sqrt(q_dim))  |
+| (no scaling)                     | rope_type="rope", mscale_all_dim=0 (scale 1/sqrt(q_dim))|
+| n_routed_experts                 | num_moe_experts                                        |
+| moe_intermediate_size            | moe_ffn_hidden_size                                    |
+| n_shared_experts                 | moe_shared_expert_intermediate_size = n * moe_inter.   |
+| num_experts_per_tok              | moe_router_topk                                        |
+| (sigmoid router, e_score_correction_bias) | moe_router_score_function="sigmoid",          |
+|                                  | moe_router_enable_expert_bias=True                     |
+| n_group / topk_group             | moe_router_num_groups / moe_router_group_topk (HF sums |
+|                                  | the top-2 per group; Megatron topk//topk_group: must =2)|
+| routed_scaling_factor            | moe_router_topk_scaling_factor                         |
+| norm_topk_prob (must be True)    | Megatron's sigmoid router always renormalises          |
+| first_k_dense_replace, moe_layer_freq | moe_layer_freq list                               |
+| num_nextn_predict_layers         | mtp_num_layers (None when 0)                           |
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+class ModelConfigError(ValueError):
+    """A HF config field that mtrain cannot map faithfully onto Megatron-core (the message names it)."""
+
+
+@dataclass(frozen=True)
+class MappedConfig:
+    """What building a GPTModel needs, before parallel sizes are added."""
+
+    model_type: str
+    mla: bool  # True -> MLATransformerConfig
+    config_kwargs: dict[str, Any]
+    model_kwargs: dict[str, Any]  # GPTModel arguments except config/spec/vocab/pre/post
+    vocab_size: int  # unpadded, as HF has it
+    notes: list[str] = field(default_factory=list)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's rule: pad the vocabulary to a multiple of ``divisible_by * tp`` rows."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _req(hf: dict, key: str, model_type: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise ModelConfigError(f"{model_type} config.json is missing required field '{key}'")
+    return hf[key]
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config style."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") not in ("default", None):
+        scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type"))
+        if scaling["rope_type"] in ("default", None):
+            scaling = None
+    return float(theta), scaling
+
+
+def _common(hf: dict, mt: str) -> tuple[dict, dict]:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act={act!r} is not supported (only 'silu' with a gated MLP)")
+    if hf.get("attention_dropout", 0.0):
+        raise ModelConfigError("attention_dropout must be 0 (RL recomputes logprobs deterministically)")
+    if hf.get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=True is not supported (Megatron has one add_bias_linear switch)")
+    if hf.get("use_sliding_window"):
+        raise ModelConfigError("use_sliding_window=True is not supported")
+    heads = int(_req(hf, "num_attention_heads", mt))
+    hidden = int(_req(hf, "hidden_size", mt))
+    cfg = dict(
+        num_layers=int(_req(hf, "num_hidden_layers", mt)),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        kv_channels=int(hf.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(_req(hf, "intermediate_size", mt)),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        # HF computes softmax in fp32 and applies no per-layer query-key scaling.
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+    )
+    theta, _ = _rope(hf)
+    model = dict(
+        max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+    )
+    return cfg, model
+
+
+def _llama_rope_scaling(hf: dict, model: dict) -> None:
+    _, scaling = _rope(hf)
+    if scaling is None:
+        return
+    kind = scaling["rope_type"]
+    if kind != "llama3":
+        raise ModelConfigError(f"rope_scaling rope_type={kind!r} is not supported for this model (llama3 only)")
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for key, want in fixed.items():
+        if float(scaling.get(key, want)) != want:
+            raise ModelConfigError(
+                f"rope_scaling {key}={scaling.get(key)} is not supported: Megatron's llama3 scaling fixes it to {want}"
+            )
+    model["rope_scaling"] = True
+    model["rope_scaling_factor"] = float(scaling["factor"])
+
+
+def _map_llama(hf: dict) -> MappedConfig:
+    cfg, model = _common(hf, "llama")
+    if hf.get("attention_bias"):
+        raise ModelConfigError("llama attention_bias=True is not supported (HF also biases o_proj; Megatron cannot)")
+    _llama_rope_scaling(hf, model)
+    return MappedConfig("llama", False, cfg, model, int(_req(hf, "vocab_size", "llama")))
+
+
+def _map_qwen2(hf: dict) -> MappedConfig:
+    cfg, model = _common(hf, "qwen2")
+    cfg["add_qkv_bias"] = True  # Qwen2Attention: q/k/v_proj bias=True, o_proj bias=False, unconditionally
+    _llama_rope_scaling(hf, model)
+    return MappedConfig("qwen2", False, cfg, model, int(_req(hf, "vocab_size", "qwen2")))
+
+
+def _map_qwen3(hf: dict, mt: str = "qwen3") -> MappedConfig:
+    cfg, model = _common(hf, mt)
+    cfg["qk_layernorm"] = True
+    _llama_rope_scaling(hf, model)
+    return MappedConfig(mt, False, cfg, model, int(_req(hf, "vocab_size", mt)))
+
+
+def _map_qwen3_moe(hf: dict) -> MappedConfig:
+    base = _map_qwen3(hf, "qwen3_moe")
+    cfg = dict(base.config_kwargs)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise ModelConfigError("qwen3_moe config.json is missing 'num_experts'")
+    n = cfg["num_layers"]
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    freq = [0 if (i in dense_only or (i + 1) % step != 0) else 1 for i in range(n)]
+    cfg.update(
+        num_moe_experts=int(experts),
+        moe_ffn_hidden_size=int(_req(hf, "moe_intermediate_size", "qwen3_moe")),
+        moe_router_topk=int(_req(hf, "num_experts_per_tok", "qwen3_moe")),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", False)),
+        moe_layer_freq=freq,
+    )
+    cfg.update(_MOE_RUNTIME)
+    return MappedConfig("qwen3_moe", False, cfg, base.model_kwargs, base.vocab_size)
+
+
+# MoE settings that are not model facts but make Megatron compute what HF computes, on CPU and GPU.
+_MOE_RUNTIME = dict(
+    moe_router_load_balancing_type="none",  # no aux loss in the forward; RL losses add none either
+    moe_aux_loss_coeff=0.0,
+    moe_router_dtype="fp32",  # HF routers run their gate in fp32 (DeepSeek) or compare fp32 softmax
+    moe_token_dispatcher_type="alltoall",
+    moe_grouped_gemm=False,  # local spec: SequentialMLP (per-expert linear_fc1/fc2)
+    moe_permute_fusion=False,
+    moe_router_fusion=False,
+)
+
+
+def _map_deepseek_v3(hf: dict) -> MappedConfig:
+    mt = "deepseek_v3"
+    cfg, model = _common(hf, mt)
+    if not hf.get("rope_interleave", True):
+        raise ModelConfigError("deepseek_v3 rope_interleave=False is not supported (Megatron MLA de-interleaves)")
+    if hf.get("attention_bias"):
+        raise ModelConfigError("deepseek_v3 attention_bias=True is not supported")
+    heads = cfg["num_attention_heads"]
+    cfg["num_query_groups"] = heads  # MLA: every head has its own (decompressed) K and V
+    cfg.pop("kv_channels")
+    q_lora = hf.get("q_lora_rank")
+    cfg.update(
+        multi_latent_attention=True,
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(_req(hf, "kv_lora_rank", mt)),
+        qk_head_dim=int(_req(hf, "qk_nope_head_dim", mt)),
+        qk_pos_emb_head_dim=int(_req(hf, "qk_rope_head_dim", mt)),
+        v_head_dim=int(_req(hf, "v_head_dim", mt)),
+        kv_channels=int(_req(hf, "v_head_dim", mt)),
+        qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm on the low-rank latents
+        rotary_base=model["rotary_base"],
+    )
+    _, scaling = _rope(hf)
+    if scaling is None:
+        cfg.update(rope_type="rope", mscale_all_dim=0.0, mscale=1.0, rotary_scaling_factor=1.0)
+    elif scaling["rope_type"] == "yarn":
+        cfg.update(
+            rope_type="yarn",
+            rotary_scaling_factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(scaling.get("beta_fast", 32)),
+            beta_slow=float(scaling.get("beta_slow", 1)),
+            mscale=float(scaling.get("mscale", 1.0)),
+            mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+        )
+    else:
+        raise ModelConfigError(f"deepseek_v3 rope_scaling rope_type={scaling['rope_type']!r} is not supported (yarn only)")
+    model["position_embedding_type"] = "none"  # MLA applies its own rotary embedding inside attention
+    experts = hf.get("n_routed_experts")
+    if experts:
+        topk = int(_req(hf, "num_experts_per_tok", mt))
+        if not hf.get("norm_topk_prob", True):
+            raise ModelConfigError("deepseek_v3 norm_topk_prob=False is not supported (Megatron's sigmoid router renormalises)")
+        if hf.get("topk_method", "noaux_tc") not in ("noaux_tc",):
+            raise ModelConfigError(f"deepseek_v3 topk_method={hf.get('topk_method')!r} is not supported (noaux_tc only)")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ModelConfigError(f"deepseek_v3 scoring_func={hf.get('scoring_func')!r} is not supported (sigmoid only)")
+        n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
+        group_kwargs: dict[str, Any] = {}
+        if n_group and int(n_group) > 1:
+            if topk // int(topk_group) != 2:
+                raise ModelConfigError(
+                    f"deepseek_v3 num_experts_per_tok/topk_group = {topk}/{topk_group} must be 2: HF scores a group by "
+                    "its top-2 experts, Megatron by its top-(topk/topk_group)"
+                )
+            group_kwargs = dict(moe_router_num_groups=int(n_group), moe_router_group_topk=int(topk_group))
+        first_dense = int(hf.get("first_k_dense_replace", 0))
+        every = int(hf.get("moe_layer_freq", 1))
+        n = cfg["num_layers"]
+        freq = [1 if (i >= first_dense and i % every == 0) else 0 for i in range(n)]
+        shared = int(hf.get("n_shared_experts") or 0)
+        moe_inter = int(_req(hf, "moe_intermediate_size", mt))
+        cfg.update(
+            num_moe_experts=int(experts),
+            moe_ffn_hidden_size=moe_inter,
+            moe_shared_expert_intermediate_size=shared * moe_inter if shared else None,
+            moe_router_topk=topk,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_pre_softmax=True,
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_layer_freq=freq,
+            **group_kwargs,
+        )
+        cfg.update(_MOE_RUNTIME)
+    mtp = int(hf.get("num_nextn_predict_layers") or 0)
+    cfg["mtp_num_layers"] = mtp if mtp > 0 else None
+    return MappedConfig(mt, True, cfg, model, int(_req(hf, "vocab_size", mt)))
+
+
+_MAPPERS = {
+    "llama": _map_llama,
+    "qwen2": _map_qwen2,
+    "qwen3": _map_qwen3,
+    "qwen3_moe": _map_qwen3_moe,
+    "deepseek_v3": _map_deepseek_v3,
+}
+
+
+def map_hf_config(hf_config: dict) -> MappedConfig:
+    """Map a HF config dict; raises ModelConfigError naming the field for anything unsupported."""
+    mt = hf_config.get("model_type")
+    if mt not in _MAPPERS:
+        raise ModelConfigError(f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return _MAPPERS[mt](hf_config)
+
+
+def dtype_flags(params_dtype: torch.dtype) -> dict[str, Any]:
+    """TransformerConfig precision flags for a parameter dtype."""
+    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelConfigError(f"params_dtype={params_dtype} is not supported (float32, bfloat16, float16)")
+    return dict(
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+    )
