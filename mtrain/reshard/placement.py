@@ -61,18 +61,8 @@ class MegatronLayout:
     @cached_property
     def coords(self) -> list[dict]:
         """Coordinates of every global rank, as megatron-core's parallel_state assigns them by default."""
-        out = []
-        edp = (self.tp * self.cp * self.dp) // (self.expert_tp * self.ep)
-        for r in range(self.world):
-            per_stage = self.tp * self.cp * self.dp
-            pp_rank, q = divmod(r, per_stage)
-            tp_rank, q2 = q % self.tp, q // self.tp
-            cp_rank, dp_rank = q2 % self.cp, q2 // self.cp
-            etp_rank, e2 = q % self.expert_tp, q // self.expert_tp
-            ep_rank, edp_rank = e2 % self.ep, e2 // self.ep
-            assert edp_rank < edp
-            out.append(dict(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank, etp=etp_rank, ep=ep_rank, edp=edp_rank))
-        return out
+        from mtrain.dist import rank_coords
+        return [vars(c) for c in rank_coords(self.world, self.tp, self.pp, self.ep, self.etp, self.cp)]
 
     def stage_of(self, model: ModelLayout, w: Weight) -> tuple[int, int, int | None]:
         """(pp rank, vpp chunk, layer index inside the chunk) that holds weight w."""

@@ -1,0 +1,64 @@
+"""`mtrain` command line: train, plot, init-tiny.
+
+    mtrain train CONFIG.yaml [a.b.c=value ...]     # under torchrun for several ranks
+    mtrain plot RUN_DIR [--out PNG]
+    mtrain init-tiny --arch llama --out DIR        # a tiny random HF model for CPU runs and tests
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args) -> int:
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return 0
+
+
+def _plot(args) -> int:
+    from mtrain.plot import plot_run
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _init_tiny(args) -> int:
+    from mtrain.tiny_hf import write_tiny_hf
+    print(write_tiny_hf(args.arch, args.out, seed=args.seed, overrides=dict(kv.split("=", 1) for kv in args.set)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mtrain", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run RL training from a YAML config plus a.b.c=value overrides")
+    t.add_argument("config", nargs="?", default=None)
+    t.add_argument("overrides", nargs="*")
+    t.set_defaults(fn=_train)
+    pl = sub.add_parser("plot", help="draw reward, KL and logprob diff of a run to a PNG")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None)
+    pl.set_defaults(fn=_plot)
+    it = sub.add_parser("init-tiny", help="write a tiny random HF model (config.json + safetensors)")
+    it.add_argument("--arch", required=True)
+    it.add_argument("--out", required=True)
+    it.add_argument("--seed", type=int, default=0)
+    it.add_argument("--set", nargs="*", default=[], help="config.json overrides key=value (JSON values)")
+    it.set_defaults(fn=_init_tiny)
+    args = p.parse_args(argv)
+    from mtrain.config import ConfigError
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"mtrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Write a tiny random HF model directory (transformers' own classes, on-disk safetensors names)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mtrain.tiny_configs import tiny_config
+
+
+def write_tiny_hf(arch: str, out: str | Path, *, seed: int = 0, overrides: dict | None = None) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = tiny_config(arch, **{k: json.loads(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()})
+    out = Path(out)
+    if (out / "config.json").exists():
+        raise FileExistsError(f"{out} already holds a model (config.json): refusing to overwrite it")
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**dict(cfg, num_nextn_predict_layers=0) if "num_nextn_predict_layers" in cfg
+                                  else cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model.save_pretrained(str(out))
+    return out

@@ -1,0 +1,57 @@
+"""Rollout results -> padded training tensors, and their split over data-parallel ranks and micro-batches.
+
+Layout: tokens[b] = prompt + response, right-padded to T. Position t of the model's output predicts token
+t + 1, so every per-token tensor here ([B, T-1]: logprobs, masks, advantages) is indexed by the position of
+the *predicting* token and `response_mask[b, t]` is 1 when token t + 1 is a response token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mtrain.rollout.protocol import Completion
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor  # [B, T] long
+    response_mask: torch.Tensor  # [B, T-1] float
+    engine_logprobs: torch.Tensor  # [B, T-1] float (0 off the mask)
+    rewards: torch.Tensor  # [B]
+    response_lens: torch.Tensor  # [B]
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+
+def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1
+                ) -> RolloutBatch:
+    if not completions:
+        raise ValueError("build_batch: no completions")
+    lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
+    t = max(lengths)
+    t = -(-t // pad_to_multiple) * pad_to_multiple
+    b = len(completions)
+    tokens = torch.full((b, t), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, t - 1))
+    engine_lp = torch.zeros((b, t - 1))
+    for i, c in enumerate(completions):
+        p, r = len(c.prompt_ids), len(c.output_ids)
+        tokens[i, :p + r] = torch.tensor(list(c.prompt_ids) + list(c.output_ids), dtype=torch.long)
+        if r:
+            mask[i, p - 1:p - 1 + r] = 1.0
+            engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
+                        torch.tensor([len(c.output_ids) for c in completions]))
+
+
+def dp_slice(n: int, dp_rank: int, dp_size: int) -> slice:
+    if n % dp_size:
+        raise ValueError(f"rollout batch of {n} samples does not split over {dp_size} data-parallel ranks")
+    per = n // dp_size
+    return slice(dp_rank * per, (dp_rank + 1) * per)

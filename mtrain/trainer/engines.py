@@ -1,0 +1,52 @@
+"""What the loop needs from outside the trainer: the tokenizer, the rollout engine, the initial weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mtrain.layouts.table import ModelLayout
+
+
+def load_tokenizer(hf_dir: Path, hf_config: dict):
+    """The model's HF tokenizer; a tiny random model without tokenizer files gets the character tokenizer."""
+    if any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(hf_dir))
+    from mtrain.data.tiny_tokenizer import CharTokenizer
+    return CharTokenizer(vocab_size=hf_config["vocab_size"])
+
+
+def make_engine(cfg, hf_dir: Path, hf_config: dict):
+    """SGLang on a GPU (or when asked), the CPU reference engine otherwise. Weights arrive by the first sync."""
+    kind = cfg.engine.kind
+    if kind == "auto":
+        kind = "sglang" if torch.cuda.is_available() else "reference"
+    if kind == "reference":
+        from mtrain.rollout.reference_engine import ReferenceEngine
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
+    from mtrain.rollout.sglang_engine import SGLangEngine
+    server_args = {"attention_backend": cfg.engine.attention_backend} if cfg.engine.attention_backend else None
+    return SGLangEngine(str(hf_dir), tp_size=cfg.engine.tp, mem_fraction_static=cfg.engine.mem_fraction_static,
+                        load_format="dummy", random_seed=cfg.train.seed, server_args=server_args)
+
+
+def weight_loader(cfg, layout: ModelLayout, rank: int):
+    """A function that fills freshly built (unwrapped) model chunks: from HF safetensors or a dist checkpoint."""
+    def load(chunks) -> None:
+        if cfg.model.mcore_ckpt:
+            from megatron.core import dist_checkpointing
+            sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+            flat = {}
+            for v in sd.values():
+                flat.update(v)
+            state = dist_checkpointing.load(flat, cfg.model.mcore_ckpt)
+            for c in chunks:
+                c.load_state_dict({k: v for k, v in state.items() if k in c.state_dict()}, strict=False)
+            return
+        from mtrain.converters.safetensors_io import HFCheckpoint
+        from mtrain.reshard.megatron_side import load_hf_into_megatron
+        ckpt = HFCheckpoint(cfg.model.hf_path)
+        load_hf_into_megatron(layout, chunks, ckpt.get, rank)
+    return load

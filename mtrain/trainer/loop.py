@@ -1,0 +1,174 @@
+"""`mtrain train`: the RL loop, top to bottom.
+
+    build (distributed, data, policy, engine) -> for each step: rollout -> rewards -> advantages ->
+    logprobs -> train step -> weight sync -> metrics -> checkpoint
+
+Each arrow is one call into its own module; this file only orders them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mtrain.algorithms.objective import compute_advantages
+from mtrain.data import load_datasets
+from mtrain.data.rewards import load_reward_fn
+from mtrain.data.sampler import PromptSampler
+from mtrain.dist import init_distributed
+from mtrain.layouts import model_layout
+from mtrain.metrics import MetricsWriter
+from mtrain.trainer import checkpoint
+from mtrain.trainer.actor import Actor
+from mtrain.trainer.batch import build_batch, dp_slice
+from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
+from mtrain.trainer.rollout_step import broadcast_result, run_rollout
+from mtrain.trainer.sync import WeightSync
+
+log = logging.getLogger("mtrain")
+LEADER = 0  # the rank that drives the engine
+
+
+def _reduce_metrics(local: dict[str, float]) -> dict[str, float]:
+    """Merge every rank's metrics on all ranks: max for '*max*' keys, mean otherwise."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    keys = sorted({k for g in gathered for k in g})
+    out = {}
+    for k in keys:
+        vals = [g[k] for g in gathered if k in g]
+        out[k] = max(vals) if "max" in k else sum(vals) / len(vals)
+    return out
+
+
+def _logprob_diff(old_lp, batch) -> dict[str, float]:
+    if old_lp is None:
+        return {}
+    m = batch.response_mask.bool()
+    d = (old_lp - batch.engine_logprobs).abs()[m]
+    if d.numel() == 0:
+        return {}
+    return {"logprob_diff/mean_abs": float(d.mean()), "logprob_diff/max_abs": float(d.max())}
+
+
+class Trainer:
+    def __init__(self, cfg):
+        p = cfg.parallel
+        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed)
+        self.cfg, self.rank = cfg, dist.get_rank()
+        self.run_dir = Path(cfg.train.run_dir)
+        hf_dir = Path(cfg.model.hf_path)
+        self.hf_config = json.loads((hf_dir / "config.json").read_text())
+        # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
+        self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
+        self.layout = model_layout(self.train_config, mtp=False)
+        self.tokenizer = load_tokenizer(hf_dir, self.hf_config)
+        self.train_set, self.eval_set = load_datasets(cfg)
+        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle)
+        load = weight_loader(cfg, self.layout, self.rank)
+        self.actor = Actor(cfg, self.train_config, load_weights=load)
+        self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False) if cfg.algo.kl_coef else None
+        self.engine = make_engine(cfg, hf_dir, self.hf_config) if self.rank == LEADER else None
+        kind = "hf" if cfg.engine.kind == "reference" or not torch.cuda.is_available() else "sglang"
+        self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, engine_kind=kind, engine_tp=cfg.engine.tp,
+                               leader=LEADER, dtype=self.actor.dtype if kind == "hf" else torch.bfloat16,
+                               bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                               device="cuda" if torch.cuda.is_available() else "cpu")
+        self.step = 0
+        self._resume()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.dump_yaml(self.run_dir / "config.yaml")
+            print(cfg.format_config(), flush=True)
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step) if self.rank == 0 else None
+        self.sync.sync(version=self.step)
+
+    def _resume(self) -> None:
+        r = self.cfg.train.resume
+        path = None if r == "never" else (checkpoint.find_latest(self.run_dir) if r == "auto" else Path(r))
+        if path is None:
+            return
+        state = checkpoint.load(path, self.actor)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _rollout(self, samples, *, n, seed, prefix, greedy=False):
+        value = None
+        if self.rank == LEADER:
+            try:
+                value = run_rollout(self.engine, self.tokenizer, samples, self.cfg, self.reward_fn, n=n, seed=seed,
+                                    rid_prefix=prefix, greedy=greedy)
+            except Exception as e:  # ship the error to every rank: nobody must wait forever
+                value = e
+        return broadcast_result(value, LEADER)
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_set:
+            return {}
+        res = self._rollout(self.eval_set, n=self.cfg.train.eval_samples, seed=10**9, prefix="eval", greedy=True)
+        return {"eval/reward_mean": sum(res.rewards) / len(res.rewards)}
+
+    def train_step(self) -> dict[str, float]:
+        cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
+        from megatron.core import parallel_state as ps
+        samples = [self.train_set[i] for i in self.sampler.next_batch()]
+        t0 = time.perf_counter()
+        res = self._rollout(samples, n=n, seed=cfg.train.seed * 1_000_003 + self.step * 10_007,
+                            prefix=f"s{self.step}")
+        t1 = time.perf_counter()
+        batch = build_batch(res.completions, res.rewards, pad_id=self.tokenizer.pad_token_id or 0)
+        adv, adv_metrics = compute_advantages(cfg.algo, batch.rewards, n, batch.response_mask)
+        sl = dp_slice(batch.size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        mine, adv_mine = batch.select(sl), adv[sl]
+        old_lp = self.actor.logprobs(mine)
+        ref_lp = self.ref.logprobs(mine) if self.ref else None
+        norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(batch.size)}
+        if self.engine is not None and torch.cuda.is_available():
+            self.engine.release_memory(("kv_cache", "weights"))
+        t2 = time.perf_counter()
+        train_metrics = self.actor.train_step(mine, old_lp, adv_mine, ref_lp, norms)
+        t3 = time.perf_counter()
+        if self.engine is not None and torch.cuda.is_available():
+            self.engine.resume_memory(("weights",))
+        self.step += 1
+        sync_metrics = self.sync.sync(version=self.step)
+        if self.engine is not None and torch.cuda.is_available():
+            self.engine.resume_memory(("kv_cache",))
+        local = {**train_metrics, **_logprob_diff(old_lp, mine)} if old_lp is not None else {}
+        local.update({k: float(v) for k, v in adv_metrics.items()})
+        out = _reduce_metrics(local)
+        out.update({"reward/mean": float(batch.rewards.mean()), "response_len/mean": float(batch.response_lens
+                    .float().mean()), "weight_version": self.step, "time/rollout": t1 - t0,
+                    "time/logprobs": t2 - t1, "time/train": t3 - t2, **sync_metrics})
+        return out
+
+    def run(self) -> None:
+        cfg = self.cfg
+        if cfg.train.val_only or (cfg.train.val_before_train and self.step == 0):
+            ev = self.evaluate()
+            if self.metrics:
+                self.metrics.log(self.step, ev)
+            if cfg.train.val_only:
+                return
+        while self.step < cfg.train.steps:
+            m = self.train_step()
+            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                m.update(self.evaluate())
+            if self.metrics:
+                self.metrics.log(self.step, m)
+            if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == cfg.train.steps:
+                checkpoint.save(self.run_dir, self.step, self.actor, {"sampler": self.sampler.state_dict()})
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,0 +1,55 @@
+"""One rollout on the engine's leader: prompts -> samples (n per prompt, distinct seeds) -> rewards.
+
+Runs only where the engine lives; `broadcast_result` ships the outcome (or the error) to every rank, so an
+engine or reward failure stops all ranks with the same clear message instead of leaving them waiting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mtrain.data.chat import tokenize_prompts
+from mtrain.data.rewards import score_responses
+from mtrain.rollout.protocol import Completion, SamplingParams, expand_samples
+
+
+@dataclass
+class RolloutResult:
+    completions: list[Completion]
+    rewards: list[float]
+    responses: list[str]
+
+
+def stop_ids(tokenizer, extra: list[int]) -> tuple[int, ...]:
+    eos = tokenizer.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+    return tuple(sorted(set(ids) | set(extra)))
+
+
+def run_rollout(engine, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int, rid_prefix: str,
+                greedy: bool = False) -> RolloutResult:
+    r, d = cfg.rollout, cfg.data
+    prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
+                               apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
+                               drop_overlong=d.drop_overlong_prompts)
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                            top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
+                            stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
+    requests = expand_samples([p.ids for p in prompts], n, params, base_seed=seed, rid_prefix=rid_prefix)
+    completions = engine.generate(requests)
+    stops = set(params.stop_token_ids)
+    responses = [tokenizer.decode([t for t in c.output_ids if t not in stops], skip_special_tokens=True)
+                 for c in completions]
+    grouped = [p.sample for p in prompts for _ in range(n)]
+    rewards = score_responses(reward_fn, grouped, responses, timeout_s=cfg.reward.timeout_s)
+    return RolloutResult(completions, rewards, responses)
+
+
+def broadcast_result(value, src: int):
+    """Every rank gets the leader's value; an exception raised on the leader is raised on every rank."""
+    box = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
