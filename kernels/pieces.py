@@ -8,7 +8,7 @@ respective tensor's dtype, so a bf16 source and an fp32 destination each use the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -141,39 +141,50 @@ def _check_no_dst_overlap(rows: np.ndarray, piece_ids: np.ndarray) -> None:
             f"piece {b}: overlaps piece {a} in dst at element {int(start[clash + 1])}")
 
 
-def check_tensors(dst: torch.Tensor, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Check dst/srcs against the contract and return the sources as flat views."""
+class SrcMeta(NamedTuple):
+    data_ptr: int
+    numel: int
+    dtype: torch.dtype
+
+
+def check_tensors(dst: torch.Tensor, srcs: Sequence[torch.Tensor]) -> list[SrcMeta]:
+    """Check dst/srcs against the contract; return what the executors need of each source.
+    One attribute sweep per source and no views: an executor may get a thousand sources per call."""
     if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
         raise PieceTableError(
             f"dst must be a flat contiguous 1-D tensor, got shape {getattr(dst, 'shape', None)}")
-    flat = []
-    for i, s in enumerate(srcs):
-        if not isinstance(s, torch.Tensor) or not s.is_contiguous():
+    try:
+        raw = [(s.data_ptr(), s.numel(), s.dtype, s.is_contiguous(), s.get_device()) for s in srcs]
+    except AttributeError:
+        bad = next(i for i, s in enumerate(srcs) if not isinstance(s, torch.Tensor))
+        raise PieceTableError(f"srcs[{bad}] must be a torch.Tensor, got {type(srcs[bad]).__name__}") from None
+    dev, dt = dst.get_device(), dst.dtype
+    for i, (_, _, sdt, contiguous, sdev) in enumerate(raw):
+        if not contiguous:
             raise PieceTableError(f"srcs[{i}] must be a contiguous tensor")
-        if s.device != dst.device:
-            raise PieceTableError(f"srcs[{i}] is on {s.device} but dst is on {dst.device}")
-        if s.dtype != dst.dtype and (s.dtype not in CAST_DTYPES or dst.dtype not in CAST_DTYPES):
+        if sdev != dev:
+            raise PieceTableError(f"srcs[{i}] is on {srcs[i].device} but dst is on {dst.device}")
+        if sdt != dt and (sdt not in CAST_DTYPES or dt not in CAST_DTYPES):
             raise PieceTableError(
-                f"srcs[{i}] has dtype {s.dtype} and dst {dst.dtype}: casts are supported only among "
+                f"srcs[{i}] has dtype {sdt} and dst {dt}: casts are supported only among "
                 f"{[str(d) for d in CAST_DTYPES]}")
-        flat.append(s.reshape(-1))
-    return flat
+    return [SrcMeta(p, n, d) for p, n, d, _, _ in raw]
 
 
-def validate_call(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> list[torch.Tensor]:
+def validate_call(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> list[SrcMeta]:
     """Tensor checks + table validation, the latter cached per (table version, dst and src sizes)."""
-    flat = check_tensors(dst, srcs)
-    key = ("valid", dst.numel(), tuple(s.numel() for s in flat))
+    meta = check_tensors(dst, srcs)
+    key = ("valid", dst.numel(), tuple(m.numel for m in meta))
     cache = table.derived()
     if key not in cache:
-        validate(table, dst.numel(), [s.numel() for s in flat])
+        validate(table, dst.numel(), [m.numel for m in meta])
         cache[key] = True
-    return flat
+    return meta
 
 
 def execute_pieces_torch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> None:
     """Reference executor: one as_strided view pair and one copy_ (which casts) per piece."""
-    flat = validate_call(dst, srcs, table)
+    validate_call(dst, srcs, table)
     d0 = dst.storage_offset()
     for i, so, ss, do, ds, nr, nc in table.numpy().tolist():
         if nr == 0 or nc == 0:
@@ -182,5 +193,5 @@ def execute_pieces_torch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table:
         if i == FILL:
             out.zero_()
         else:
-            src = flat[i]
+            src = srcs[i]  # contiguous, any shape: as_strided addresses its storage directly
             out.copy_(src.as_strided((nr, nc), (ss, 1), src.storage_offset() + so))

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pieces import CAST_DTYPES, PieceTable, PieceTableError, validate_call
+from .pieces import CAST_DTYPES, PieceTable, PieceTableError, SrcMeta, validate_call
 from .tiling import TILE_FIELDS, TilePlan, plan_tiles
 
 DEFAULT_BLOCK = int(os.environ.get("MTRAIN_PIECES_BLOCK", "8192"))
@@ -158,31 +158,38 @@ def _device_tiles(table: PieceTable, device: torch.device, block: int) -> tuple[
     key = ("tiles", str(device), block)
     if key not in cache:
         plan = plan_tiles(table.numpy(), block)
-        cache[key] = (torch.from_numpy(plan.tiles).to(device), plan)
+        tiles = torch.from_numpy(plan.tiles).to(device)
+        if tiles.is_cuda:  # built once per plan; make it visible to launches on any stream
+            torch.cuda.current_stream(device).synchronize()
+        cache[key] = (tiles, plan)
     return cache[key]
 
 
-def _slot_bases(flat: Sequence[torch.Tensor], compiled: bool):
-    """Group sources by dtype: returns (per-slot base args, per-source (delta, slot) rows)."""
+def _slot_bases(srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], as_int: torch.dtype | None,
+                compiled: bool):
+    """Group sources by dtype: returns ([(base arg, VEC)] per slot, int64 [S, 2] (delta, slot))."""
     slots: dict[torch.dtype, list[int]] = {}
-    for i, s in enumerate(flat):
-        slots.setdefault(s.dtype, []).append(i)
-    if len(slots) > MAX_SLOTS:
+    for i, m in enumerate(meta):
+        slots.setdefault(m.dtype, []).append(i)
+    if len(slots) > MAX_SLOTS:  # unreachable while CAST_DTYPES has 3 entries; kept as a guard
         raise PieceTableError(f"at most {MAX_SLOTS} source dtypes per call, got {sorted(map(str, slots))}")
-    bases, info = [], np.zeros((len(flat), 2), np.int64)
+    ptrs = np.fromiter((m.data_ptr for m in meta), np.int64, len(meta))
+    bases, info = [], np.zeros((len(meta), 2), np.int64)
     for k, (dtype, members) in enumerate(slots.items()):
-        esize = flat[members[0]].element_size()
-        lowest = min(members, key=lambda i: flat[i].data_ptr())
-        if compiled:
-            base_addr = flat[lowest].data_ptr() & ~15
-            base = _Ptr(base_addr, dtype)
+        esize, load_dtype = dtype.itemsize, as_int or dtype
+        idx = np.asarray(members)
+        lowest = int(idx[np.argmin(ptrs[idx])])
+        if compiled:  # rounded down to 16 bytes: still inside the same allocation, always aligned
+            base_addr = meta[lowest].data_ptr & ~15
+            base = _Ptr(base_addr, load_dtype)
         else:  # the interpreter needs a real tensor; alignment hints are no-ops there anyway
-            base_addr, base = flat[lowest].data_ptr(), flat[lowest]
-        for i in members:
-            delta = flat[i].data_ptr() - base_addr
-            if delta % esize:
-                raise PieceTableError(f"srcs[{i}] data pointer is not aligned to its {esize}-byte elements")
-            info[i] = (delta // esize, k)
+            base_addr, base = meta[lowest].data_ptr, srcs[lowest].view(load_dtype)
+        delta = ptrs[idx] - base_addr
+        if (delta % esize).any():
+            bad = members[int(np.flatnonzero(delta % esize)[0])]
+            raise PieceTableError(f"srcs[{bad}] data pointer is not aligned to its {esize}-byte elements")
+        info[idx, 0] = delta // esize
+        info[idx, 1] = k
         bases.append((base, 16 // esize))
     return bases, info
 
@@ -190,7 +197,7 @@ def _slot_bases(flat: Sequence[torch.Tensor], compiled: bool):
 def execute_pieces_triton(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable,
                           block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> None:
     """Execute the table with one Triton launch (none if it writes nothing)."""
-    flat = validate_call(dst, srcs, table)
+    meta = validate_call(dst, srcs, table)
     compiled = not is_interpreted()
     if compiled and not dst.is_cuda:
         raise PieceTableError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
@@ -198,30 +205,32 @@ def execute_pieces_triton(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table
         # The interpreter copies each argument to the host separately, so the other sources'
         # addresses (reached through base + delta) would not exist there.
         raise PieceTableError("under TRITON_INTERPRET=1 the Triton backend needs CPU tensors")
-    if all(s.dtype == dst.dtype for s in flat):
-        if dst.element_size() not in _INT_OF_SIZE:
+    as_int = None
+    if all(m.dtype == dst.dtype for m in meta):
+        as_int = _INT_OF_SIZE.get(dst.element_size())
+        if as_int is None:
             raise PieceTableError(f"dst dtype {dst.dtype} has no same-size integer type for a raw copy")
-        as_int = _INT_OF_SIZE[dst.element_size()]
-        dst, flat = dst.view(as_int), [s.view(as_int) for s in flat]
+        dst = dst.view(as_int)
     elif dst.dtype not in CAST_DTYPES:
         raise PieceTableError(f"dst dtype {dst.dtype}: casts are supported only among {CAST_DTYPES}")
     tiles, plan = _device_tiles(table, dst.device, block)
     n_tiles = tiles.shape[0]
     if n_tiles == 0:
         return
-    bases, info = _slot_bases(flat, compiled)
-    info_dev = torch.from_numpy(info).to(dst.device, non_blocking=True) if len(flat) else tiles
+    bases, info = _slot_bases(srcs, meta, as_int, compiled)
+    info_dev = torch.from_numpy(info).to(dst.device, non_blocking=True) if len(meta) else tiles
     if compiled:
         dst_base = dst.data_ptr() & ~15
         dst_arg, dst_delta = _Ptr(dst_base, dst.dtype), (dst.data_ptr() - dst_base) // dst.element_size()
     else:
         dst_arg, dst_delta = dst, 0
+    bases_used = list(bases)
     while len(bases) < MAX_SLOTS:  # unused slots: any pointer will do, they are compiled out
         bases.append((bases[0] if bases else (dst_arg, 16 // dst.element_size())))
     vec_d = 16 // dst.element_size()
     _pieces_kernel[(n_tiles,)](
         tiles, info_dev, dst_arg, dst_delta, bases[0][0], bases[1][0], bases[2][0],
-        N_SLOTS=len({s.dtype for s in flat}), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1],
+        N_SLOTS=len(bases_used), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1],
         VEC_D=vec_d, VMAX0=max(bases[0][1], vec_d), VMAX1=max(bases[1][1], vec_d),
         VMAX2=max(bases[2][1], vec_d), BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
         TILE_FIELDS=TILE_FIELDS, num_warps=num_warps)
