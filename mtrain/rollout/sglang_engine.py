@@ -73,6 +73,7 @@ def engine_server_args(
     base_gpu_id: int,
     load_format: str,
     random_seed: int,
+    deterministic: bool = False,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
@@ -82,7 +83,7 @@ def engine_server_args(
         skip_tokenizer_init=True,  # token ids in, token ids out
         enable_memory_saver=True,  # release/resume by tags
         attention_backend="triton",
-        sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:263)
+        sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:267-269)
         grammar_backend="none",
         mem_fraction_static=mem_fraction_static,
         cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
@@ -97,6 +98,9 @@ def engine_server_args(
         base_gpu_id=base_gpu_id,
         weight_version="0",
         random_seed=random_seed,
+        # Per-request sampling seeds only take effect with deterministic inference (batch-invariant kernels);
+        # without it sampling uses the global torch RNG (sampling_batch_info.py:118-132).
+        enable_deterministic_inference=deterministic,
         custom_sigquit_handler=_launch_sigquit_handler,
         log_level="error",
     )
@@ -110,7 +114,12 @@ def engine_server_args(
 
 def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
     """Our SamplingParams as SGLang's sampling_params dict. Temperature 0 is SGLang's greedy too
-    (sampling_params.py:143-146: temperature 1, top_k 1, logprobs = log_softmax(logits))."""
+    (sampling_params.py:144-147: temperature 1, top_k 1, logprobs = log_softmax(logits)).
+
+    SGLang always stops at the model's EOS ids (config.json + generation_config.json) besides stop_token_ids;
+    `ignore_eos` turns off both (schedule_batch.py:1446-1457). So: no stop ids -> ignore_eos, only the length
+    limit stops (the protocol's meaning); with stop ids, EOS stops too -- put the EOS ids in stop_token_ids.
+    """
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": float(params.temperature),
@@ -120,6 +129,8 @@ def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    else:
+        out["ignore_eos"] = True
     return out
 
 
@@ -180,6 +191,7 @@ class SGLangEngine(RolloutEngine):
         base_gpu_id: int = 0,
         load_format: str = "auto",
         random_seed: int = 0,
+        deterministic: bool = False,
         server_args: Mapping[str, Any] | None = None,
     ) -> None:
         try:
@@ -202,7 +214,7 @@ class SGLangEngine(RolloutEngine):
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
-                                    extra=server_args)
+                                    deterministic=deterministic, extra=server_args)
         children_before = _child_pids()
         with engine_environment(extra={STATUS_DIR_ENV: self._status_dir}):
             try:

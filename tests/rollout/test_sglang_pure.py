@@ -245,7 +245,8 @@ def test_sampling_params_translation():
     assert to_sglang_sampling(SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(2, 7)), 11) == {
         "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 11,
         "stop_token_ids": [2, 7]}
-    assert "stop_token_ids" not in to_sglang_sampling(SamplingParams(), 0)
+    no_stop = to_sglang_sampling(SamplingParams(), 0)
+    assert "stop_token_ids" not in no_stop and no_stop["ignore_eos"] is True  # only the length limit stops
 
 
 def _out(ids, lps, reason, version="3"):
