@@ -35,12 +35,6 @@ def gguf_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Convert a GGUF file to a HF checkpoint directory at `out_dir`; return `out_dir`."""
-    from gguf import GGUFReader, dequantize
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint,
-    )
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ConvertError(f"GGUF file {gguf_path} does not exist")
@@ -48,12 +42,22 @@ def gguf_to_hf(
         raise ConvertError(f"dtype {dtype} is not supported for a HF checkpoint (float32, bfloat16, float16)")
     check_output_dir(out_dir, overwrite)  # fail before the slow parts, not after them
 
+    # Imported here, after the cheap checks: transformers takes seconds to import.
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint,
+    )
+
     gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
     try:
         reader = GGUFReader(gguf_path)
     except Exception as e:  # gguf raises bare ValueErrors/struct errors on corrupt files
         raise ConvertError(f"{gguf_path}: not a readable GGUF file: {e}") from e
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
+        raise ConvertError(f"{gguf_path}: GGUF metadata lacks general.architecture")
+    architecture = bytes(arch_field.parts[-1]).decode()
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{gguf_path}: GGUF architecture '{architecture}' is not supported by gguf_to_hf "

@@ -127,3 +127,97 @@ def test_tokenizer_round_trip(gguf_path, hf_dir):
         gguf_id["bos"], gguf_id["eos"], gguf_id["unknown"], gguf_id["padding"])
     assert (ours.bos_token, ours.eos_token, ours.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     assert ours.model_max_length == 8192
+
+
+# --- a tiny GGUF written here from a random HF Llama, the way llama.cpp's converter writes one ---
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `permute`: interleave each head's two rotary halves."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {  # HF per-layer suffix -> llama.cpp tensor name
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(path to a tiny untied Llama GGUF, the HF state dict it was made from)."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads, kv_heads = 4, 2
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    state = {k: v.clone() for k, v in LlamaForCausalLM(config).state_dict().items()}
+    for k in state:
+        if "norm" in k:  # not all ones, so a swapped norm would show
+            state[k] = torch.rand_like(state[k]) + 0.5
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(48)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(64)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + [chr(c) for c in range(ord("a"), ord("a") + 26)] + ["Ġ", "ab", "Ġa"]
+    tokens += [f"x{i}" for i in range(64 - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * 3 + [1] * (64 - 3))
+    writer.add_token_merges(["a b", "Ġ a"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    for layer in range(2):
+        for hf, gg in GGUF_NAMES.items():
+            w = state[f"model.layers.{layer}.{hf}"].numpy()
+            if gg == "attn_q.weight":
+                w = llama_cpp_permute(w, heads)
+            elif gg == "attn_k.weight":
+                w = llama_cpp_permute(w, kv_heads)
+            writer.add_tensor(f"blk.{layer}.{gg}", np.ascontiguousarray(w))
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_gguf_recovers_hf_weights(tiny_gguf, tmp_path, dtype):
+    from transformers import AutoTokenizer
+
+    from mtrain.converters.gguf_to_hf import gguf_to_hf
+
+    path, state = tiny_gguf
+    out = gguf_to_hf(path, tmp_path / "hf", dtype=dtype, max_shard_bytes=8 * 1024)
+    ckpt = HFCheckpoint(out)
+    assert len({str(ckpt.file(n)) for n in ckpt.names()}) > 1  # really sharded
+    assert sorted(ckpt.names()) == sorted(state)  # untied: lm_head.weight is written
+    assert ckpt.config["tie_word_embeddings"] is False and ckpt.config["dtype"] == str(dtype).split(".")[1]
+    for name, expected in state.items():
+        got = ckpt.get(name)
+        assert got.dtype == dtype and torch.equal(got, expected.to(dtype)), name
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<|im_start|>ab<|im_end|>"
