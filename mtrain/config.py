@@ -292,6 +292,18 @@ def validate(cfg: RunConfig) -> None:
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
 
 
+def check_paths(cfg: RunConfig) -> None:
+    """Filesystem checks, separate from validate() so a config can be checked on another machine:
+    the HF dir holds config.json; data files and the Megatron checkpoint exist."""
+    hf = Path(cfg.model.hf_path)
+    _check((hf / "config.json").is_file(), "model.hf_path", f"{hf} is not a HF model dir (no config.json)")
+    _check(cfg.model.mcore_ckpt is None or Path(cfg.model.mcore_ckpt).exists(), "model.mcore_ckpt",
+           f"{cfg.model.mcore_ckpt} does not exist")
+    for key in ("train_path", "eval_path"):
+        path = getattr(cfg.data, key)
+        _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
+
+
 # ---- loading -------------------------------------------------------------------------------------------
 
 def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
@@ -432,8 +444,10 @@ def resolve_presets(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                check_files: bool = False) -> RunConfig:
+    """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate;
+    check_files also runs check_paths (the trainer should: it fails before any GPU work starts)."""
     tree: dict = {}
     source = "defaults"
     if path is not None:
@@ -453,4 +467,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     cfg = _build(RunConfig, tree, "", f"{source} + overrides" if overrides else source)
     resolve_presets(cfg)
     validate(cfg)
+    if check_files:
+        check_paths(cfg)
     return cfg

@@ -144,3 +144,16 @@ def test_defaults_and_rollout_batch_size():
                                     "train.micro_batch_size=5"])
     assert isinstance(cfg, RunConfig) and cfg.rollout_batch_size == 15
     assert cfg.algo.name == "grpo" and cfg.reward.fn == "mtrain.data.rewards:exact_match_reward"
+
+
+def test_check_files_finds_missing_model_and_data(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.hf_path: /models/tiny is not a HF model dir \(no config.json\)"):
+        load_config(None, BASE, check_files=True)
+    (tmp_path / "config.json").write_text("{}")
+    ok = [f"model.hf_path={tmp_path}", "data.task=arithmetic"]
+    assert load_config(None, ok, check_files=True).model.hf_path == str(tmp_path)
+    with pytest.raises(ConfigError, match="model.mcore_ckpt: .*nope does not exist"):
+        load_config(None, ok + [f"model.mcore_ckpt={tmp_path / 'nope'}"], check_files=True)
+    with pytest.raises(ConfigError, match="data.train_path: .*train.jsonl is not a file"):
+        load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={tmp_path / 'train.jsonl'}"],
+                    check_files=True)
