@@ -48,40 +48,35 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
         available = sorted({k for r in records for k in r if k != "step"})
         raise PlotError(f"{run_dir / METRICS_FILE}: no values for {missing}; keys present: {available}")
 
-    import matplotlib
+    # The object-oriented API: no pyplot global state, no GUI backend, safe inside notebooks.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg", force=True)  # files only: never needs a display
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, axes = plt.subplots(len(keys), 1, figsize=(WIDTH_IN, ROW_HEIGHT_IN * len(keys)), dpi=DPI,
-                             sharex=True, squeeze=False)
+    fig = Figure(figsize=(WIDTH_IN, ROW_HEIGHT_IN * len(keys)), dpi=DPI)
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        steps, values = series[key]
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+        overlay = OVERLAYS.get(key)
+        if overlay:
+            o_steps, o_values = _series(records, overlay)
+            if o_steps:
+                ax.plot(o_steps, o_values, marker="o", linestyle="--", label=overlay)
+                ax.legend(loc="best", fontsize="small")
+        ax.set_ylabel(key)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = Path(out_png) if out_png is not None else run_dir / "metrics.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    os.close(fd)
     try:
-        for ax, key in zip(axes[:, 0], keys):
-            steps, values = series[key]
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
-            overlay = OVERLAYS.get(key)
-            if overlay:
-                o_steps, o_values = _series(records, overlay)
-                if o_steps:
-                    ax.plot(o_steps, o_values, marker="o", linestyle="--", label=overlay)
-                    ax.legend(loc="best", fontsize="small")
-            ax.set_ylabel(key)
-            ax.grid(True, alpha=0.3)
-        axes[-1, 0].set_xlabel("step")
-        axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        fig.suptitle(run_dir.name)
-        fig.tight_layout()
-        out = Path(out_png) if out_png is not None else run_dir / "metrics.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-        os.close(fd)
-        try:
-            fig.savefig(tmp, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays as documented
-            os.replace(tmp, out)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    finally:
-        plt.close(fig)
+        fig.savefig(tmp, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays as documented
+        os.replace(tmp, out)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return out
