@@ -61,7 +61,8 @@ def coverage(table: PieceTable, dst_numel: int) -> np.ndarray:
     return covered
 
 
-def make_sources(rng: np.random.Generator, dtypes: list[torch.dtype], numel: int) -> list[torch.Tensor]:
+def make_sources(rng: np.random.Generator, dtypes: list[torch.dtype], numel: int,
+                 device: str = "cpu") -> list[torch.Tensor]:
     """Random finite sources of varying sizes; some are views at odd element offsets of a bigger
     allocation so that source addresses are not 16-byte aligned."""
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -70,7 +71,7 @@ def make_sources(rng: np.random.Generator, dtypes: list[torch.dtype], numel: int
         n = numel + int(rng.integers(0, 50))
         lead = int(rng.integers(0, 4)) if i % 3 == 1 else 0
         base = torch.randn(n + lead, generator=gen, dtype=torch.float32) * 3
-        src = base.to(dt)[lead:]
+        src = base.to(device=device, dtype=dt)[lead:]
         if i % 4 == 2 and src.numel() % 2 == 0:
             src = src.view(2, -1)  # any contiguous shape is accepted, not only 1-D
         out.append(src)
