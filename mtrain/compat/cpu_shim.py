@@ -145,11 +145,14 @@ def apply() -> bool:
         # restores the *CUDA* generator state around tensor-parallel init/dropout. On CPU the tensors
         # draw from the CPU default generator, so that generator is the one to track.
         cuda.default_generators = (torch.default_generator,)
-        cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-        cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+        # Megatron reaches these both as torch.cuda.X and as torch.cuda.random.X.
+        for module in (cuda, cuda.random):
+            module.get_rng_state = lambda device="cuda": torch.get_rng_state()
+            module.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
         # (torch.manual_seed itself calls cuda.manual_seed_all, which stays lazy and harmless: seed the
         # generator directly so there is no recursion.)
         cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+        cuda.random.manual_seed = cuda.manual_seed
         # Megatron's _set_cuda_rng_state defers through torch.cuda._lazy_call, which only *queues* the
         # call until CUDA initialises (never, here): the tracker would silently keep the wrong state.
         import megatron.core.tensor_parallel.random as mcore_random
