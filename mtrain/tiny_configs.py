@@ -22,7 +22,7 @@ TINY = {
                   attention_bias=False),
     "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                       tie_word_embeddings=False, attention_bias=False, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                       output_router_logits=False, router_aux_loss_coef=0.0),
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                         tie_word_embeddings=False, num_key_value_heads=4, num_attention_heads=4, head_dim=24,

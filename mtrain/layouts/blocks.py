@@ -68,9 +68,16 @@ def embedding_rows(cfg: dict, divisible_by: int) -> list[Weight]:
     ]
     if cfg.get("tie_word_embeddings", False):
         # Megatron keeps its own copy of the tied head on the last stage when PP > 1 (kept equal by an
-        # all-reduce of gradients); HF and SGLang have no separate tensor: read from the embedding.
+        # all-reduce of gradients); HF has no separate tensor: read it from the embedding.
         rows.append(Weight("lm_head", (vocab, hidden), one("output_layer.weight", vocab, mg_vocab),
                            one("model.embed_tokens.weight", vocab, write=False), (), region="final"))
+        if cfg["model_type"] == "qwen3_moe":
+            # SGLang's Qwen3-MoE never ties: it has its own lm_head even when the config says tied
+            # (docs/sglang-layout.md, difference 5). Fill it from the embedding.
+            rows.append(Weight("lm_head_untied", (vocab, hidden),
+                               one("embedding.word_embeddings.weight", vocab, mg_vocab, write=False),
+                               one("model.embed_tokens.weight", vocab, write=False),
+                               one("lm_head.weight", vocab, SGLANG_VOCAB), region="embed"))
     else:
         rows.append(Weight("lm_head", (vocab, hidden), one("output_layer.weight", vocab, mg_vocab),
                            one("lm_head.weight", vocab), one("lm_head.weight", vocab, SGLANG_VOCAB), region="final"))

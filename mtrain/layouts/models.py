@@ -97,6 +97,11 @@ def model_layout(cfg: dict, *, te: bool = False, make_vocab_size_divisible_by: i
     for k in range(mtp_layers):
         weights += _mtp_rows(cfg, k, names, make_vocab_size_divisible_by)
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    meta = {"te": te, "divisible_by": make_vocab_size_divisible_by}
+    if arch == "qwen3_moe" and not all(moe_layer_pattern(cfg)):
+        # SGLang 0.5.17 builds every Qwen3-MoE layer sparse, ignoring mlp_only_layers/decoder_sparse_step.
+        meta["sglang_unsupported"] = "SGLang 0.5.17 makes every Qwen3-MoE layer sparse; this config has dense layers"
+
     return ModelLayout(arch=arch, weights=weights, num_layers=cfg["num_hidden_layers"], num_experts=experts,
                        mtp_layers=mtp_layers, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                       vocab_size=cfg["vocab_size"], meta={"te": te, "divisible_by": make_vocab_size_divisible_by})
+                       vocab_size=cfg["vocab_size"], meta=meta)

@@ -111,6 +111,8 @@ class SGLangLayout:
         return self.tp
 
     def check(self, model: ModelLayout) -> None:
+        if model.meta.get("sglang_unsupported"):
+            raise LayoutError(model.meta["sglang_unsupported"])
         if self.tp % self.ep:
             raise LayoutError(f"engine tp ({self.tp}) is not divisible by engine ep ({self.ep})")
         if model.num_experts and model.num_experts % self.ep:

@@ -42,6 +42,8 @@ def sglang_rank_params(hf: dict[str, torch.Tensor], cfg: dict, rank: int, tp: in
     out["model.embed_tokens.weight"] = _vocab(hf["model.embed_tokens.weight"], rank, tp)
     if not cfg.get("tie_word_embeddings"):
         out["lm_head.weight"] = _vocab(hf["lm_head.weight"], rank, tp)
+    elif arch == "qwen3_moe":  # SGLang's Qwen3-MoE never ties its head (models/qwen3_moe.py)
+        out["lm_head.weight"] = _vocab(hf["model.embed_tokens.weight"], rank, tp)
     out["model.norm.weight"] = hf["model.norm.weight"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."

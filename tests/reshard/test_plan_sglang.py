@@ -107,3 +107,23 @@ def test_engine_tp_not_dividing_heads_is_refused():
     layout = model_layout(tiny_config("llama", num_key_value_heads=2, vocab_size=150))
     with pytest.raises(LayoutError, match=r"L0.qkv on the sglang side: attention heads \(8\)"):
         build_plan(layout, MegatronLayout(), SGLangLayout(tp=3))
+
+
+def test_tied_qwen3_moe_still_gets_an_sglang_lm_head():
+    cfg = tiny_config("qwen3_moe", tie_word_embeddings=True)
+    layout = model_layout(cfg)
+    hf = random_hf_state(layout)
+    assert "lm_head.weight" not in hf
+    mcore = to_megatron(layout, hf, MegatronLayout(tp=2))
+    got = reshard_in_memory(build_plan(layout, MegatronLayout(tp=2), SGLangLayout(tp=2)), mcore,
+                            dtype=torch.float32, backend="torch")
+    for r in range(2):
+        want = sglang_rank_params(hf, cfg, r, 2)
+        assert torch.equal(got[(r, 0, "lm_head.weight")], want["lm_head.weight"])
+
+
+def test_qwen3_moe_with_dense_layers_is_refused_for_sglang():
+    layout = model_layout(tiny_config("qwen3_moe", mlp_only_layers=[0]))
+    build_plan(layout, HFLayout(), MegatronLayout())  # converters are fine
+    with pytest.raises(LayoutError, match="every Qwen3-MoE layer sparse"):
+        build_plan(layout, MegatronLayout(), SGLangLayout(tp=1))
