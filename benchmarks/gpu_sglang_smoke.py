@@ -110,10 +110,11 @@ def main() -> int:
     fake_torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "TORCHELASTIC_RUN_ID": "smoke"}
     os.environ.update(fake_torchrun)
-    eng, T["engine_start"] = timed(SGLangEngine, model_dir, tp_size=1, mem_fraction_static=0.3,
-                                   deterministic=args.deterministic, server_args={"dtype": "bfloat16"})
-    summary["checks"]["torchrun_env_restored"] = all(os.environ.get(k) == v for k, v in fake_torchrun.items())
+    eng = None
     try:
+        eng, T["engine_start"] = timed(SGLangEngine, model_dir, tp_size=1, mem_fraction_static=0.3,
+                                       deterministic=args.deterministic, server_args={"dtype": "bfloat16"})
+        summary["checks"]["torchrun_env_restored"] = all(os.environ.get(k) == v for k, v in fake_torchrun.items())
         hf0 = hf0.cuda().eval()
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 2048, (16,), generator=g).tolist() for _ in range(8)]
@@ -195,8 +196,15 @@ def main() -> int:
             and c["logprobs_vs_hf_v0"]["mean_abs"] < 0.05 and c["logprobs_vs_hf_v1"]["mean_abs"] < 0.05
             and c["logprobs_vs_hf_after_resume"]["mean_abs"] < 0.05 and c["released_gib"] > 0
             and c.get("batch_invariant", True))
+    except BaseException as e:  # the summary still says how far it got
+        import traceback
+
+        summary["error"] = f"{type(e).__name__}: {e}"
+        summary["traceback"] = traceback.format_exc()[-4000:]
+        raise
     finally:
-        eng.shutdown()
+        if eng is not None:
+            eng.shutdown()
         print(json.dumps(summary, indent=1))
         out = os.environ.get("OUT")
         if out:

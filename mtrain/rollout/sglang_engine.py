@@ -276,8 +276,10 @@ class SGLangEngine(RolloutEngine):
     def _check_loader_errors(self, what: str) -> None:
         errors = collect_errors(self._status_dir)
         if errors:
-            raise EngineError(f"SGLangEngine.{what}: the engine rejected the bucket, nothing of it was written: "
-                              + " | ".join(errors))
+            # Each reporting rank validated the whole bucket before writing: it wrote none of it. Other ranks
+            # (TP > 1) may have written theirs, so the sync as a whole must be redone.
+            raise EngineError(f"SGLangEngine.{what}: the engine rejected the bucket (a reporting rank writes none "
+                              "of it; redo the whole sync): " + " | ".join(errors))
 
     # -- generation -------------------------------------------------------------------------------------
     @property
