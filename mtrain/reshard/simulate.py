@@ -305,7 +305,6 @@ def simulate(cfg: dict, train: MegatronLayout, engine: SGLangLayout, *, engines:
              engine_ids: list[int] | None = None, hw: Hardware = Hardware(), bucket_bytes: int = 512 << 20,
              itemsize: int = 2, model: ModelLayout | None = None) -> Report:
     """Plan every engine (or `engine_ids`) against the training layout and gather per-GPU statistics."""
-    model = model or model_layout(cfg)
     world = train.world
     if world % engine.tp:
         raise SimulationError(f"training world {world} is not divisible by engine tp {engine.tp}")
@@ -313,6 +312,7 @@ def simulate(cfg: dict, train: MegatronLayout, engine: SGLangLayout, *, engines:
     engines = engines or max_engines
     if engines > max_engines:
         raise SimulationError(f"--engines {engines}: only {max_engines} engines of tp {engine.tp} fit on {world} GPUs")
+    model = model or model_layout(cfg)
     ids = engine_ids if engine_ids is not None else list(range(engines))
     model_bytes = sum(_weight_bytes(w, itemsize) for w in model.weights
                       if any(p.write for p in parts_of(engine, w)))
