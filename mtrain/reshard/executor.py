@@ -104,6 +104,7 @@ class Executor:
         self.dtype, self.group, self.everywhere, self.backend = dtype, group, src_everywhere, backend
         self.device = torch.device(device)
         self.buckets = make_buckets(plan, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+        self._tables: dict = {}
 
     def owner(self, dst_rank: int) -> int:
         return self.plan.owner.get(dst_rank, dst_rank)
@@ -129,7 +130,7 @@ class Executor:
         for peer in sorted(send):
             ps = send[peer]
             buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=self.device)
-            self._pack(buf, ps)
+            self._pack(buf, ps, cache_key=("pack", id(bucket), peer))
             keep.append(buf)
             ops.append(dist.isend(buf, peer, group=self.group))
         for peer in sorted(recv):
@@ -154,20 +155,35 @@ class Executor:
                 srcs.append(t.contiguous().view(-1))
         return srcs, index
 
-    def _pack(self, buf: torch.Tensor, pieces: list[Piece]) -> None:
+    def _pack(self, buf: torch.Tensor, pieces: list[Piece], cache_key) -> None:
         srcs, index = self._local_sources(pieces)
-        rows, off = [], 0
-        for p in pieces:
-            slot_off, s_cols = _geom(p.src, p.src_slot)
-            s = slot_off + p.src_row * s_cols + p.src_col
-            rows.append([index[(p.src.rank, p.src.chunk, p.src.name)], s, s_cols, off, p.ncols, p.nrows, p.ncols])
-            off += p.numel
-        execute_pieces(buf, srcs, PieceTable(torch.tensor(rows, dtype=torch.int64)), backend=self.backend)
+        table = self._tables.get(cache_key)
+        if table is None:
+            rows, off = [], 0
+            for p in pieces:
+                slot_off, s_cols = _geom(p.src, p.src_slot)
+                s = slot_off + p.src_row * s_cols + p.src_col
+                rows.append([index[(p.src.rank, p.src.chunk, p.src.name)], s, s_cols, off, p.ncols, p.nrows, p.ncols])
+                off += p.numel
+            table = self._tables[cache_key] = PieceTable(torch.tensor(rows, dtype=torch.int64))
+        execute_pieces(buf, srcs, table, backend=self.backend)
 
     def _fill(self, dst: torch.Tensor, dst_base: dict[Key, int], pieces: list[Piece],
-              received: dict[int, tuple[torch.Tensor, list[Piece]]]) -> None:
+              received: dict[int, tuple[torch.Tensor, list[Piece]]], cache_key=None) -> None:
         local = [p for p in pieces if p.src is not None and self._src_rank(p) == self.rank]
         srcs, index = self._local_sources(local)
+        srcs += [buf for _, (buf, _) in sorted(received.items())]
+        # The table depends only on the plan: build it once per destination buffer and reuse it every sync
+        # (the kernel caches its validation and tiling on the PieceTable object).
+        table = self._tables.get(cache_key) if cache_key is not None else None
+        if table is None:
+            table = self._table(dst_base, pieces, received, index, len(srcs) - len(received))
+            if cache_key is not None:
+                self._tables[cache_key] = table
+        if table is not None:
+            execute_pieces(dst, srcs, table, backend=self.backend)
+
+    def _table(self, dst_base, pieces, received, index, first_recv: int) -> PieceTable | None:
         rows = []
         for p in pieces:
             if p.src is None:
@@ -175,17 +191,15 @@ class Executor:
             elif self._src_rank(p) == self.rank:
                 rows.append(piece_row(p, index[(p.src.rank, p.src.chunk, p.src.name)], None, None,
                                       dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
-        for peer, (buf, ps) in received.items():
-            wanted = {id(p) for p in pieces}
-            srcs.append(buf)
+        wanted = {id(p) for p in pieces}
+        for i, (peer, (buf, ps)) in enumerate(sorted(received.items())):
             off = 0
             for p in ps:
                 if id(p) in wanted:
-                    rows.append(piece_row(p, len(srcs) - 1, off, p.ncols,
+                    rows.append(piece_row(p, first_recv + i, off, p.ncols,
                                           dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
                 off += p.numel
-        if rows:
-            execute_pieces(dst, srcs, PieceTable(torch.tensor(rows, dtype=torch.int64)), backend=self.backend)
+        return PieceTable(torch.tensor(rows, dtype=torch.int64)) if rows else None
 
     def write_into(self, destinations: Callable[[TensorRef], torch.Tensor]) -> None:
         """Write every destination tensor this process owns in place (converters, the reference engine)."""
@@ -203,7 +217,7 @@ class Executor:
                                      f"{ref.shape}")
                 if not t.is_contiguous():
                     raise ValueError(f"destination {k[2]} is not contiguous")
-                self._fill(t.view(-1), {k: 0}, by_key[k], {peer: (b, ps) for peer, (b, ps) in received.items()})
+                self._fill(t.view(-1), {k: 0}, by_key[k], received, cache_key=("into", k))
 
     def stream(self) -> Iterator[dict[int, list[tuple[str, torch.Tensor]]]]:
         """Yield, per bucket, {dst rank: [(name, tensor)]} for the destination ranks this process owns.
@@ -211,7 +225,7 @@ class Executor:
         Each bucket is one flat buffer per destination rank, written by one kernel call; the tensors are
         views into it, valid until the next bucket is requested.
         """
-        for bucket in self.buckets:
+        for bi, bucket in enumerate(self.buckets):
             received = self._exchange(bucket)
             out: dict[int, list[tuple[str, torch.Tensor]]] = {}
             by_rank: dict[int, list[Key]] = defaultdict(list)
@@ -226,7 +240,7 @@ class Executor:
                 buf = torch.empty(off, dtype=self.dtype, device=self.device)
                 kset = set(keys)
                 self._fill(buf, base, [p for p in bucket.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) in kset],
-                           received)
+                           received, cache_key=("stream", bi, r))
                 out[r] = [(k[2], buf[base[k]: base[k] + _numel(self.plan.dst_tensors[k].shape)]
                            .view(self.plan.dst_tensors[k].shape)) for k in keys]
             yield out
