@@ -23,7 +23,8 @@ from .safetensors_io import ShardedWriter, check_output_dir
 # Architectures whose transformers tensor processor maps each GGUF tensor to exactly one HF tensor.
 # (MoE processors fuse experts into transformers 5's in-memory 3-D layout, which is not the on-disk
 # per-expert layout HF checkpoints use; they are refused rather than written wrong.)
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# (Mistral GGUFs declare "llama": llama.cpp has no separate architecture for them.)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -46,7 +47,7 @@ def gguf_to_hf(
     from gguf import GGUFReader, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint,
+        TENSOR_PROCESSORS, TensorProcessor,
     )
 
     gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
@@ -80,9 +81,11 @@ def gguf_to_hf(
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:  # tied: the checkpoint holds the embedding only, as HF's own tied checkpoints do
         expected.pop("lm_head.weight", None)
-    parsed_config = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+    # The processors read head counts by their HF names from a dict: the HF config provides them
+    # (parsing the GGUF metadata once more with load_gguf_checkpoint would cost seconds).
+    parsed_config = config.to_dict()
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed_config)
-    name_map = get_gguf_hf_weights_map(meta_model, processor)
+    name_map = _gguf_to_hf_names(architecture, config.num_hidden_layers, meta_model.state_dict())
 
     writer = ShardedWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     with writer:
@@ -117,6 +120,29 @@ def gguf_to_hf(
         generation_config.save_pretrained(writer.path)
         tokenizer.save_pretrained(writer.path)
     return writer.out_dir
+
+
+def _gguf_to_hf_names(architecture: str, num_layers: int, hf_state: dict) -> dict[str, str]:
+    """GGUF tensor name -> HF name, from gguf's own name table.
+
+    transformers' get_gguf_hf_weights_map gives the same answer for the supported architectures
+    but rebuilds gguf's table once per submodule (~400 times, several seconds for SmolLM2); the
+    top-level pass is all that plain decoder models need. A name left unmapped is caught by the
+    "GGUF lacks tensors the HF model needs" check.
+    """
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+    table = get_tensor_name_map(arch, num_layers)
+    mapping = {}
+    for hf_name in hf_state:
+        base, dot, suffix = hf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = hf_name, "", ""
+        gguf_base = table.get_name(base)
+        if gguf_base is not None:
+            mapping[gguf_base + dot + suffix] = hf_name
+    return mapping
 
 
 # GGUF metadata key -> tokenizer special-token attribute

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,4 +93,8 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, dtype: torch.dtyp
     out = cache_root(cache_dir) / "smollm2" / f"hf-{GGUF_SHA256[:12]}-{_converter_fingerprint()}-{dtype_name}"
     if not (out / "config.json").is_file():  # published atomically: config.json present = complete
         gguf_to_hf(gguf, out, dtype=dtype, overwrite=out.exists())
+        # conversions by older converter code are never read again: do not let them pile up (0.5 GB each)
+        for stale in out.parent.glob(f"hf-{GGUF_SHA256[:12]}-*-{dtype_name}"):
+            if stale != out and (stale / "config.json").is_file():
+                shutil.rmtree(stale, ignore_errors=True)
     return out

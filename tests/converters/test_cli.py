@@ -89,3 +89,21 @@ def test_python_dash_m_entry(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"mtrain-convert: error: GGUF file {tmp_path / 'x.gguf'} does not exist"]
+
+
+def test_gguf_unsupported_architecture(capsys, tmp_path):
+    import gguf
+
+    path = tmp_path / "bloom.gguf"
+    writer = gguf.GGUFWriter(str(path), "bloom")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code, _, err = run_cli(capsys, "gguf-to-hf", "--gguf", str(path), "--out", str(tmp_path / "hf"))
+    assert code == 2
+    assert err.splitlines() == [
+        f"mtrain-convert: error: {path}: GGUF architecture 'bloom' is not supported by gguf_to_hf "
+        "(supported: llama, qwen2, qwen3)"
+    ]

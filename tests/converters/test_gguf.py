@@ -221,3 +221,20 @@ def test_tiny_gguf_recovers_hf_weights(tiny_gguf, tmp_path, dtype):
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     assert tokenizer.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<|im_start|>ab<|im_end|>"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_name_map_matches_transformers(model_type):
+    # our one-pass GGUF->HF name table equals transformers' own (recursive, slower) one
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from mtrain.converters.gguf_to_hf import _gguf_to_hf_names
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ours = _gguf_to_hf_names(model_type, 2, model.state_dict())
+    assert ours == get_gguf_hf_weights_map(model, TensorProcessor())
+    assert set(ours.values()) == set(model.state_dict())
