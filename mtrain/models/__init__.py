@@ -1,0 +1,27 @@
+"""Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3).
+
+Public API (imported lazily so that ``mtrain.models.hf_config`` / ``mtrain.models.tiny`` stay cheap
+to import without megatron-core): ``build_model``, ``forward_logits``, ``model_config_summary``,
+``make_transformer_config``, ``map_hf_config``, ``padded_vocab_size``, ``ModelConfigError``.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "build_model": "mtrain.models.builder",
+    "make_transformer_config": "mtrain.models.builder",
+    "model_config_summary": "mtrain.models.builder",
+    "forward_logits": "mtrain.models.forward",
+    "SUPPORTED_MODEL_TYPES": "mtrain.models.hf_config",
+    "ModelConfigError": "mtrain.models.hf_config",
+    "map_hf_config": "mtrain.models.hf_config",
+    "padded_vocab_size": "mtrain.models.hf_config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mtrain.models' has no attribute {name!r}")
