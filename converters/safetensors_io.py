@@ -263,9 +263,13 @@ class ShardedWriter:
             raise ValueError(f"{self.out_dir}: no tensors were written")
         n = len(self._shards)
         weight_map: dict[str, str] = {}
+        # safetensors creates files as 0600; give shards the same permissions as any other file we write
+        umask = os.umask(0)
+        os.umask(umask)
         for i, (tmp_name, names) in enumerate(self._shards, start=1):
             final = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             os.rename(self.path / tmp_name, self.path / final)
+            os.chmod(self.path / final, 0o666 & ~umask)
             weight_map.update((name, final) for name in names)
         if n > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
