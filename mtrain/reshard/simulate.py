@@ -11,6 +11,7 @@ kernel launches and buckets, exactly as `Executor.stream` would issue them for a
 Link model (per GPU, no latency, perfect overlap of buckets, no switch congestion; a prediction only):
   HBM traffic = 2*local + 3*sent + 3*received + zero-fill   (pack: read+write, DMA read; DMA write, unpack)
   t_overlap   = max(HBM/hbm_bw, NVLink out/in / nvlink_bw, IB out/in / ib_bw) + launches * launch_s
+                + buckets * per_bucket_s (one engine call per bucket, measured on the H200)
   t_serial    = the sum of the same terms (nothing overlaps)
   t_ingress   = max(IB in / ib_bw, NVLink in / nvlink_bw): what a relay/broadcast tree that balances
                 egress would reach (the executor as written sends point to point from the source rank)
@@ -52,6 +53,9 @@ class Hardware:
     nvlink_bw: float = 450e9  # bytes/s per direction per GPU (NVLink4, H100/H200)
     ib_bw: float = 50e9  # bytes/s per direction per GPU (one 400 Gb/s NDR NIC per GPU)
     launch_s: float = 5e-6  # per kernel launch / NCCL call
+    # Handing one bucket to SGLang: DESIGN.md's Llama-8B sync took 112 ms in 32 calls and 35 ms in one, so
+    # about 2.5 ms per call on top of the bytes (measured with HF names; the direct loader's cost is unknown).
+    per_bucket_s: float = 2.5e-3
     # SGLang's update_weights_from_tensor by HF names costs about this per tensor (DESIGN.md: 2,286 ms for
     # 18,867 tensors of Qwen3-30B-A3B on one H200): used for the full-gather baseline only.
     per_tensor_s: float = 2.286 / 18867
@@ -185,7 +189,7 @@ def link_times(s: RankStats, hw: Hardware) -> dict[str, float]:
     t = {"hbm": hbm / hw.hbm_bw,
          "nvlink": max(s.sent_nvlink, s.recv_nvlink) / hw.nvlink_bw,
          "ib": max(s.sent_ib, s.recv_ib) / hw.ib_bw,
-         "launch": s.launches * hw.launch_s}
+         "launch": s.launches * hw.launch_s + s.buckets * hw.per_bucket_s}
     t["overlap"] = max(t["hbm"], t["nvlink"], t["ib"]) + t["launch"]
     t["serial"] = t["hbm"] + t["nvlink"] + t["ib"] + t["launch"]
     t["ingress"] = max(s.recv_ib / hw.ib_bw, s.recv_nvlink / hw.nvlink_bw)
@@ -338,7 +342,7 @@ def simulate(cfg: dict, train: MegatronLayout, engine: SGLangLayout, *, engines:
                                  ((engine_colocate(ids[0], engine.tp)(r), s) for r, s in per_engine[0].items())},
                                  hw, itemsize)
     return Report(model_bytes, written0, asdict(train), asdict(engine), len(ids), dict(per_gpu), per_engine,
-                  baseline, plan_seconds, pieces)
+                  baseline, plan_seconds, pieces, extra={"stage": {g: train.coords[g]["pp"] for g in per_gpu}})
 
 
 def _numel(shape) -> int:
@@ -392,6 +396,18 @@ def format_report(rep: Report, summary: dict, hw: Hardware, bucket_bytes: int) -
         lines.append(f" {r:4d} {g:4d} {_gb(s.written):>8} {_gb(s.local):>6} {_gb(s.recv_nvlink):>9} {_gb(s.recv_ib):>8} "
                      f"{_gb(s.sent_nvlink):>9} {_gb(s.sent_ib):>8} {s.pieces_local + s.pieces_recv:7d} "
                      f"{s.launches:9d} {s.buckets:8d} {t['overlap']:11.3f}")
+    lines += ["", f"per training pipeline stage, summed over {rep.engines} engine(s) (max over the stage's GPUs):",
+              " stage  gpus  sent_GB  recv_GB  local_GB  pieces_sent  launches  t_overlap_s  t_ingress_s"]
+    by_stage: dict[int, list[int]] = defaultdict(list)
+    for g, st in rep.extra.get("stage", {}).items():
+        by_stage[st].append(g)
+    for st, gs in sorted(by_stage.items()):
+        ss = [rep.per_gpu[g] for g in gs]
+        ts = [link_times(x, hw) for x in ss]
+        lines.append(f" {st:5d} {len(gs):5d} {max(x.sent for x in ss) / 1e9:8.2f} {max(x.received for x in ss) / 1e9:8.2f} "
+                     f"{max(x.local for x in ss) / 1e9:9.2f} {max(x.pieces_sent for x in ss):12d} "
+                     f"{max(x.launches for x in ss):9d} {max(t['overlap'] for t in ts):12.3f} "
+                     f"{max(t['ingress'] for t in ts):12.3f}")
     lines += ["", f"all {len(rep.per_gpu)} GPUs, summed over {rep.engines} engine(s):"]
     for k, (g, v) in summary["worst_gpu"].items():
         s = rep.per_gpu[g]

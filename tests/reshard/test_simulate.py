@@ -117,13 +117,16 @@ def test_tiny_launches_per_bucket():
 
 
 def test_link_model_arithmetic():
-    hw = Hardware(hbm_bw=1e12, nvlink_bw=1e11, ib_bw=1e10, launch_s=1e-3)
-    s = RankStats(written=10e9, local=4e9, recv_nvlink=2e9, recv_ib=4e9, sent_ib=1e9, fill_launches=3, pack_launches=2)
+    hw = Hardware(hbm_bw=1e12, nvlink_bw=1e11, ib_bw=1e10, launch_s=1e-3, per_bucket_s=0)
+    s = RankStats(written=10e9, local=4e9, recv_nvlink=2e9, recv_ib=4e9, sent_ib=1e9, fill_launches=3, pack_launches=2,
+                  buckets=7)
     t = link_times(s, hw)
     assert t["hbm"] == pytest.approx((2 * 4e9 + 3 * 1e9 + 3 * 6e9) / 1e12)
     assert t["ib"] == pytest.approx(0.4) and t["nvlink"] == pytest.approx(0.02) and t["launch"] == pytest.approx(5e-3)
     assert t["overlap"] == pytest.approx(0.405) and t["ingress"] == pytest.approx(0.4)
     assert t["serial"] == pytest.approx(t["hbm"] + 0.02 + 0.4 + 5e-3)
+    slow_calls = link_times(s, Hardware(hbm_bw=1e12, nvlink_bw=1e11, ib_bw=1e10, launch_s=1e-3, per_bucket_s=0.01))
+    assert slow_calls["overlap"] == pytest.approx(0.405 + 7 * 0.01)
 
 
 def test_cli_runs_and_writes_json(tmp_path, capsys):
