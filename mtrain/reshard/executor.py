@@ -105,6 +105,7 @@ class Executor:
         self.device = torch.device(device)
         self.buckets = make_buckets(plan, bucket_bytes, torch.empty((), dtype=dtype).element_size())
         self._tables: dict = {}
+        self._bufs: dict[int, torch.Tensor] = {}
 
     def owner(self, dst_rank: int) -> int:
         return self.plan.owner.get(dst_rank, dst_rank)
@@ -237,10 +238,24 @@ class Executor:
                 for k in keys:
                     base[k] = off
                     off += _numel(self.plan.dst_tensors[k].shape)
-                buf = torch.empty(off, dtype=self.dtype, device=self.device)
+                buf = self._stream_buffer(r, off)
                 kset = set(keys)
                 self._fill(buf, base, [p for p in bucket.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) in kset],
                            received, cache_key=("stream", bi, r))
                 out[r] = [(k[2], buf[base[k]: base[k] + _numel(self.plan.dst_tensors[k].shape)]
                            .view(self.plan.dst_tensors[k].shape)) for k in keys]
+            if self.device.type == "cuda":
+                # The consumer may be another process (SGLang's scheduler through CUDA IPC): our writes must
+                # be done before it reads, and it must be done reading before we overwrite (its loader syncs).
+                torch.cuda.current_stream(self.device).synchronize()
             yield out
+
+    def _stream_buffer(self, dst_rank: int, numel: int) -> torch.Tensor:
+        """One reused buffer per destination rank, sized for the largest bucket: the same storage every sync,
+        so a CUDA IPC handle to it is opened once by the engine, not once per bucket."""
+        buf = self._bufs.get(dst_rank)
+        if buf is None:
+            need = max(sum(_numel(self.plan.dst_tensors[k].shape) for k in b.keys if k[0] == dst_rank)
+                       for b in self.buckets)
+            buf = self._bufs[dst_rank] = torch.empty(need, dtype=self.dtype, device=self.device)
+        return buf[:numel]

@@ -87,6 +87,9 @@ def engine_server_args(
         grammar_backend="none",
         mem_fraction_static=mem_fraction_static,
         cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
+        # Decode graph capture took 83 s of a 129 s start on the H200 (2026-11-29); tests and benchmarks turn it
+        # off, long runs turn it back on with server_args={"disable_cuda_graph": False}.
+        disable_cuda_graph=True,
         load_format=load_format,
         custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
         # The direct loader writes w13_weight as [gate; up] in [E, 2I, H]: that is the triton runner's layout.
@@ -110,6 +113,12 @@ def engine_server_args(
         else:
             args[k] = v
     return args
+
+
+def _marker_tensor() -> torch.Tensor:
+    # SGLang's patched tensor reduction (patch_torch.py) only handles CUDA storages: a CPU tensor fails to
+    # serialize (seen on the H200, 2026-11-29). Control messages carry an empty CUDA tensor.
+    return torch.empty(0, device="cuda")
 
 
 def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
@@ -355,7 +364,7 @@ class SGLangEngine(RolloutEngine):
     def finish_weight_update(self, version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise EngineError(f"finish_weight_update: version must be an int >= 0, got {version!r}")
-        marker = serialize_bucket([(FINISH_NAME, torch.empty(0))])
+        marker = serialize_bucket([(FINISH_NAME, _marker_tensor())])
         # flush_cache: KV computed with the old weights must not be reused. SGLang asserts that the flush
         # succeeds (scheduler weight_updater.py:103-108), i.e. no request may be running: syncs happen idle.
         self._send_weights([marker] * self.tp_size, LOAD_DIRECT, flush_cache=True, weight_version=str(version),
@@ -381,7 +390,7 @@ class SGLangEngine(RolloutEngine):
         parameter) or .pt (CPU tensors). Returns the paths, rank order."""
         spec = DUMP_PREFIX + json.dumps({"dir": os.path.abspath(out_dir), "names": None if names is None
                                          else list(names), "what": what})
-        marker = serialize_bucket([(spec, torch.empty(0))])
+        marker = serialize_bucket([(spec, _marker_tensor())])
         self._send_weights([marker] * self.tp_size, DUMP_PARAMS, flush_cache=False, weight_version=None,
                            what="dump_params")
         ext = "json" if what == "sha256" else "pt"
@@ -395,6 +404,14 @@ class SGLangEngine(RolloutEngine):
         if not ok:
             raise EngineError(f"SGLangEngine.weight_checksums: {message}")
         return ranks or []
+
+    def randomize_weights(self) -> None:
+        """Overwrite every parameter with random values (SGLang's check_weights "reset_tensors"): tests use it
+        so that a later sync provably writes everything it should."""
+        obj = self._io.CheckWeightsReqInput(action="reset_tensors")
+        ok, message, _, _ = self._run(self._engine.tokenizer_manager.check_weights(obj, None), "randomize_weights")
+        if not ok:
+            raise EngineError(f"SGLangEngine.randomize_weights: {message}")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         """SGLang's get_weights_by_name: first `truncate_size` rows as float32 lists, from TP rank 0.
