@@ -257,6 +257,11 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, resu
             pass
 
 
+def _is_peer_fallout(tb: str) -> bool:
+    """True for errors that only say another rank went away (gloo/TCP), not what went wrong."""
+    return "Connection closed by peer" in tb or "Connection reset by peer" in tb
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their values by rank.
 
@@ -320,9 +325,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 p.kill()
                 p.join()
     if failures:
-        failures.sort()
+        # A crash on one rank makes its peers fail with "Connection closed by peer": show the root cause
+        # first, then every other rank's traceback.
+        failures.sort(key=lambda f: (_is_peer_fallout(f[1]), f[0]))
         rank, tb = failures[0]
-        others = f" (ranks {[r for r, _ in failures[1:]]} failed too)" if len(failures) > 1 else ""
-        raise RankFailedError(f"rank {rank} of {world_size} failed{others}:\n{tb}")
+        others = "".join(f"\n--- rank {r} ---\n{t}" for r, t in failures[1:])
+        raise RankFailedError(f"rank {rank} of {world_size} failed:\n{tb}{others}")
     return [values[r] for r in range(world_size)]
 

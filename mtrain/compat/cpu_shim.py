@@ -24,6 +24,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+_all_to_all_single = torch.distributed.all_to_all_single
 _applied = False
 _lock = threading.Lock()
 _CPU = torch.device("cpu")
@@ -61,6 +62,12 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        # MoE alltoall dispatcher: on GPU, maybe_move_tensor_to_cpu turns the split sizes into host numpy
+        # arrays; it only acts on CUDA tensors, so on CPU they stay tensors, which c10d's binding rejects.
+        if func is _all_to_all_single:
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         # torch.device(torch.cuda.current_device()) / torch.device("cuda"), e.g. `with torch.device(...)`.
         if func is torch.device and args and _is_cuda_device(args[0]):
             return _CPU

@@ -1,7 +1,7 @@
 """Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3).
 
 Public API (imported lazily so that ``mtrain.models.hf_config`` / ``mtrain.models.tiny`` stay cheap
-to import without megatron-core): ``build_model``, ``forward_logits``, ``model_config_summary``,
+to import without megatron-core): ``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``,
 ``make_transformer_config``, ``map_hf_config``, ``padded_vocab_size``, ``ModelConfigError``.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ _EXPORTS = {
     "build_model": "mtrain.models.builder",
     "make_transformer_config": "mtrain.models.builder",
     "model_config_summary": "mtrain.models.builder",
+    "model_sharded_state_dict": "mtrain.models.builder",
     "forward_logits": "mtrain.models.forward",
     "SUPPORTED_MODEL_TYPES": "mtrain.models.hf_config",
     "ModelConfigError": "mtrain.models.hf_config",

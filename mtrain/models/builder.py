@@ -185,3 +185,20 @@ def model_config_summary(config: TransformerConfig, chunks: Optional[list[GPTMod
         n = sum(p.numel() for m in chunks for p in m.parameters())
         lines.append(f"parameters on this rank: {n:,} in {len(chunks)} chunk(s)")
     return "\n".join(lines)
+
+
+def model_sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
+    """Megatron dist-checkpoint state of all chunks: ``{"chunk0": ..., "chunk1": ...}``.
+
+    Passes the ``dp_cp_group`` metadata explicitly: GPTModel.sharded_state_dict (0.16.1) fills it in for
+    its parent class but then reads the caller's ``metadata`` itself on an MTP stage that is not the first
+    stage (PP>1 with MTP), where ``None`` fails. The same dict structure loads under any parallel layout
+    (keys inside are global names), so ``dist_checkpointing.load(model_sharded_state_dict(c), dir)``
+    reshards a checkpoint saved under another layout.
+    """
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return {
+        f"chunk{i}": m.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+        for i, m in enumerate(chunks)
+    }

@@ -75,7 +75,9 @@ def forward_logits(
     if rows > b:
         padded[b:] = padded[0]
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq).contiguous()
-    batches = iter([padded[i * mbs : (i + 1) * mbs] for i in range(n_micro)])
+    micro_batches = [padded[i * mbs : (i + 1) * mbs] for i in range(n_micro)]
+    # Each virtual stage walks all micro-batches through its own iterator.
+    iterators = [iter(micro_batches) for _ in chunks]
 
     def step(data_iterator, model):
         micro = next(data_iterator)
@@ -86,7 +88,7 @@ def forward_logits(
     with _main_head_only(chunks):
         outputs = get_forward_backward_func()(
             forward_step_func=step,
-            data_iterator=[batches] * len(chunks) if vpp else batches,
+            data_iterator=iterators if vpp else iterators[0],
             model=chunks if vpp else chunks[0],
             num_microbatches=n_micro,
             seq_length=seq,
