@@ -213,9 +213,10 @@ def current_parallel_info() -> ParallelInfo:
 
 def destroy() -> None:
     """Tear down parallel_state and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state as ps
+    import sys
 
-    ps.destroy_model_parallel()
+    if "megatron.core.parallel_state" in sys.modules:  # never import megatron just to tear down
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -318,8 +319,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 # Give the other ranks a moment to report their own errors, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 10.0)
     finally:
+        # Ranks that all reported get a moment to exit cleanly; after a failure or timeout, don't wait.
+        clean = len(values) == world_size
         for p in procs:
-            p.join(timeout=5.0 if not failures else 0.5)
+            p.join(timeout=10.0 if clean else 0.2)
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -1,4 +1,4 @@
-"""forward_logits under TP2, PP2, PP2+VPP2, EP2, TP2xEP2 equals the TP1 logits of the same weights.
+"""forward_logits under TP2, PP2, PP2+VPP2, EP2, TP2xEP2 (ETP 1 and 2) equals the TP1 logits of the same weights.
 
 The reference rank loads HF weights into a TP1 model (tests/models/hf_reference.py), checks it against
 transformers, and saves a Megatron dist checkpoint. Every parallel layout then loads that checkpoint
@@ -84,6 +84,7 @@ LAYOUTS = {
     "pp2_vpp2": (2, dict(pp=2, vpp=2), ("llama", "qwen3_moe", "deepseek_v3")),
     "ep2": (2, dict(ep=2), MOE),
     "tp2_ep2_etp1": (2, dict(tp=2, ep=2, etp=1), MOE),
+    "tp2_ep2_etp2_dp2": (4, dict(tp=2, ep=2), MOE),
 }
 
 
