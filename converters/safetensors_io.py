@@ -256,7 +256,10 @@ class ShardedWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def commit(self) -> Path:
-        """Write the last shard, name the shards, write the index, and publish the directory."""
+        """Write the last shard, name the shards, write the index, and publish the directory (once: a second
+        call, e.g. from __exit__ after an explicit commit, returns the published path)."""
+        if getattr(self, "_published", None) is not None:
+            return self._published
         self._flush()
         if not self._shards:
             self.abort()
@@ -274,7 +277,8 @@ class ShardedWriter:
         if n > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (self.path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return self._staging.commit()
+        self._published = self._staging.commit()
+        return self._published
 
     def abort(self) -> None:
         self._pending = {}

@@ -25,13 +25,15 @@ TINY = {
                       moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                       output_router_logits=False, router_aux_loss_coef=0.0),
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                        tie_word_embeddings=False, num_key_value_heads=4, num_attention_heads=4, head_dim=24,
+                        tie_word_embeddings=False, num_key_value_heads=4, num_attention_heads=4, head_dim=8,
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                        first_k_dense_replace=1, moe_layer_freq=1, n_group=2, topk_group=1,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=32,
+                        first_k_dense_replace=1, moe_layer_freq=1, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
                         topk_method="noaux_tc", num_nextn_predict_layers=1, rope_interleave=True,
-                        attention_bias=False),
+                        attention_bias=False,
+                        rope_scaling=dict(type="yarn", rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
 # DeepSeek-style MLA without q-LoRA (DeepSeek-V2-Lite's attention) on the V3 code path.
 TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)

@@ -181,8 +181,37 @@ def apply() -> bool:
         cuda.memory_reserved = lambda device=None: 0
         # device="cuda" / device=current_device() / .cuda() / .type(): see _CudaToCpuMode.
         _CudaToCpuMode().__enter__()
+        _redirect_factories_in_backward()
         _applied = True
         return True
+
+
+def _cpu_device_kwarg(fn):
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _redirect_factories_in_backward() -> None:
+    """Torch-function modes are not active inside autograd backward (seen with torch 2.13: the mode stack is
+    empty in a custom Function's backward). Megatron's MoE all-to-all runs its forward again in backward and
+    allocates there with device=torch.cuda.current_device(); so the allocation calls themselves map a CUDA
+    device argument to the CPU as well, whatever thread or mode they run under."""
+    for name in ("empty", "zeros", "ones", "full", "arange", "tensor"):
+        setattr(torch, name, _cpu_device_kwarg(getattr(torch, name)))
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        setattr(torch.Tensor, name, _cpu_device_kwarg(getattr(torch.Tensor, name)))
+
+    # The same backward all-to-all passes its split sizes as tensors (see _CudaToCpuMode): list them here too.
+    def all_to_all_single(*args, **kwargs):
+        for key in ("output_split_sizes", "input_split_sizes"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = kwargs[key].tolist()
+        return _all_to_all_single(*args, **kwargs)
+    torch.distributed.all_to_all_single = all_to_all_single
 
 
 def is_applied() -> bool:
