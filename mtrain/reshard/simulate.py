@@ -238,10 +238,7 @@ def engine_colocate(engine: int, engine_tp: int):
 
 
 def _weight_bytes(w: Weight, itemsize: int) -> int:
-    n = 1
-    for s in w.shape:
-        n *= s
-    return n * itemsize
+    return _numel(w.shape) * itemsize
 
 
 def full_gather_stats(model: ModelLayout, train: MegatronLayout, engine: SGLangLayout, engine_index: int,
@@ -338,8 +335,8 @@ def simulate(cfg: dict, train: MegatronLayout, engine: SGLangLayout, *, engines:
         per_engine.append({r: stats.get(colocate(r), RankStats()) for r in range(engine.tp)})
         del plan
     plan_seconds = time.perf_counter() - t0
-    baseline = full_gather_stats(model, train, engine, ids[0], {colocate_g: s.written for colocate_g, s in
-                                 ((engine_colocate(ids[0], engine.tp)(r), s) for r, s in per_engine[0].items())},
+    first = engine_colocate(ids[0], engine.tp)
+    baseline = full_gather_stats(model, train, engine, ids[0], {first(r): s.written for r, s in per_engine[0].items()},
                                  hw, itemsize)
     return Report(model_bytes, written0, asdict(train), asdict(engine), len(ids), dict(per_gpu), per_engine,
                   baseline, plan_seconds, pieces, extra={"stage": {g: train.coords[g]["pp"] for g in per_gpu}})
