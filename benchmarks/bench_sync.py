@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,20 +40,12 @@ CONFIGS = {
                         head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1000000.0,
                         tie_word_embeddings=False, hidden_act="silu", norm_topk_prob=True, decoder_sparse_step=1,
                         mlp_only_layers=[], bos_token_id=1, eos_token_id=2),
-    # DeepSeek-V3's attention and expert shapes per head/expert, few of them: MLA with q-LoRA, shared expert,
-    # sigmoid router with expert bias, a first dense layer. SGLang runs it on the triton MLA backend.
-    "dsv3tiny": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=4096,
-                     hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=3,
-                     num_attention_heads=8, num_key_value_heads=8, head_dim=64, q_lora_rank=768, kv_lora_rank=512,
-                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16,
-                     n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                     norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=1,
-                     moe_layer_freq=1, num_nextn_predict_layers=0, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, rope_scaling=dict(type="yarn", rope_type="yarn", factor=40.0,
-                     original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                     mscale_all_dim=1.0), tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
-                     bos_token_id=1, eos_token_id=2),
 }
+
+
+# DeepSeek-V3's per-head and per-expert shapes, few of them (the GPU tiny example's model).
+CONFIGS["dsv3tiny"] = json.loads((Path(__file__).resolve().parents[1] / "examples/deepseek_v3/tiny/gpu_config.json")
+                                 .read_text())
 
 
 def timed(fn, repeats: int) -> list[float]:

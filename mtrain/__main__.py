@@ -30,7 +30,11 @@ def _plot(args) -> int:
 
 def _init_tiny(args) -> int:
     from mtrain.tiny_hf import write_tiny_hf
-    print(write_tiny_hf(args.arch, args.out, seed=args.seed, overrides=dict(kv.split("=", 1) for kv in args.set)))
+    if not args.arch and not args.config:
+        print("mtrain init-tiny: error: give --arch or --config", file=sys.stderr)
+        return 2
+    print(write_tiny_hf(args.arch, args.out, seed=args.seed, config_path=args.config,
+                        overrides=dict(kv.split("=", 1) for kv in args.set)))
     return 0
 
 
@@ -46,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_plot)
     it = sub.add_parser("init-tiny", help="write a tiny random HF model (config.json + safetensors)")
-    it.add_argument("--arch", required=True)
+    it.add_argument("--arch", help="one of mtrain.tiny_configs.TINY")
+    it.add_argument("--config", help="a full HF config.json to instantiate with random weights instead")
     it.add_argument("--out", required=True)
     it.add_argument("--seed", type=int, default=0)
     it.add_argument("--set", nargs="*", default=[], help="config.json overrides key=value (JSON values)")

@@ -9,9 +9,15 @@ import torch
 from mtrain.tiny_configs import tiny_config
 
 
-def write_tiny_hf(arch: str, out: str | Path, *, seed: int = 0, overrides: dict | None = None) -> Path:
+def write_tiny_hf(arch: str | None, out: str | Path, *, seed: int = 0, overrides: dict | None = None,
+                  config_path: str | Path | None = None) -> Path:
+    """arch: a name in mtrain.tiny_configs; or config_path: a full HF config.json to instantiate at random."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = tiny_config(arch, **{k: json.loads(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()})
+    parsed = {k: json.loads(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()}
+    if config_path is not None:
+        cfg = dict(json.loads(Path(config_path).read_text()), **parsed)
+    else:
+        cfg = tiny_config(arch, **parsed)
     out = Path(out)
     if (out / "config.json").exists():
         raise FileExistsError(f"{out} already holds a model (config.json): refusing to overwrite it")
