@@ -11,9 +11,17 @@ available (so it can be called unconditionally), and touches no Megatron source:
 torch-function mode that rewrites CUDA device arguments. Every redirect below says why it is needed.
 
 Megatron-level traps that are not ``torch.cuda`` calls live elsewhere, where they belong:
-MLA's core attention on the local spec (``mtrain.models.local_attention``), the equal-size gloo
-all-gather for MoE token splits (``moe_token_dispatcher_type="alltoall"`` in ``mtrain.models``),
-``batch_p2p_comm=False`` for PP/VPP on gloo (``mtrain.models.forward``).
+- MLA core attention on the local spec needs k_channels/v_channels: ``mtrain.models.specs``
+  (a DotProductAttention subclass handed to the layer spec).
+- TE-absent flags (MLA's HAVE_TE, moe_utils.te_general_gemm): ``mtrain.compat.no_te`` (GPU too).
+- PP with VPP on gloo silently swaps tensors with batched p2p: ``batch_p2p_comm=False`` on CPU in
+  ``mtrain.models.builder``.
+- MoE token splits: mtrain uses the alltoall dispatcher (variable-length sequences need it); the
+  split sizes it passes to all_to_all_single are fixed up below. Gloo's all-gather needs equal sizes:
+  forward on TP2xEP2 (ETP 1 and 2) did not hit it; a training path that all-gathers uneven token
+  counts would need padding there.
+- Dist checkpointing imports ``psutil`` and starts worker processes: scripts that save/load need an
+  ``if __name__ == "__main__":`` guard (spawn re-imports the main module).
 """
 from __future__ import annotations
 
