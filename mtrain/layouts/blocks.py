@@ -191,8 +191,10 @@ def moe_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, experts:
                one(f"{hp}mlp.gate.weight", experts), one(f"{hp}mlp.gate.weight", experts), **kw),
     ]
     if expert_bias:
+        # float32 in Megatron (a router buffer) and in SGLang (e_score_correction_bias): never cast to bf16.
         rows.append(norm(f"L{i}.expert_bias", experts, f"{mp}mlp.router.expert_bias",
-                         f"{hp}mlp.gate.e_score_correction_bias", f"{hp}mlp.gate.e_score_correction_bias", **kw))
+                         f"{hp}mlp.gate.e_score_correction_bias", f"{hp}mlp.gate.e_score_correction_bias", fp32=True,
+                         **kw))
     for e in range(experts):
         ep = f"{hp}mlp.experts.{e}."
         rows.append(Weight(f"L{i}.E{e}.gate_up", (2 * inter, hidden),

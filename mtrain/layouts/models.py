@@ -61,7 +61,7 @@ def _mtp_rows(cfg: dict, k: int, names: MegatronNames, divisible_by: int) -> lis
     kw = dict(region="mtp", layer=k)
     vocab_rule = megatron_vocab_rule(divisible_by)
     rows = _layer_rows(cfg, i, mp + "transformer_layer.", hp, names, **kw)
-    rows = [Weight(w.key, w.shape, w.megatron, w.hf, (), w.region, w.layer, w.expert) for w in rows]
+    rows = [Weight(w.key, w.shape, w.megatron, w.hf, (), w.region, w.layer, w.expert, w.fp32) for w in rows]
     rows += [
         norm(f"L{i}.enorm", hidden, f"{mp}enorm.weight", f"{hp}enorm.weight", None, **kw),
         norm(f"L{i}.hnorm", hidden, f"{mp}hnorm.weight", f"{hp}hnorm.weight", None, **kw),

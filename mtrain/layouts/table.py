@@ -39,6 +39,7 @@ class Weight:
     region: str = "decoder"  # "embed" | "decoder" | "final" | "mtp": which pipeline stage holds it
     layer: int | None = None  # global decoder layer (or MTP depth for region "mtp")
     expert: int | None = None  # global routed-expert index
+    fp32: bool = False  # kept in float32 on every side whatever the model dtype (DeepSeek's expert bias)
 
     @property
     def shape2d(self) -> tuple[int, int]:

@@ -59,14 +59,26 @@ def piece_row(p: Piece, src_index: int, src_base: int | None, src_stride: int | 
 class Bucket:
     keys: list[Key]  # destination tensors, all ranks
     pieces: list[Piece]
+    fp32: bool = False  # a bucket of weights that stay float32 (plan.fp32)
 
 
 def make_buckets(plan: Plan, bucket_bytes: int, itemsize: int) -> list[Bucket]:
-    """Group destination tensors (same name on all ranks together) in plan order into bounded buckets."""
+    """Group destination tensors (same name on all ranks together) in plan order into bounded buckets;
+    float32-only weights (plan.fp32) go into buckets of their own, after the others."""
+    plain = _buckets(plan, [p for p in plan.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) not in plan.fp32],
+                     bucket_bytes, itemsize)
+    wide = _buckets(plan, [p for p in plan.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) in plan.fp32],
+                    bucket_bytes, 4)
+    for b in wide:
+        b.fp32 = True
+    return plain + wide
+
+
+def _buckets(plan: Plan, pieces: list[Piece], bucket_bytes: int, itemsize: int) -> list[Bucket]:
     by_dst: dict[Key, list[Piece]] = defaultdict(list)
     order: list[str] = []
     names: dict[str, list[Key]] = defaultdict(list)
-    for p in plan.pieces:
+    for p in pieces:
         k = (p.dst.rank, p.dst.chunk, p.dst.name)
         if k not in by_dst:
             if (p.dst.chunk, p.dst.name) not in names:
@@ -105,13 +117,16 @@ class Executor:
         self.device = torch.device(device)
         self.buckets = make_buckets(plan, bucket_bytes, torch.empty((), dtype=dtype).element_size())
         self._tables: dict = {}
-        self._bufs: dict[int, torch.Tensor] = {}
+        self._bufs: dict[tuple[int, bool], torch.Tensor] = {}
 
     def owner(self, dst_rank: int) -> int:
         return self.plan.owner.get(dst_rank, dst_rank)
 
     def _src_rank(self, p: Piece) -> int:
         return self.owner(p.dst.rank) if self.everywhere else p.src.rank
+
+    def _dtype(self, bucket: Bucket) -> torch.dtype:
+        return torch.float32 if bucket.fp32 else self.dtype
 
     def _exchange(self, bucket: Bucket) -> dict[int, tuple[torch.Tensor, list[Piece]]]:
         """Send my pieces that others own; return per peer (received buffer, its pieces in order)."""
@@ -130,13 +145,13 @@ class Executor:
         ops, out, keep = [], {}, []
         for peer in sorted(send):
             ps = send[peer]
-            buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=self.device)
+            buf = torch.empty(sum(p.numel for p in ps), dtype=self._dtype(bucket), device=self.device)
             self._pack(buf, ps, cache_key=("pack", id(bucket), peer))
             keep.append(buf)
             ops.append(dist.isend(buf, peer, group=self.group))
         for peer in sorted(recv):
             ps = recv[peer]
-            buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=self.device)
+            buf = torch.empty(sum(p.numel for p in ps), dtype=self._dtype(bucket), device=self.device)
             out[peer] = (buf, ps)
             ops.append(dist.irecv(buf, peer, group=self.group))
         for op in ops:
@@ -238,7 +253,7 @@ class Executor:
                 for k in keys:
                     base[k] = off
                     off += _numel(self.plan.dst_tensors[k].shape)
-                buf = self._stream_buffer(r, off)
+                buf = self._stream_buffer(r, off, bucket.fp32)
                 kset = set(keys)
                 self._fill(buf, base, [p for p in bucket.pieces if (p.dst.rank, p.dst.chunk, p.dst.name) in kset],
                            received, cache_key=("stream", bi, r))
@@ -250,12 +265,13 @@ class Executor:
                 torch.cuda.current_stream(self.device).synchronize()
             yield out
 
-    def _stream_buffer(self, dst_rank: int, numel: int) -> torch.Tensor:
-        """One reused buffer per destination rank, sized for the largest bucket: the same storage every sync,
-        so a CUDA IPC handle to it is opened once by the engine, not once per bucket."""
-        buf = self._bufs.get(dst_rank)
+    def _stream_buffer(self, dst_rank: int, numel: int, fp32: bool) -> torch.Tensor:
+        """One reused buffer per destination rank (and dtype), sized for the largest bucket: the same storage
+        every sync, so a CUDA IPC handle to it is opened once by the engine, not once per bucket."""
+        buf = self._bufs.get((dst_rank, fp32))
         if buf is None:
             need = max(sum(_numel(self.plan.dst_tensors[k].shape) for k in b.keys if k[0] == dst_rank)
-                       for b in self.buckets)
-            buf = self._bufs[dst_rank] = torch.empty(need, dtype=self.dtype, device=self.device)
+                       for b in self.buckets if b.fp32 == fp32)
+            dtype = torch.float32 if fp32 else self.dtype
+            buf = self._bufs[(dst_rank, fp32)] = torch.empty(need, dtype=dtype, device=self.device)
         return buf[:numel]

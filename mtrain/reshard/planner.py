@@ -51,6 +51,7 @@ class Plan:
     dst_tensors: dict[tuple[int, int, str], TensorRef]
     src_tensors: dict[tuple[int, int, str], TensorRef]
     owner: dict[int, int] = field(default_factory=dict)  # dst rank -> process (training rank) that writes it
+    fp32: set = field(default_factory=set)  # destination keys that stay float32 whatever the sync dtype
 
     def remote(self, piece: Piece) -> bool:
         return piece.src is not None and self.owner.get(piece.dst.rank, piece.dst.rank) != piece.src.rank
@@ -99,6 +100,7 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
     dst_tensors: dict = {}
     src_tensors: dict = {}
     owner: dict[int, int] = {}
+    fp32: set = set()
     for w in model.weights:
         dst_holders = dst_layout.holders(model, w)
         if only_writable:
@@ -125,6 +127,8 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             if dst_tensors.setdefault(key, dref) != dref:
                 raise LayoutError(f"{dh.name} on rank {dh.rank}: two table rows disagree on its shape")
             owner.setdefault(dh.rank, colocate(dh.rank))
+            if w.fp32:
+                fp32.add(key)
             covered = 0
             for dr in drects:
                 covered = max(covered, dr.row + dr.nrows)
@@ -145,7 +149,7 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             if covered < dshape[0]:  # vocabulary padding rows
                 pieces.append(Piece(None, None, dref, dh.slot, 0, 0, covered, 0, dshape[0] - covered, dshape[1], w.key))
     _check_coverage(pieces, dst_tensors)
-    return Plan(pieces, dst_tensors, src_tensors, owner)
+    return Plan(pieces, dst_tensors, src_tensors, owner, fp32)
 
 
 def _check_coverage(pieces: list[Piece], dst_tensors: dict) -> None:

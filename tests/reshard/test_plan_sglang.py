@@ -127,3 +127,20 @@ def test_qwen3_moe_with_dense_layers_is_refused_for_sglang():
     build_plan(layout, HFLayout(), MegatronLayout())  # converters are fine
     with pytest.raises(LayoutError, match="every Qwen3-MoE layer sparse"):
         build_plan(layout, MegatronLayout(), SGLangLayout(tp=1))
+
+
+def test_expert_bias_stays_float32_in_a_bf16_sync():
+    from mtrain.reshard.executor import Executor
+    cfg = tiny_config("deepseek_v3")
+    layout = model_layout(cfg)
+    hf = random_hf_state(layout)
+    mcore = to_megatron(layout, hf, MegatronLayout())
+    ex = Executor(build_plan(layout, MegatronLayout(), SGLangLayout(tp=1)), 0,
+                  lambda ref: mcore[(ref.rank, ref.chunk, ref.name)], dtype=torch.bfloat16, backend="torch")
+    seen = {}
+    for bucket in ex.stream():
+        for name, t in bucket[0]:
+            seen[name] = (t.dtype, t.clone())
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert seen[name][0] == torch.float32 and torch.equal(seen[name][1], hf[name])
+    assert seen["model.layers.1.mlp.experts.w13_weight"][0] == torch.bfloat16
