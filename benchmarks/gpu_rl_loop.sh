@@ -12,7 +12,8 @@ run() {  # name, init-tiny args...
     local name=$1; shift
     python -m mtrain init-tiny --out "$work/$name/hf" "$@" >/dev/null || return 1
     torchrun --nproc-per-node 1 -m mtrain train mtrain/configs/tiny_llama_grpo.yaml model.hf_path="$work/$name/hf" \
-        train.run_dir="$work/$name/run" $common 2>&1 | grep -v -i "warn" | tail -n 15
+        train.run_dir="$work/$name/run" $common > "${OUT:-$work}/log_$name.txt" 2>&1
+    echo "== $name: exit $?"; grep -v -i "warn" "${OUT:-$work}/log_$name.txt" | grep -B 12 -A 3 "Error" | head -n 60
     cp "$work/$name/run/metrics.jsonl" "${OUT:-$work}/metrics_$name.jsonl" 2>/dev/null
 }
 run llama --arch llama --set hidden_size=256 head_dim=64 num_attention_heads=4 num_key_value_heads=2 \

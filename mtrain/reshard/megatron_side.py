@@ -74,6 +74,7 @@ def load_hf_into_megatron(model: ModelLayout, chunks, hf_get: Callable[[str], to
     check_complete(model, layout, rank, chunks)
     plan = build_plan(model, HFLayout(), layout)
     dst = tensor_lookup(chunks)
+    device = next(unwrap(chunks[0]).parameters()).device  # the files are read to the host: move each tensor
     with torch.no_grad():
-        Executor(plan, rank, lambda ref: hf_get(ref.name), dtype=torch.float32, src_everywhere=True,
-                 backend=backend).write_into(lambda ref: dst(ref).data)
+        Executor(plan, rank, lambda ref: hf_get(ref.name).to(device), dtype=torch.float32, src_everywhere=True,
+                 backend=backend, device=device).write_into(lambda ref: dst(ref).data)

@@ -63,6 +63,7 @@ class Actor:
             from megatron.core.transformer.module import Float16Module
             chunks = [Float16Module(self.tconfig, c) for c in chunks]
         self.vocab = hf_config["vocab_size"]
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if not trainable:
             self.chunks = chunks
             for c in chunks:
@@ -86,7 +87,7 @@ class Actor:
     def _run(self, micro: list[dict], loss_fn, forward_only: bool) -> list:
         def step(data_iter, model):
             mb = next(data_iter)
-            pos = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
+            pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
             out = model(mb["tokens"], pos, None)
             return out, partial(loss_fn, mb)
 
@@ -102,11 +103,12 @@ class Actor:
         if batch.size % mbs:
             raise ValueError(f"{batch.size} samples per data-parallel rank do not split into micro batches of "
                              f"{mbs} (train.micro_batch_size)")
+        dev = self.device
         out = []
         for s in range(0, batch.size, mbs):
             d = {"tokens": batch.tokens[s:s + mbs], "mask": batch.response_mask[s:s + mbs]}
             d.update({k: v[s:s + mbs] for k, v in extra.items()})
-            out.append(d)
+            out.append({k: v.to(dev) for k, v in d.items()})
         return out
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
@@ -123,7 +125,7 @@ class Actor:
             outs = self._run(self._micro(batch, {}), loss_fn, forward_only=True)
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        return torch.cat([o["lp"] for o in outs]).float()
+        return torch.cat([o["lp"] for o in outs]).float().cpu()
 
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""

@@ -27,7 +27,9 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict):
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
     from mtrain.rollout.sglang_engine import SGLangEngine
-    server_args = {"attention_backend": cfg.engine.attention_backend} if cfg.engine.attention_backend else None
+    server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    if cfg.engine.attention_backend:
+        server_args["attention_backend"] = cfg.engine.attention_backend
     return SGLangEngine(str(hf_dir), tp_size=cfg.engine.tp, mem_fraction_static=cfg.engine.mem_fraction_static,
                         load_format="dummy", random_seed=cfg.train.seed, server_args=server_args)
 

@@ -77,7 +77,7 @@ class Trainer:
         self.engine = make_engine(cfg, hf_dir, self.hf_config) if self.rank == LEADER else None
         kind = "hf" if cfg.engine.kind == "reference" or not torch.cuda.is_available() else "sglang"
         self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, engine_kind=kind, engine_tp=cfg.engine.tp,
-                               leader=LEADER, dtype=self.actor.dtype if kind == "hf" else torch.bfloat16,
+                               leader=LEADER, dtype=self.actor.dtype,
                                bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                device="cuda" if torch.cuda.is_available() else "cpu")
         self.step = 0
