@@ -1,0 +1,266 @@
+"""Shared pieces of the Megatron converters: table checks, the parallel layout, dist-checkpoint files, metadata.
+
+Nothing here spells a weight name: expected HF tensors, the MTP decision and the tied copies all come from the
+layout tables (`mtrain.layouts.model_layout`). The megatron-dependent helpers (`build_and_load`) import
+Megatron lazily so that the checks run in the parent process before any rank is spawned.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from .errors import CheckpointError, ConvertError, TensorMismatchError
+
+META_FILE = "mtrain_meta.json"
+# Files a dist checkpoint (torch_dist format) cannot be read without.
+DIST_REQUIRED = ("metadata.json", "common.pt", ".metadata")
+# Small files that travel with the weights (config, tokenizer, generation settings, chat template).
+_SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_NOT_SIDE_FILES = {"model.safetensors.index.json", "metadata.json", META_FILE}
+
+
+class ParallelSizeError(ConvertError):
+    """The parallel sizes do not fit the model (heads/groups vs tp, experts vs ep, layers vs pp)."""
+
+
+# ------------------------------------------------------------------------------------------ config and dtype
+
+def config_dtype(cfg: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a HF config.json declares (`dtype` in transformers 5, `torch_dtype` before), else float32."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"config.json declares dtype {name!r}, which is not a floating-point torch dtype")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_config(cfg: dict, mtp: bool) -> dict:
+    """The config the Megatron model is built from: MTP layers only when the checkpoint carries them."""
+    return cfg if mtp else dict(cfg, num_nextn_predict_layers=0)
+
+
+# ------------------------------------------------------------------------------------------ the layout table
+
+def layout_for(cfg: dict, mtp: bool):
+    from mtrain.layouts import LayoutError, model_layout
+    try:
+        return model_layout(model_config(cfg, mtp), mtp=mtp)
+    except LayoutError as e:
+        raise ConvertError(f"unsupported model: {e}") from e
+
+
+def hf_expected(model) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the table reads or writes, with its on-disk shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    for w in model.weights:
+        for part in w.hf:
+            rows = part.rows[1] - part.rows[0]
+            shape = (rows,) + tuple(w.shape[1:])
+            if out.setdefault(part.name, shape) != shape:
+                raise ConvertError(f"layout table bug: {part.name} listed with shapes {out[part.name]} and {shape}")
+    return out
+
+
+def hf_has_mtp(cfg: dict, names: Iterable[str]) -> bool:
+    """Does the HF checkpoint carry the MTP layers that its config announces?
+
+    Decided from the table's MTP rows: none of their HF tensors present -> build without MTP (transformers'
+    save_pretrained drops them); any present -> build with MTP, and the table check names what is missing.
+    """
+    if not cfg.get("num_nextn_predict_layers"):
+        return False
+    from mtrain.layouts import model_layout
+    with_mtp = model_layout(cfg, mtp=True)
+    main = set(hf_expected(model_layout(model_config(cfg, False), mtp=False)))
+    mtp_only = set(hf_expected(with_mtp)) - main
+    return bool(mtp_only & set(names))
+
+
+def check_against_table(model, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
+                        where: str) -> None:
+    """Missing, unexpected, wrong-shape and non-float tensors, each named (a few of each kind)."""
+    expected = hf_expected(model)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor(s) the model needs: {_few(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor(s) that the {model.arch} layout does not know: "
+                              f"{_few(unexpected)}")
+    for name, want in expected.items():
+        if tuple(shapes[name]) != want:
+            raise TensorMismatchError(f"{where}: tensor '{name}' has shape {list(shapes[name])}, "
+                                      f"the config implies {list(want)}")
+        if not dtypes[name].is_floating_point:
+            # A float of another width is cast to the requested dtype; an integer tensor is not a weight.
+            raise TensorMismatchError(f"{where}: tensor '{name}' has dtype {dtypes[name]}, expected a "
+                                      "floating-point weight")
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+def tied_copies(model) -> list[tuple[str, str]]:
+    """(copy, original) HF names of tensors that Megatron shares: rows whose Megatron side is a read-only alias
+    of another row's Megatron tensor (DeepSeek's MTP embedding/head). Tied lm_heads read the same HF name."""
+    writer: dict[str, str] = {}
+    for w in model.weights:
+        for part in w.megatron:
+            if part.write and len(w.hf) == 1:
+                writer.setdefault(part.name, w.hf[0].name)
+    out = []
+    for w in model.weights:
+        for part in w.megatron:
+            if not part.write and len(w.hf) == 1 and part.name in writer and w.hf[0].name != writer[part.name]:
+                out.append((w.hf[0].name, writer[part.name]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ parallel layout
+
+def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None):
+    """The MegatronLayout for these sizes with the smallest data-parallel size that makes EP fit.
+
+    Megatron needs tp*dp to be a multiple of etp*ep (experts are spread over the data-parallel ranks too):
+    tp=2, ep=2 (etp=tp) therefore runs on 4 ranks, tp=2, ep=2, etp=1 on 2.
+    """
+    from mtrain.layouts import LayoutError
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
+    from mtrain.reshard.planner import build_plan
+    expert_tp = etp or tp
+    dp = math.lcm(tp, expert_tp * ep) // tp
+    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp)
+    try:
+        plan = build_plan(model, HFLayout(), layout)
+    except LayoutError as e:
+        raise ParallelSizeError(f"parallel sizes tp={tp} pp={pp} ep={ep} etp={expert_tp} do not fit the model: "
+                                f"{e}") from e
+    return layout, plan
+
+
+# ------------------------------------------------------------------------------------------ dist checkpoints
+
+def check_dist_checkpoint(path: str | Path, need_config: bool = True) -> Path:
+    """A complete torch_dist checkpoint directory, or one CheckpointError naming what is missing or short."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: Megatron checkpoint directory does not exist")
+    absent = [f for f in DIST_REQUIRED if not (path / f).is_file()]
+    if absent:
+        raise CheckpointError(f"{path}: incomplete Megatron dist checkpoint (half-written?): missing {', '.join(absent)}")
+    try:
+        fmt = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path / 'metadata.json'}: unreadable: {e}") from e
+    if fmt != "torch_dist":
+        raise CheckpointError(f"{path}: sharded backend {fmt!r} is not supported (expected torch_dist)")
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        raise CheckpointError(f"{path / '.metadata'}: unreadable (corrupt or truncated): {e}") from e
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: incomplete Megatron dist checkpoint: shard file {rel} is missing")
+        if f.stat().st_size < end:
+            raise CheckpointError(f"{f}: truncated shard: {f.stat().st_size} bytes, the checkpoint index needs {end}")
+    if need_config and not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (pass --hf-config DIR with the model's HF config)")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    f = path / META_FILE
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{f}: unreadable: {e}") from e
+
+
+def write_meta(path: Path, **fields: Any) -> None:
+    import megatron.core
+    import safetensors
+    import transformers
+    fields["versions"] = {"torch": torch.__version__, "megatron-core": megatron.core.__version__,
+                          "transformers": transformers.__version__, "safetensors": safetensors.__version__}
+    (path / META_FILE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """config.json, tokenizer and generation files; never weights, indexes or our own metadata."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix in _SIDE_SUFFIXES and f.name not in _NOT_SIDE_FILES:
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict, bool, torch.dtype]:
+    """(HF config, MTP carried?, parameter dtype) of a dist checkpoint written by hf-to-mcore (or by training).
+
+    Without mtrain_meta.json the config decides: MTP when it announces MTP layers.
+    """
+    cfg_dir = hf_config_dir or mcore_dir
+    try:
+        cfg = json.loads((cfg_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_dir / 'config.json'}: unreadable: {e}") from e
+    meta = read_meta(mcore_dir)
+    mtp = bool(meta.get("mtp_layers", cfg.get("num_nextn_predict_layers") or 0))
+    dtype = getattr(torch, meta["dtype"]) if "dtype" in meta else config_dtype(cfg)
+    return cfg, mtp, dtype
+
+
+def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str):
+    """Inside a live parallel_state: build this rank's chunks and fill them from the dist checkpoint
+    (Megatron reshards on load, so the checkpoint's own layout does not matter)."""
+    from megatron.core import dist_checkpointing
+
+    from mtrain.models import build_model, model_sharded_state_dict
+    chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype)
+    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), mcore_dir)
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded[f"chunk{i}"])
+    return chunks
+
+
+def rank_error(fn):
+    """Run a rank body, turning user errors into a returned message (the parent re-raises it as one error)
+    instead of a traceback per rank. functools.wraps keeps the module-level name, so spawn can pickle it."""
+    @functools.wraps(fn)
+    def wrapped(rank: int, world: int, *args):
+        from mtrain.layouts import LayoutError
+        from mtrain.models import ModelConfigError
+        try:
+            return {"ok": fn(rank, world, *args)}
+        except (ConvertError, LayoutError, ModelConfigError) as e:
+            return {"error": str(e)}
+    return wrapped
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 3600.0) -> list:
+    """run_on_ranks with user errors re-raised here as one ConvertError."""
+    from mtrain.dist import run_on_ranks
+    results = run_on_ranks(fn, world, *args, timeout=timeout)
+    for r in results:
+        if "error" in r:
+            raise ConvertError(r["error"])
+    return [r["ok"] for r in results]
