@@ -1,0 +1,100 @@
+"""verify: a Megatron dist checkpoint gives the same logits as its HF source under transformers.
+
+The HF model is built by transformers (float32, its own code: the independent reference), the Megatron model
+at the requested layout is loaded from the dist checkpoint (Megatron reshards on load), both run the same
+random tokens, and the largest logit difference is printed, absolute and relative to the largest |logit|.
+Exit status 1 when the relative difference is above the tolerance (default 1e-4 for a float32 checkpoint,
+2e-2 for bf16/fp16, whose Megatron forward runs in that dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .mcore_io import build_and_load, check_dist_checkpoint, checkpoint_facts, megatron_layout, layout_for
+from .mcore_io import rank_error, run_ranks
+
+DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class VerifyResult:
+    max_abs: float
+    max_rel: float  # max |Δ| / max |HF logit|
+    tol: float
+    shape: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel <= self.tol
+
+
+def make_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{hf_dir}: transformers cannot load this HF checkpoint: {e}") from e
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+@rank_error
+def megatron_logits_rank(rank: int, world: int, job: dict):
+    """Logits on the last pipeline stage's first rank, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    from mtrain.dist import init_distributed
+    from mtrain.models import forward_logits
+
+    lay = job["layout"]
+    init_distributed(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
+    chunks = build_and_load(job["cfg"], job["mtp"], getattr(torch, job["dtype"]), job["mcore"])
+    for c in chunks:
+        c.eval()
+    out = forward_logits(chunks, job["tokens"])
+    if out is None or ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return out.float()
+
+
+def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                    hf_config_dir: Path | None = None) -> torch.Tensor:
+    cfg, mtp, dtype = checkpoint_facts(mcore_dir, hf_config_dir)
+    layout, _ = megatron_layout(layout_for(cfg, mtp), tp, pp, ep, None)
+    job = dict(cfg=cfg, mtp=mtp, dtype=str(dtype).removeprefix("torch."), mcore=str(mcore_dir), tokens=tokens,
+               layout=layout)
+    outs = [o for o in run_ranks(megatron_logits_rank, layout.world, job) if o is not None]
+    return outs[0]
+
+
+def verify(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
+           tol: float | None = None, tokens: torch.Tensor | None = None) -> VerifyResult:
+    hf_dir, mcore_dir = Path(hf_dir), Path(mcore_dir)
+    check_dist_checkpoint(mcore_dir, need_config=False)
+    cfg, _, dtype = checkpoint_facts(mcore_dir, hf_dir)
+    tokens = make_tokens(cfg["vocab_size"]) if tokens is None else tokens
+    got = megatron_logits(mcore_dir, tokens, tp, pp, ep, hf_config_dir=hf_dir)
+    want = hf_logits(hf_dir, tokens)
+    if got.shape != want.shape:
+        raise CheckpointError(f"logit shapes differ: Megatron {tuple(got.shape)}, transformers {tuple(want.shape)}")
+    diff = (got - want).abs().max().item()
+    return VerifyResult(diff, diff / max(want.abs().max().item(), 1e-30),
+                        DEFAULT_TOL.get(dtype, 2e-2) if tol is None else tol, tuple(want.shape))
+
+
+def run(args: argparse.Namespace) -> int:
+    r = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, tol=args.tol)
+    verdict = "OK" if r.ok else "FAIL"
+    print(f"{verdict}: logits {list(r.shape)}: max |diff| {r.max_abs:.3e}, relative {r.max_rel:.3e} "
+          f"(tolerance {r.tol:.1e}, tp={args.tp} pp={args.pp} ep={args.ep})")
+    return 0 if r.ok else 1
