@@ -27,7 +27,11 @@ class Holder:
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """A Megatron training layout. etp defaults to tp, as in megatron-core."""
+    """A Megatron training layout. etp defaults to tp, as in megatron-core.
+
+    first_stage_layers / last_stage_layers: megatron-core's uneven pipeline split (num_layers_in_first/last_
+    pipeline_stage), e.g. DeepSeek-V3's 61 layers on PP16 as 3 | 4 x 14 | 2; the middle stages share the rest.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -36,6 +40,8 @@ class MegatronLayout:
     etp: int | None = None
     cp: int = 1
     dp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     side = "megatron"
 
     @property
@@ -46,6 +52,10 @@ class MegatronLayout:
     def expert_tp(self) -> int:
         return self.etp or self.tp
 
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
     def check(self, model: ModelLayout) -> None:
         per_stage = self.tp * self.cp * self.dp
         if per_stage % (self.expert_tp * self.ep):
@@ -54,9 +64,33 @@ class MegatronLayout:
             raise LayoutError(f"num experts ({model.num_experts}) is not divisible by expert parallel size ({self.ep})")
         if not model.num_experts and self.ep > 1:
             raise LayoutError(f"expert parallel size {self.ep} given for a model without experts")
-        chunks = self.pp * (self.vpp or 1)
-        if model.num_layers % chunks:
-            raise LayoutError(f"num layers ({model.num_layers}) is not divisible by pp*vpp ({chunks})")
+        self.stage_layers(model.num_layers)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage (per virtual chunk when vpp is set: all chunks are equal)."""
+        if not self.uneven:
+            chunks = self.pp * (self.vpp or 1)
+            if num_layers % chunks:
+                raise LayoutError(f"num layers ({num_layers}) is not divisible by pp*vpp ({chunks}); set "
+                                  f"first_stage_layers/last_stage_layers for an uneven split")
+            return [num_layers // self.pp] * self.pp
+        if self.vpp:
+            raise LayoutError("an uneven pipeline split with virtual pipeline stages is not supported")
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        middle = num_layers - (first or 0) - (last or 0)
+        if middle_stages < 0 or middle < 0 or (middle_stages == 0 and middle):
+            raise LayoutError(f"first/last pipeline stage layers ({first}/{last}) do not fit {num_layers} layers "
+                              f"on pp={self.pp}")
+        if middle_stages and middle % middle_stages:
+            raise LayoutError(f"the {middle} middle layers do not divide over {middle_stages} middle pipeline "
+                              f"stages (num layers {num_layers}, first {first}, last {last}, pp {self.pp})")
+        counts = [middle // middle_stages if middle_stages else 0] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     @cached_property
     def coords(self) -> list[dict]:
@@ -64,14 +98,29 @@ class MegatronLayout:
         from mtrain.dist import rank_coords
         return [vars(c) for c in rank_coords(self.world, self.tp, self.pp, self.ep, self.etp, self.cp)]
 
+    @cached_property
+    def _by_stage(self) -> dict:
+        """Ranks per pp stage and per (pp stage, ep rank): placement is asked once per weight, on 512+ ranks."""
+        out: dict = {}
+        for r, c in enumerate(self.coords):
+            out.setdefault(c["pp"], []).append((r, c))
+            out.setdefault((c["pp"], c["ep"]), []).append((r, c))
+        return out
+
     def stage_of(self, model: ModelLayout, w: Weight) -> tuple[int, int, int | None]:
         """(pp rank, vpp chunk, layer index inside the chunk) that holds weight w."""
         vpp = self.vpp or 1
-        last = (self.pp - 1, vpp - 1)
         if w.region == "embed":
             return 0, 0, None
         if w.region in ("final", "mtp"):
-            return last[0], last[1], w.layer if w.region == "mtp" else None
+            return self.pp - 1, vpp - 1, w.layer if w.region == "mtp" else None
+        if self.uneven:
+            start = 0
+            for stage, n in enumerate(self.stage_layers(model.num_layers)):
+                if w.layer < start + n:
+                    return stage, 0, w.layer - start
+                start += n
+            raise LayoutError(f"layer {w.layer} is past the last pipeline stage")
         per_chunk = model.num_layers // (self.pp * vpp)
         chunk_global, local = divmod(w.layer, per_chunk)  # chunk_global = vchunk * pp + pp_rank
         vchunk, pp_rank = divmod(chunk_global, self.pp)
@@ -83,17 +132,14 @@ class MegatronLayout:
         for pi, part in enumerate(w.megatron):
             if part.name == "output_layer.weight" and model.tied_embeddings and self.pp == 1:
                 continue  # a single stage shares the embedding tensor: no separate head parameter
-            for r, c in enumerate(self.coords):
-                if c["pp"] != pp_rank:
-                    continue
-                if w.expert is not None:
-                    per = model.num_experts // self.ep
-                    if c["ep"] != w.expert // per:
-                        continue
-                    name = part.name.format(layer=local, expert=w.expert % per)
+            if w.expert is not None:
+                per = model.num_experts // self.ep
+                name = part.name.format(layer=local, expert=w.expert % per)
+                for r, c in self._by_stage.get((pp_rank, w.expert // per), []):
                     out.append(Holder(r, chunk, pi, name, None, c["etp"], self.expert_tp))
-                else:
-                    name = part.name.format(layer=local) if local is not None else part.name
+            else:
+                name = part.name.format(layer=local) if local is not None else part.name
+                for r, c in self._by_stage.get(pp_rank, []):
                     out.append(Holder(r, chunk, pi, name, None, c["tp"], self.tp))
         return out
 

@@ -138,7 +138,10 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
                         if hit is None:
                             continue
                         fr, fc, nr, nc = hit
-                        pick = next((h for h in hs if h.rank == colocate(dh.rank)), hs[dh.rank % len(hs)])
+                        # Prefer the replica on the destination's own device; else spread destinations over
+                        # replicas by where they live, so engines do not all pull from the same training rank.
+                        home = colocate(dh.rank)
+                        pick = next((h for h in hs if h.rank == home), hs[home % len(hs)])
                         spart = parts_of(src_layout, w)[pick.part]
                         sslots = src_slots if spart.slot else None
                         sref = TensorRef(pick.rank, pick.chunk, pick.name, _tensor_shape(sshape, w, sslots))

@@ -64,58 +64,6 @@ class Hardware:
         return rank // self.gpus_per_node
 
 
-@dataclass(frozen=True)
-class UnevenMegatronLayout(MegatronLayout):
-    """MegatronLayout with megatron-core's num_layers_in_first/last_pipeline_stage (no VPP).
-
-    Proposed for placement.py: MegatronLayout.check/stage_of only take an even split, and 61 layers do not
-    divide by PP 16. Megatron's decoder names stay local to the stage (decoder.layers.{index in stage}).
-    """
-
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        first, last = self.first_stage_layers, self.last_stage_layers
-        middle_stages = self.pp - (first is not None) - (last is not None)
-        middle = num_layers - (first or 0) - (last or 0)
-        if self.vpp:
-            raise LayoutError("uneven pipeline stages with virtual pipeline stages are not modelled here")
-        if middle_stages < 0 or (middle_stages == 0 and middle) or middle < 0:
-            raise LayoutError(f"first/last pipeline stage layers ({first}/{last}) do not fit {num_layers} layers "
-                              f"on pp={self.pp}")
-        if middle_stages and middle % middle_stages:
-            raise LayoutError(f"the {middle} middle layers do not divide over {middle_stages} middle pipeline "
-                              f"stages (num layers {num_layers}, first {first}, last {last}, pp {self.pp})")
-        per = middle // middle_stages if middle_stages else 0
-        counts = [per] * self.pp
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return counts
-
-    def check(self, model: ModelLayout) -> None:
-        if self.first_stage_layers is None and self.last_stage_layers is None:
-            return super().check(model)
-        per_stage = self.tp * self.cp * self.dp
-        if per_stage % (self.expert_tp * self.ep):
-            raise LayoutError(f"tp*cp*dp ({per_stage}) is not divisible by etp*ep ({self.expert_tp}*{self.ep})")
-        if model.num_experts and model.num_experts % self.ep:
-            raise LayoutError(f"num experts ({model.num_experts}) is not divisible by expert parallel size ({self.ep})")
-        self.stage_layers(model.num_layers)
-
-    def stage_of(self, model: ModelLayout, w: Weight):
-        if (self.first_stage_layers is None and self.last_stage_layers is None) or w.region != "decoder":
-            return super().stage_of(model, w)
-        start = 0
-        for stage, n in enumerate(self.stage_layers(model.num_layers)):
-            if w.layer < start + n:
-                return stage, 0, w.layer - start
-            start += n
-        raise LayoutError(f"layer {w.layer} is past the last pipeline stage")
-
-
 def parse_sizes(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, int]:
     """'tp=1,pp=16,ep=32' -> {'tp': 1, 'pp': 16, 'ep': 32}."""
     out = {}
@@ -132,7 +80,7 @@ def parse_sizes(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, int
     return out
 
 
-def training_layout(cfg: dict, sizes: dict[str, int], world: int | None) -> UnevenMegatronLayout:
+def training_layout(cfg: dict, sizes: dict[str, int], world: int | None) -> MegatronLayout:
     """A Megatron layout from tp/pp/ep/etp/cp/dp (dp from the world size when absent)."""
     tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
     dp = sizes.get("dp")
@@ -144,7 +92,7 @@ def training_layout(cfg: dict, sizes: dict[str, int], world: int | None) -> Unev
     layers = cfg["num_hidden_layers"]
     if first is None and last is None and layers % pp:
         first, last = DEFAULT_UNEVEN.get((cfg.get("model_type"), layers, pp), (None, None))
-    return UnevenMegatronLayout(tp=tp, pp=pp, ep=sizes.get("ep", 1), etp=sizes.get("etp"), cp=cp, dp=dp,
+    return MegatronLayout(tp=tp, pp=pp, ep=sizes.get("ep", 1), etp=sizes.get("etp"), cp=cp, dp=dp,
                                 first_stage_layers=first, last_stage_layers=last)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from mtrain.layouts import LayoutError, model_layout
 from mtrain.reshard.placement import MegatronLayout, SGLangLayout
-from mtrain.reshard.simulate import (CONFIGS, Hardware, RankStats, SimulationError, UnevenMegatronLayout,
+from mtrain.reshard.simulate import (CONFIGS, Hardware, RankStats, SimulationError, 
                                      link_times, main, parse_sizes, simulate, summarize, training_layout)
 from mtrain.tiny_configs import tiny_config
 
@@ -71,16 +71,16 @@ def test_uneven_stages_match_megatron_core_offsets():
                             num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=2,
                             pipeline_dtype=torch.bfloat16)
     want = [get_transformer_layer_offset(cfg, pp_rank=r) for r in range(16)]
-    counts = UnevenMegatronLayout(pp=16, first_stage_layers=3, last_stage_layers=2).stage_layers(61)
+    counts = MegatronLayout(pp=16, first_stage_layers=3, last_stage_layers=2).stage_layers(61)
     assert [sum(counts[:r]) for r in range(16)] == want and sum(counts) == 61
     layout = model_layout(DSV3, mtp=False)
-    uneven = UnevenMegatronLayout(pp=16, dp=2, ep=2, first_stage_layers=3, last_stage_layers=2)
+    uneven = MegatronLayout(pp=16, dp=2, ep=2, first_stage_layers=3, last_stage_layers=2)
     by_key = layout.by_key()
     assert uneven.stage_of(layout, by_key["L2.input_norm"]) == (0, 0, 2)
     assert uneven.stage_of(layout, by_key["L3.input_norm"]) == (1, 0, 0)
     assert uneven.stage_of(layout, by_key["L60.input_norm"]) == (15, 0, 1)
     with pytest.raises(LayoutError, match="middle layers do not divide"):
-        UnevenMegatronLayout(pp=16, first_stage_layers=4, last_stage_layers=2).check(layout)
+        MegatronLayout(pp=16, first_stage_layers=4, last_stage_layers=2).check(layout)
 
 
 def tiny_llama_run(bucket_bytes):
