@@ -43,12 +43,16 @@ class ParallelConfig:
     etp: int | None = None  # expert TP; None = same as tp
     cp: int = 1
     sequence_parallel: bool = False
+    # megatron-core's uneven pipeline split (num_layers_in_first/last_pipeline_stage), e.g. 61 layers on pp 16
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
 
 @dataclass
 class EngineConfig:
     kind: Literal["auto", "sglang", "reference"] = "auto"  # auto: sglang on GPU, reference on CPU
     tp: int = 1
+    ep: int = 1  # SGLang expert parallelism inside the engine's TP group (MoE over ep x tp/ep)
     mem_fraction_static: float = 0.5
     attention_backend: str | None = None  # None = SGLang's choice
     colocate: bool = True

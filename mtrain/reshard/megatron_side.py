@@ -44,10 +44,11 @@ def tensor_lookup(chunks: list[torch.nn.Module]) -> Callable[[TensorRef], torch.
     return get
 
 
-def current_layout() -> MegatronLayout:
-    """The MegatronLayout of the running job, read from megatron's parallel_state."""
+def current_layout(first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> MegatronLayout:
+    """The MegatronLayout of the running job, read from megatron's parallel_state (plus the uneven pipeline
+    split the model was built with, which parallel_state does not know)."""
     from megatron.core import parallel_state as ps
-    return MegatronLayout(tp=ps.get_tensor_model_parallel_world_size(),
+    return MegatronLayout(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
                           vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
                           ep=ps.get_expert_model_parallel_world_size(),
