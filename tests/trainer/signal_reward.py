@@ -1,5 +1,2 @@
-"""A reward with signal for tiny random models: the share of digits in the response (exact match is ~never hit)."""
-
-
-def digit_share(response: str, answer, **_) -> float:
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
+"""The trainer tests' reward: re-exported from the package (tests load it by file path, like a user's reward)."""
+from mtrain.data.rewards import digit_share_reward as digit_share  # noqa: F401
