@@ -44,8 +44,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def normalized_config(cfg: dict) -> dict:
+    """transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`; the layout tables read
+    `num_experts` (map_hf_config reads both). Give the tables the name they read."""
+    if cfg.get("model_type") == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" in cfg:
+        return dict(cfg, num_experts=cfg["num_local_experts"])
+    return cfg
+
+
 def model_config(cfg: dict, mtp: bool) -> dict:
     """The config the Megatron model is built from: MTP layers only when the checkpoint carries them."""
+    cfg = normalized_config(cfg)
     return cfg if mtp else dict(cfg, num_nextn_predict_layers=0)
 
 
@@ -80,7 +89,7 @@ def hf_has_mtp(cfg: dict, names: Iterable[str]) -> bool:
     if not cfg.get("num_nextn_predict_layers"):
         return False
     from mtrain.layouts import model_layout
-    with_mtp = model_layout(cfg, mtp=True)
+    with_mtp = model_layout(normalized_config(cfg), mtp=True)
     main = set(hf_expected(model_layout(model_config(cfg, False), mtp=False)))
     mtp_only = set(hf_expected(with_mtp)) - main
     return bool(mtp_only & set(names))
