@@ -81,7 +81,10 @@ class Actor:
             self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(steps, o.warmup_steps + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=steps, wd_incr_style="constant")
+            wd_incr_steps=steps, wd_incr_style="constant",
+            # On resume the schedule's shape comes from this run's config (a relaunch with more train.steps
+            # extends the decay); only the position (num_steps) comes from the checkpoint.
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
     # ---------------------------------------------------------------- forward plumbing
     def _run(self, micro: list[dict], loss_fn, forward_only: bool) -> list:

@@ -36,14 +36,21 @@ def _set_rng_state(s: dict) -> None:
 
 
 def _sharded(actor, is_loading: bool) -> dict:
+    from megatron.core.utils import unwrap_model
+    # The bare GPTModel's keys (as Megatron's own checkpointing does): the DDP wrapper would prefix every key
+    # with "module." and then refuse its own state on load; bare keys also make a run's checkpoint usable
+    # as model.mcore_ckpt.
     model_sd = {}
-    for i, c in enumerate(actor.chunks):
+    for i, c in enumerate(unwrap_model(actor.chunks)):
         model_sd[f"model{i}"] = c.sharded_state_dict()
     flat = {}
     for sd in model_sd.values():
         flat.update(sd)
+    # dp_reshardable keeps Adam's per-parameter `step` with the moments; Megatron 0.16.1's fully_reshardable
+    # format drops it on save but expects it on load whenever torch's Adam (no Apex/TE) is the inner optimizer,
+    # so that format cannot be resumed here. The cost: resume needs the same DP/TP/PP layout.
     opt = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading,
-                                             metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+                                             metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return {**model_sd, "optimizer": opt}
 
 
@@ -61,7 +68,8 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
     torch.save(_rng_state(), final / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
-        torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step},
+        torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
+                    "adam_steps": _adam_steps(actor)},
                    final / "trainer_state.pt")
         (final / "COMPLETE").write_text(str(step))
         tmp = root / f".latest.{os.getpid()}"
@@ -82,17 +90,65 @@ def find_latest(run_dir: str | Path) -> Path | None:
     return path
 
 
+def _inner_optimizers(optimizer) -> list:
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [s.optimizer for s in subs if getattr(s, "optimizer", None) is not None]
+
+
+def _allocate_optimizer_state(actor) -> None:
+    """Give every parameter Adam state (zeros, step 0) before a load, as a first optimizer step would.
+
+    Megatron's distributed optimizer reads the inner torch Adam's `step` to build the state dict it loads
+    into; without Apex/TE a fresh optimizer has no state at all and that read fails (`assert len(steps) == 1`).
+    Every value written here is overwritten by the checkpoint's.
+    """
+    for opt in _inner_optimizers(actor.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state[p]
+                st.setdefault("exp_avg", torch.zeros_like(p.data))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p.data))
+                st.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _adam_steps(actor) -> list[float]:
+    """Each inner Adam's update count (one value per optimizer: all its parameters step together)."""
+    out = []
+    for opt in _inner_optimizers(actor.optimizer):
+        steps = {float(st["step"]) for st in opt.state.values() if "step" in st}
+        if len(steps) > 1:
+            raise CheckpointError(f"optimizer parameters disagree on Adam's step count: {sorted(steps)}")
+        out.append(steps.pop() if steps else 0.0)
+    return out
+
+
+def _set_adam_steps(actor, steps: list[float]) -> None:
+    """Restore Adam's step counts. Megatron's load does not (without Apex/TE it leaves 0 here, and where it does
+    set them it hands every parameter the SAME tensor, which torch's Adam then increments once per parameter)."""
+    opts = _inner_optimizers(actor.optimizer)
+    if len(steps) != len(opts):
+        raise CheckpointError(f"checkpoint has Adam step counts for {len(steps)} optimizers, this run builds "
+                              f"{len(opts)}: the model or parallel layout differs from the saved run")
+    for opt, step in zip(opts, steps):
+        for st in opt.state.values():
+            st["step"] = torch.tensor(step, dtype=torch.float32)  # one tensor per parameter
+
+
+@torch.no_grad()  # optimizer state is copied into main params that are views of trainable leaves
 def load(path: str | Path, actor) -> dict:
     """Restore model, optimizer, scheduler and RNG from a complete checkpoint; return the trainer state."""
     from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
+    _allocate_optimizer_state(actor)
     state = dist_checkpointing.load(_sharded(actor, is_loading=True), str(path / "mcore"))
-    for i, c in enumerate(actor.chunks):
+    for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
     actor.optimizer.load_state_dict(state["optimizer"])
     trainer = torch.load(path / "trainer_state.pt", weights_only=False)
     actor.scheduler.load_state_dict(trainer.pop("scheduler"))
+    _set_adam_steps(actor, trainer.pop("adam_steps"))
     _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     return trainer
