@@ -1,0 +1,94 @@
+"""Turn a finished demo run into docs/smollm2_demo.json (measured numbers) and docs/smollm2_demo.png.
+
+    python examples/smollm2/summarize.py RUN_DIR --wall-s 1234 --command "bash examples/smollm2/run.sh" \
+        --json docs/smollm2_demo.json --png docs/smollm2_demo.png
+
+Every number comes from RUN_DIR/metrics.jsonl as the trainer wrote it; nothing here is typed in by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+from mtrain.metrics import read_metrics
+from mtrain.plot import plot_run
+
+# eval/reward_mean gets a panel of its own: mtrain.plot's overlay looks for "eval/reward/mean".
+PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response_len/mean", "logprob_diff/max_abs")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
+    records = read_metrics(run_dir)
+    evals = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
+    train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
+    if not evals or evals[0][0] != 0 or not train:
+        raise SystemExit(f"{run_dir}: need an eval at step 0 (val_before_train) and training steps; "
+                         f"got evals at {[s for s, _ in evals]} and {len(train)} training steps")
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((run_dir / "config.yaml").read_text())))
+    k = max(1, len(train) // 4)  # first vs last quarter of the steps: single steps are noisy
+    first = [v for _, v in train[:k]]
+    last = [v for _, v in train[-k:]]
+    step_times = [sum(r.get(f"time/{p}", 0.0) for p in ("rollout", "logprobs", "train", "sync"))
+                  for r in records if "reward/mean" in r]
+    return {
+        "what": "GRPO on two-number addition, SmolLM2-135M-Instruct, CPU reference engine + Megatron-core on CPU",
+        "eval_metric": "eval/reward_mean: exact match of the greedy answer on held-out prompts",
+        "eval_prompts": cfg["data"]["arithmetic"]["num_eval"],
+        "accuracy_before": evals[0][1],
+        "accuracy_after": evals[-1][1],
+        "accuracy_after_step": evals[-1][0],
+        "eval_curve": [{"step": s, "accuracy": v} for s, v in evals],
+        "train_reward_first_quarter_mean": sum(first) / len(first),
+        "train_reward_last_quarter_mean": sum(last) / len(last),
+        "train_reward_per_step": [v for _, v in train],
+        "steps": train[-1][0],
+        "samples_per_step": cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"],
+        "mean_step_s": sum(step_times) / len(step_times),
+        "wall_time_s": round(wall_s, 1),
+        "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), no GPU, shared with other jobs; "
+                   f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "config": cfg,
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--wall-s", type=float, required=True)
+    p.add_argument("--command", required=True)
+    p.add_argument("--json", type=Path, default=Path("docs/smollm2_demo.json"))
+    p.add_argument("--png", type=Path, default=Path("docs/smollm2_demo.png"))
+    args = p.parse_args()
+    summary = summarize(args.run_dir, args.wall_s, args.command)
+    _write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
+    plot_run(args.run_dir, args.png, keys=PLOT_KEYS)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
