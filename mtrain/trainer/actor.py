@@ -70,6 +70,11 @@ class Actor:
                 c.requires_grad_(False)
             return
         self.chunks = [DistributedDataParallel(self.tconfig, ddp_cfg, c) for c in chunks]
+        # Megatron's schedule calls this after the last backward: DP gradient reduction (DDP.finish_grad_sync),
+        # the first/last-stage all-reduce of tied embedding grads, TP all-reduce of sequence-parallel norm grads.
+        # Without it every DP rank would step with its own local gradient.
+        from megatron.core.distributed import finalize_model_grads
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
