@@ -3,7 +3,8 @@
 Layout of RUN_DIR/checkpoints/step_{N}/: `mcore/` (torch_dist), `trainer_state.pt` (rank 0: step, sampler,
 scheduler, weight version, RNG), `rng_rank{r}.pt` (every rank's RNG) and `COMPLETE` written last. A step
 directory without COMPLETE is a half-written checkpoint and is never loaded; `latest` names the newest
-complete one and is replaced atomically, so a crash at any point keeps the last good checkpoint.
+complete one and is replaced atomically, so a crash at any point keeps the last good checkpoint. A checkpoint
+is written under `.partial_step_{N}/` and renamed into place when complete.
 """
 from __future__ import annotations
 
@@ -55,23 +56,28 @@ def _sharded(actor, is_loading: bool) -> dict:
 
 
 def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
+    """Write into `.partial_step_{N}`, then rename to `step_{N}` once every file and COMPLETE are there:
+    a crash at any point leaves no step directory that looks like a checkpoint."""
     from megatron.core import dist_checkpointing
     root = Path(run_dir) / "checkpoints"
-    final = root / f"step_{step}"
+    final, part = root / f"step_{step}", root / f".partial_step_{step}"
     rank = dist.get_rank()
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        (final / "mcore").mkdir(parents=True)
+        if part.exists():  # left by a run that died while saving this step
+            shutil.rmtree(part)
+        (part / "mcore").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(actor, is_loading=False), str(final / "mcore"))
-    torch.save(_rng_state(), final / f"rng_rank{rank}.pt")
+    dist_checkpointing.save(_sharded(actor, is_loading=False), str(part / "mcore"))
+    torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
                     "adam_steps": _adam_steps(actor)},
-                   final / "trainer_state.pt")
-        (final / "COMPLETE").write_text(str(step))
+                   part / "trainer_state.pt")
+        (part / "COMPLETE").write_text(str(step))
+        if final.exists():  # an older save of this step (a run resumed from before it): replace it
+            shutil.rmtree(final)
+        os.replace(part, final)
         tmp = root / f".latest.{os.getpid()}"
         tmp.write_text(final.name)
         os.replace(tmp, root / "latest")
@@ -80,14 +86,13 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
 
 
 def find_latest(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None. Directories are scanned rather than trusting
+    `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind."""
     root = Path(run_dir) / "checkpoints"
-    latest = root / "latest"
-    if not latest.exists():
+    if not root.is_dir():
         return None
-    path = root / latest.read_text().strip()
-    if not (path / "COMPLETE").exists():
-        raise CheckpointError(f"{latest} names {path}, which is not a complete checkpoint")
-    return path
+    complete = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file()]
+    return max(complete, key=lambda p: int(p.name[5:])) if complete else None
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mtrain.algorithms import uniform_groups
 from mtrain.algorithms.objective import compute_advantages
+from mtrain.config import ConfigError
 from mtrain.data import load_datasets
 from mtrain.data.rewards import load_reward_fn
 from mtrain.data.sampler import PromptSampler
@@ -24,7 +26,7 @@ from mtrain.layouts import model_layout
 from mtrain.metrics import MetricsWriter
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
-from mtrain.trainer.batch import build_batch, dp_slice
+from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.rollout_step import broadcast_result, run_rollout
 from mtrain.trainer.sync import WeightSync
@@ -66,6 +68,10 @@ class Trainer:
         # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
         self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
         self.layout = model_layout(self.train_config, mtp=False)
+        self.max_positions = self.hf_config.get("max_position_embeddings")
+        if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
+            raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+                              f"the model's context (max_position_embeddings={self.max_positions})")
         self.tokenizer = load_tokenizer(hf_dir, self.hf_config)
         self.train_set, self.eval_set = load_datasets(cfg)
         self.reward_fn = load_reward_fn(cfg.reward.fn)
@@ -81,31 +87,35 @@ class Trainer:
                                bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                device="cuda" if torch.cuda.is_available() else "cpu")
         self.step = 0
-        self._resume()
+        resumed = self._resume()
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump_yaml(self.run_dir / "config.yaml")
             print(cfg.format_config(), flush=True)
-        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step) if self.rank == 0 else None
+        # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
+                                     total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard
+                                     ) if self.rank == 0 else None
         self.sync.sync(version=self.step)
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
         r = self.cfg.train.resume
         path = None if r == "never" else (checkpoint.find_latest(self.run_dir) if r == "auto" else Path(r))
         if path is None:
-            return
+            return False
         state = checkpoint.load(path, self.actor)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step}", flush=True)
+        return True
 
     def _rollout(self, samples, *, n, seed, prefix, greedy=False):
         value = None
         if self.rank == LEADER:
             try:
                 value = run_rollout(self.engine, self.tokenizer, samples, self.cfg, self.reward_fn, n=n, seed=seed,
-                                    rid_prefix=prefix, greedy=greedy)
+                                    rid_prefix=prefix, greedy=greedy, max_positions=self.max_positions)
             except Exception as e:  # ship the error to every rank: nobody must wait forever
                 value = e
         return broadcast_result(value, LEADER)
@@ -116,6 +126,27 @@ class Trainer:
         res = self._rollout(self.eval_set, n=self.cfg.train.eval_samples, seed=10**9, prefix="eval", greedy=True)
         return {"eval/reward_mean": sum(res.rewards) / len(res.rewards)}
 
+    def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
+        """DAPO dynamic sampling: leave out groups whose rewards are all equal (no learning signal).
+
+        Kept groups come first; when their count does not split into data-parallel ranks x micro batches, rows of
+        dropped groups fill the gap with an all-zero response mask, so they add nothing to loss, gradient,
+        token counts or metrics. Returns (batch or None when every group is dropped, kept rows, metrics)."""
+        uniform = uniform_groups(batch.rewards, n)
+        keep = (~uniform).repeat_interleave(n)
+        kept_rows = int(keep.sum())
+        metrics = {"filter/dropped_groups": float(uniform.sum()), "filter/kept_groups": float((~uniform).sum())}
+        if kept_rows == 0:
+            return None, 0, metrics
+        from megatron.core import parallel_state as ps
+        unit = ps.get_data_parallel_world_size() * self.cfg.train.micro_batch_size
+        fill = -(-kept_rows // unit) * unit - kept_rows  # <= dropped rows: the full batch splits into units
+        idx = torch.cat([keep.nonzero().flatten(), (~keep).nonzero().flatten()[:fill]])
+        out = batch.select(idx)
+        out.response_mask[kept_rows:] = 0.0
+        out.engine_logprobs[kept_rows:] = 0.0
+        return out, kept_rows, metrics
+
     def train_step(self) -> dict[str, float]:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         from megatron.core import parallel_state as ps
@@ -124,28 +155,42 @@ class Trainer:
         res = self._rollout(samples, n=n, seed=cfg.train.seed * 1_000_003 + self.step * 10_007,
                             prefix=f"s{self.step}")
         t1 = time.perf_counter()
-        batch = build_batch(res.completions, res.rewards, pad_id=self.tokenizer.pad_token_id or 0)
-        adv, adv_metrics = compute_advantages(cfg.algo, batch.rewards, n, batch.response_mask)
-        sl = dp_slice(batch.size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        mine, adv_mine = batch.select(sl), adv[sl]
-        old_lp = self.actor.logprobs(mine)
-        ref_lp = self.ref.logprobs(mine) if self.ref else None
-        norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(batch.size)}
-        if self.engine is not None and torch.cuda.is_available():
-            self.engine.release_memory(("kv_cache", "weights"))
-        t2 = time.perf_counter()
-        train_metrics = self.actor.train_step(mine, old_lp, adv_mine, ref_lp, norms)
-        t3 = time.perf_counter()
-        if self.engine is not None and torch.cuda.is_available():
-            self.engine.resume_memory(("weights",))
+        # Sequence parallelism (TP with MoE, or with TE) splits the sequence over TP ranks: pad to a multiple.
+        full = build_batch(res.completions, res.rewards, pad_id=self.tokenizer.pad_token_id or 0,
+                           pad_to_multiple=ps.get_tensor_model_parallel_world_size())
+        batch, rows, local = full, full.size, {}
+        if cfg.algo.filter_uniform_groups:
+            batch, rows, local = self._drop_uniform_groups(full, n)
+        train_metrics, old_lp, mine = {}, None, None
+        t2 = t3 = time.perf_counter()
+        if batch is not None:
+            # Advantages of the kept groups only (batch-level whitening must not see the dropped ones);
+            # filler rows (past `rows`) belong to uniform groups, whose advantage is 0.
+            adv, adv_metrics = compute_advantages(cfg.algo, batch.rewards[:rows], n, batch.response_mask[:rows])
+            adv = torch.cat([adv, adv.new_zeros((batch.size - rows, adv.shape[1]))])
+            local.update({k: float(v) for k, v in adv_metrics.items()})
+            sl = dp_slice(batch.size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+            mine, adv_mine = batch.select(sl), adv[sl]
+            old_lp = self.actor.logprobs(mine)
+            ref_lp = self.ref.logprobs(mine) if self.ref else None
+            norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(rows)}
+            if self.engine is not None and torch.cuda.is_available():
+                self.engine.release_memory(("kv_cache", "weights"))
+            t2 = time.perf_counter()
+            train_metrics = self.actor.train_step(mine, old_lp, adv_mine, ref_lp, norms)
+            t3 = time.perf_counter()
+            if self.engine is not None and torch.cuda.is_available():
+                self.engine.resume_memory(("weights",))
         self.step += 1
         sync_metrics = self.sync.sync(version=self.step)
-        if self.engine is not None and torch.cuda.is_available():
+        if self.engine is not None and torch.cuda.is_available() and batch is not None:
             self.engine.resume_memory(("kv_cache",))
-        local = {**train_metrics, **_logprob_diff(old_lp, mine)} if old_lp is not None else {}
-        local.update({k: float(v) for k, v in adv_metrics.items()})
+        if old_lp is not None:
+            local.update({**train_metrics, **_logprob_diff(old_lp, mine)})
         out = _reduce_metrics(local)
-        out.update({"reward/mean": float(batch.rewards.mean()), "response_len/mean": float(batch.response_lens
+        if batch is None:
+            out["update_skipped"] = 1.0  # every group was uniform: nothing to learn from this rollout
+        out.update({"reward/mean": float(full.rewards.mean()), "response_len/mean": float(full.response_lens
                     .float().mean()), "weight_version": self.step, "time/rollout": t1 - t0,
                     "time/logprobs": t2 - t1, "time/train": t3 - t2, **sync_metrics})
         return out

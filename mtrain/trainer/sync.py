@@ -16,6 +16,7 @@ from mtrain.reshard.executor import Executor
 from mtrain.reshard.megatron_side import current_layout, tensor_lookup
 from mtrain.reshard.placement import HFLayout, SGLangLayout
 from mtrain.reshard.planner import build_plan
+from mtrain.trainer.rollout_step import broadcast_result
 
 
 def engine_layout(kind: str, tp: int, ep: int = 1):
@@ -37,12 +38,21 @@ class WeightSync:
     def sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         n_bytes = 0
+        error = None
+        # Every rank takes part in every bucket's collectives: an engine failure on the leader must not stop its
+        # loop early (the other ranks would wait forever). The first error is kept, then shipped to all ranks.
         for bucket in self.executor.stream():
-            if self.rank == self.leader:
+            if self.rank == self.leader and error is None:
                 rank_tensors = [bucket.get(r, []) for r in range(self.tp)]
                 n_bytes += sum(t.numel() * t.element_size() for ts in rank_tensors for _, t in ts)
-                self.engine.update_weights(rank_tensors)
-        if self.rank == self.leader:
-            self.engine.finish_weight_update(version)
-        dist.barrier()
+                try:
+                    self.engine.update_weights(rank_tensors)
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                    error = e
+        if self.rank == self.leader and error is None:
+            try:
+                self.engine.finish_weight_update(version)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        broadcast_result(error, self.leader)  # raises the leader's error everywhere; else a barrier
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_bytes)}

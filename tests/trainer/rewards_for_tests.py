@@ -1,0 +1,26 @@
+"""Reward functions the trainer tests point `reward.fn` at (loaded by file path, as users do).
+
+CALLS records every (answer, reward) the run scored, so a test can recompute which groups were uniform
+from the rewards themselves instead of trusting the trainer's own count.
+"""
+CALLS: list[tuple[str, float]] = []
+
+
+def odd_answers_only(response: str, answer, **_) -> float:
+    """digit share for odd answers, 0 for even ones: every even-answer group is uniform (DAPO drops it)."""
+    value = sum(c.isdigit() for c in response) / max(len(response), 1) if int(str(answer)) % 2 else 0.0
+    CALLS.append((str(answer), value))
+    return value
+
+
+def constant(response: str, answer, **_) -> float:
+    CALLS.append((str(answer), 0.5))
+    return 0.5
+
+
+def raises(response: str, answer, **_) -> float:
+    raise ZeroDivisionError("reward backend exploded")
+
+
+def not_a_number(response: str, answer, **_):
+    return "1.0"

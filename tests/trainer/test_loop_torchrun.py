@@ -1,0 +1,103 @@
+"""The RL loop as users run it: `torchrun --nproc-per-node 2 -m mtrain train ...` on a tiny Llama at TP2.
+
+One uninterrupted 4-step run is the reference; a run stopped after step 2 (train.steps=2, then relaunched with
+train.steps=4) and a run SIGKILLed right after its step-2 checkpoint appeared, then relaunched, must log the
+same metrics for steps 1-4, exactly, except wall-clock times.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from loop_harness import (CONFIG, base_overrides, env, launch, launch_and_kill_after, metrics, train_records,
+                          without_time)
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from mtrain.tiny_hf import write_tiny_hf
+    return write_tiny_hf("llama", tmp_path_factory.mktemp("hf") / "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_llama, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    launch(base_overrides(tiny_llama, run, **{"train.steps": STEPS, "train.save_interval": 2,
+                                              "train.eval_interval": 2, "train.val_before_train": "true"}),
+           cwd=run.parent)
+    return run
+
+
+def test_grpo_tp2_step_invariants(reference_run):
+    recs = train_records(reference_run)
+    assert sorted(recs) == [1, 2, 3, 4]
+    first = recs[1]
+    # Step 1: the policy that scored the rollout is the one being trained, and equals the reference model.
+    assert first["ppo/clipfrac"] == 0.0 and first["ppo/approx_kl"] == 0.0 and first["kl/mean"] == 0.0
+    for step, r in recs.items():
+        assert r["weight_version"] == step
+        assert r["logprob_diff/max_abs"] <= 1e-5, (step, r["logprob_diff/max_abs"])
+        assert r["update_skipped"] == 0.0 and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["adv/std"] > 0  # the reward has signal: the update is driven by non-zero advantages
+    # after updates the policy moved away from the reference
+    assert recs[STEPS]["kl/mean"] > 0
+
+
+def test_val_before_train_and_periodic_eval(reference_run):
+    recs = metrics(reference_run)
+    assert recs[0]["step"] == 0 and set(recs[0]) == {"step", "eval/reward_mean"}
+    assert all("eval/reward_mean" in train_records(reference_run)[s] for s in (2, 4))
+    ckpts = reference_run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_4"
+    assert all((ckpts / f"step_{s}" / "COMPLETE").is_file() for s in (2, 4))
+
+
+def _assert_same_metrics(run, reference_run):
+    ref, got = metrics(reference_run), metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(got, ref):
+        assert without_time(a) == without_time(b), f"step {a['step']} differs"
+
+
+def test_resume_after_stop_is_exact(tiny_llama, reference_run, tmp_path):
+    run = tmp_path / "run"
+    common = {"train.save_interval": 2, "train.eval_interval": 2, "train.val_before_train": "true"}
+    launch(base_overrides(tiny_llama, run, **common, **{"train.steps": 2}), cwd=tmp_path)
+    assert max(train_records(run)) == 2
+    p = launch(base_overrides(tiny_llama, run, **common, **{"train.steps": STEPS}), cwd=tmp_path)
+    assert "resumed from" in p.stdout and "step_2 at step 2" in p.stdout
+    _assert_same_metrics(run, reference_run)
+
+
+def test_resume_after_sigkill_is_exact(tiny_llama, reference_run, tmp_path):
+    run = tmp_path / "run"
+    over = base_overrides(tiny_llama, run, **{"train.steps": STEPS, "train.save_interval": 2,
+                                              "train.eval_interval": 2, "train.val_before_train": "true"})
+    launch_and_kill_after(over, cwd=tmp_path, marker=run / "checkpoints" / "step_2" / "COMPLETE")
+    assert not (run / "checkpoints" / "step_4").exists()
+    p = launch(over, cwd=tmp_path)
+    assert "at step 2" in p.stdout
+    _assert_same_metrics(run, reference_run)
+
+
+def test_plot_writes_png(reference_run, tmp_path):
+    out = tmp_path / "curves.png"
+    p = subprocess.run([sys.executable, "-m", "mtrain", "plot", str(reference_run), "--out", str(out)],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_unknown_config_key_is_one_line_exit_2(tiny_llama, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), f"model.hf_path={tiny_llama}",
+                        "rollout.max_new_tokenz=8"], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown config key 'rollout.max_new_tokenz'" in lines[0], p.stderr
+    assert "rollout.max_new_tokens" in lines[0]  # the suggestion
