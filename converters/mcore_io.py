@@ -204,11 +204,14 @@ def read_meta(path: Path) -> dict:
 
 
 def write_meta(path: Path, **fields: Any) -> None:
-    import megatron.core
-    import safetensors
-    import transformers
-    fields["versions"] = {"torch": torch.__version__, "megatron-core": megatron.core.__version__,
-                          "transformers": transformers.__version__, "safetensors": safetensors.__version__}
+    from importlib.metadata import PackageNotFoundError, version  # not `import megatron`: seconds in the parent
+    versions = {}
+    for pkg in ("torch", "megatron-core", "transformers", "safetensors"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    fields["versions"] = versions
     (path / META_FILE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 

@@ -143,6 +143,41 @@ def test_sglang_shards_equal_sglang_slicing(store, case, tp, ep):
             assert torch.equal(got[name], t.to(got[name].dtype)), f"rank {r} {name} differs"
 
 
+def quantize_fp8(hf_dir: Path, block: int = 32) -> dict[str, torch.Tensor]:
+    """Store every 2-D tensor as float8_e4m3fn + block scales (the DeepSeek-V3 release format, small blocks);
+    returns what a correct converter must produce: the float32 dequantisation, other tensors unchanged."""
+    from mtrain.converters.fp8 import dequant_fp8_blockwise
+    state = load_file(hf_dir / "model.safetensors")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    # the release keeps the embedding and head (and their MTP copies, which must stay equal) unquantised
+    keep = {n for pair in tied_copies(model_layout(cfg, mtp=True)) for n in pair}
+    stored, want = {}, {}
+    for name, t in state.items():
+        if t.dim() != 2 or name in keep:
+            stored[name] = want[name] = t
+            continue
+        rows, cols = t.shape
+        scale = torch.rand(-(-rows // block), -(-cols // block)) * 0.01 + 0.001
+        s_full = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+        stored[name] = (t / s_full).to(torch.float8_e4m3fn)
+        stored[name + "_scale_inv"] = scale
+        want[name] = dequant_fp8_blockwise(stored[name], scale, block, out_dtype=torch.float32)
+    save_file(stored, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return want
+
+
+def test_fp8_release_is_dequantised(store):
+    hf = make_hf(store.root, "deepseek_v3", seed=7)
+    want = quantize_fp8(hf)
+    mcore = hf_to_mcore(hf, store.root / "fp8-mcore", dtype=torch.float32)
+    got = hf_state(mcore_to_hf(mcore, store.root / "fp8-back"))
+    assert sorted(got) == sorted(want)  # no *_scale_inv names in the output
+    for name, t in want.items():
+        assert torch.equal(got[name], t), f"{name} is not the float32 dequantisation"
+
+
 @pytest.mark.slow
 def test_smollm2_hf_to_mcore_then_verify(tmp_path):
     from mtrain.converters.smollm2 import smollm2_hf_dir
