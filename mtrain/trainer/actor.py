@@ -55,6 +55,13 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=cfg.parallel.vpp)
+        c = self.tconfig
+        if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
+            # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
+            # norms do not support: say so before the first rollout, not deep inside the first backward.
+            raise ValueError(f"parallel.tp={c.tensor_model_parallel_size} with a MoE model trains only with sequence "
+                             f"parallelism, which needs Transformer Engine (not importable here): use parallel.tp=1 "
+                             f"with parallel.ep for the experts")
         if load_weights is not None:
             load_weights(chunks)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
