@@ -57,12 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     it.add_argument("--set", nargs="*", default=[], help="config.json overrides key=value (JSON values)")
     it.set_defaults(fn=_init_tiny)
     args = p.parse_args(argv)
-    from mtrain.config import ConfigError
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"mtrain: error: {e}", file=sys.stderr)
+    except _user_errors() as e:  # a setting or an input is wrong: one line, no traceback
+        print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that name a wrong setting or input (each raised with a message saying which)."""
+    from mtrain.config import ConfigError
+    from mtrain.data.chat import PromptError
+    from mtrain.data.datasets import DatasetError
+    from mtrain.data.rewards import RewardError
+    from mtrain.dist import ParallelLayoutError
+    from mtrain.layouts import LayoutError
+    from mtrain.models.hf_config import ModelConfigError
+    from mtrain.rollout.protocol import EngineError
+    from mtrain.trainer.checkpoint import CheckpointError
+    return (ConfigError, PromptError, DatasetError, RewardError, ParallelLayoutError, LayoutError, ModelConfigError,
+            EngineError, CheckpointError, FileExistsError)
 
 
 if __name__ == "__main__":

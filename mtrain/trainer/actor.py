@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mtrain.algorithms.objective import policy_loss
 from mtrain.models import build_model
+from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
 
 
@@ -59,7 +60,7 @@ class Actor:
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
-            raise ValueError(f"parallel.tp={c.tensor_model_parallel_size} with a MoE model trains only with sequence "
+            raise ModelConfigError(f"parallel.tp={c.tensor_model_parallel_size} with a MoE model trains only with sequence "
                              f"parallelism, which needs Transformer Engine (not importable here): use parallel.tp=1 "
                              f"with parallel.ep for the experts")
         if load_weights is not None:
