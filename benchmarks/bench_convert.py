@@ -31,7 +31,8 @@ def _timed(fn) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 3], help="hf-to-mcore tensor-parallel sizes to time (SmolLM2 has 3 KV heads)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 3], 
+                   help="hf-to-mcore tensor-parallel sizes to time (SmolLM2 has 3 KV heads)")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement (the fastest is reported)")
     args = p.parse_args(argv)
 

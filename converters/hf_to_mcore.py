@@ -67,9 +67,8 @@ def convert_rank(rank: int, world: int, job: dict) -> int:
     from mtrain.dist import init_distributed
     from mtrain.models import build_model, model_sharded_state_dict
     from mtrain.reshard.megatron_side import load_hf_into_megatron
-    from mtrain.reshard.placement import MegatronLayout
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
     from mtrain.reshard.planner import build_plan
-    from mtrain.reshard.placement import HFLayout
 
     layout: MegatronLayout = job["layout"]
     init_distributed(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
@@ -80,7 +79,8 @@ def convert_rank(rank: int, world: int, job: dict) -> int:
     chunks, _ = build_model(model_config(ckpt.config, job["mtp"]), params_dtype=dtype)
 
     plan = build_plan(model, HFLayout(), layout)
-    mine = sorted({p.src.name for p in plan.pieces if p.src is not None and plan.owner.get(p.dst.rank, p.dst.rank) == rank})
+    # the HF tensors this rank reads: sources of the pieces it writes (for the progress bar's total)
+    mine = {p.src.name for p in plan.pieces if p.src is not None and plan.owner.get(p.dst.rank, p.dst.rank) == rank}
     bar = tqdm(total=len(mine), desc=f"hf-to-mcore rank {rank}/{world}", unit="tensor", disable=rank != 0)
     read = 0
 

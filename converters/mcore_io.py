@@ -167,7 +167,8 @@ def check_dist_checkpoint(path: str | Path, need_config: bool = True) -> Path:
         raise CheckpointError(f"{path}: Megatron checkpoint directory does not exist")
     absent = [f for f in DIST_REQUIRED if not (path / f).is_file()]
     if absent:
-        raise CheckpointError(f"{path}: incomplete Megatron dist checkpoint (half-written?): missing {', '.join(absent)}")
+        raise CheckpointError(f"{path}: incomplete Megatron dist checkpoint (half-written?): "
+                              f"missing {', '.join(absent)}")
     try:
         fmt = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
     except (OSError, ValueError, AttributeError) as e:

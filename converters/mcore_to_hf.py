@@ -9,13 +9,14 @@ checkpoint (no metadata.json/common.pt/.metadata, a missing or short shard file)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
 import torch
 
-from .mcore_io import (build_and_load, check_dist_checkpoint, checkpoint_facts, copy_side_files, dtype_name,
-                       layout_for, rank_error, run_ranks)
+from .mcore_io import (build_and_load, check_dist_checkpoint, checkpoint_facts, config_dtype, copy_side_files,
+                       dtype_name, layout_for, rank_error, run_ranks)
 from .output_dir import check_output_dir
 from .safetensors_io import ShardedWriter
 
@@ -45,11 +46,23 @@ def export_rank(rank: int, world: int, job: dict) -> int:
                 for name, tensor in bucket.get(0, []):
                     writer.add(name, tensor.clone())  # the executor reuses its buffer for the next bucket
         copy_side_files(Path(job["side_files"]), writer.path)
+        set_config_dtype(writer.path / "config.json", dtype)
         writer.commit()
     except BaseException:
         writer.abort()
         raise
     return writer.total_size
+
+
+def set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """The written tensors' dtype in config.json (hf-to-mcore --dtype may have changed it from the source's)."""
+    if not config_file.is_file():
+        return
+    cfg = json.loads(config_file.read_text())
+    if config_dtype(cfg) != dtype:
+        keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+        cfg.update({k: dtype_name(dtype) for k in keys})
+        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config_dir=None,

@@ -68,7 +68,8 @@ def test_missing_tensor(sources, tmp_path):
 def test_unexpected_tensor(sources, tmp_path):
     hf = copy_of(sources["llama"], tmp_path)
     edit_weights(hf, lambda s: s.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
-    convert_fails(hf, tmp_path / "out", CheckpointError, r"unexpected tensor.*model\.layers\.0\.mlp\.extra_proj\.weight")
+    convert_fails(hf, tmp_path / "out", CheckpointError,
+                  r"unexpected tensor.*model\.layers\.0\.mlp\.extra_proj\.weight")
 
 
 def test_shape_mismatch(sources, tmp_path):
