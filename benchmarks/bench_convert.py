@@ -5,7 +5,8 @@
 For each converter: wall time end to end (process spawn, Megatron import and model build included, as a user
 sees it) and MB/s of HF checkpoint bytes. Baseline: `safetensors.torch.load_file` + `save_file` of the same
 checkpoint in this process (the least any converter must do: read every byte, write every byte). Prints a
-table and writes `$OUT/bench_convert.json` when $OUT is set.
+table and writes `$OUT/bench_convert.json` when $OUT is set. The "floor" row (spawn a rank, import Megatron,
+build the model, convert nothing) shows how much of a small model's time is fixed start-up cost.
 """
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def startup_floor(rank: int, world: int, cfg: dict) -> None:
+    """What every conversion pays before touching a weight: a spawned rank, Megatron imported, the model built."""
+    import torch
+
+    from mtrain.dist import init_distributed
+    from mtrain.models import build_model
+    init_distributed()
+    build_model(cfg, params_dtype=torch.float32)
 
 
 def main(argv=None) -> int:
@@ -65,6 +76,10 @@ def main(argv=None) -> int:
 
         base = best("baseline", baseline)
         rows.append(dict(step="baseline: safetensors load_file+save_file", seconds=base))
+        from mtrain.dist import run_on_ranks
+        cfg = HFCheckpoint(hf).config
+        floor = best("floor", lambda d: run_on_ranks(startup_floor, 1, cfg))
+        rows.append(dict(step="floor: spawn 1 rank + import Megatron + build model", seconds=floor))
         mcore_dirs = {}
         for tp in args.tp:
             t = best(f"mcore-tp{tp}", lambda d, tp=tp: hf_to_mcore(hf, d, tp=tp))
