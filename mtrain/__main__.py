@@ -12,8 +12,8 @@ import sys
 
 def _train(args) -> int:
     from mtrain.config import load_config
+    cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
     from mtrain.trainer.loop import Trainer
-    cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
     try:
         trainer.run()
@@ -59,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except _user_errors() as e:  # a setting or an input is wrong: one line, no traceback
-        print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:
+        from mtrain.config import ConfigError
+        # The other error classes are imported only now (megatron and all): a config error must not wait for them.
+        if not isinstance(e, ConfigError) and not isinstance(e, _user_errors()):
+            raise
+        print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)  # a wrong setting or input: one line
         return 2
 
 

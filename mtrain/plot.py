@@ -1,6 +1,6 @@
 """`mtrain plot RUN_DIR`: the curves an RL run is judged by, from RUN_DIR/metrics.jsonl, into a PNG.
 
-reward/mean (with eval/reward/mean on the same axes when logged), kl/mean (policy vs reference) and
+reward/mean (with eval/reward_mean on the same axes when logged), kl/mean (policy vs reference) and
 logprob_diff/max_abs (engine vs trainer logprobs: a growing value means the weight sync is off).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Sequence
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
-OVERLAYS = {"reward/mean": "eval/reward/mean"}
+OVERLAYS = {"reward/mean": "eval/reward_mean"}
 WIDTH_IN, ROW_HEIGHT_IN, DPI = 8.0, 2.6, 100  # the PNG is 800 x (260 * rows) pixels
 
 
