@@ -8,8 +8,10 @@ CPU, `mtrain.dist.run_on_ranks`); each builds its Megatron chunk(s), reads only 
 (the plan's pieces for that rank, one bucket at a time), and all save one dist checkpoint into a temp dir that
 becomes --out only when everything is written.
 
-On a GPU box, for models that do not fit one host's CPU memory per rank, run the same rank body under
-torchrun instead (`convert_rank` below, one process per GPU): the spawning here is for CPU and small models.
+On a GPU box, and for any model too big for one host's spawned CPU ranks, launch the same command under
+torchrun (`torchrun --nproc-per-node 8 -m mtrain.converters hf-to-mcore ... --tp 8`): when torchrun's
+variables are set, every launched process converts its own rank in place (nccl on GPU) and nothing is
+spawned; the world may then be any multiple of tp*pp (the rest is data parallel, as in training).
 
 MTP: when the config announces MTP layers and the checkpoint carries them (the DeepSeek-V3 release does), the
 Megatron model is built with MTP and they are converted; when the checkpoint has none of them (transformers'
@@ -97,27 +99,75 @@ def convert_rank(rank: int, world: int, job: dict) -> int:
     return read
 
 
+def _finish(staging: AtomicDir, hf_dir: Path, ckpt: HFCheckpoint, model, layout, dtype, read: list) -> None:
+    copy_side_files(hf_dir, staging.path)
+    write_meta(staging.path, source=str(hf_dir.resolve()), format="torch_dist", dtype=dtype_name(dtype),
+               mtp_layers=model.mtp_layers, arch=model.arch, hf_bytes=ckpt.total_bytes(), rank_bytes_read=read,
+               layout=dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, dp=layout.dp))
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
 def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 etp: int | None = None, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     hf_dir = Path(hf_dir)
+    if under_torchrun():
+        return _hf_to_mcore_torchrun(hf_dir, Path(out_dir), tp, pp, ep, etp, dtype, overwrite)
     staging = AtomicDir(out_dir, overwrite)  # refuses an existing checkpoint before any slow work
     try:
         ckpt, cfg, mtp, model, layout = check_input(hf_dir, tp, pp, ep, etp)
         dtype = dtype or config_dtype(cfg)
         job = dict(hf=str(hf_dir), out=str(staging.path), layout=layout, dtype=dtype_name(dtype), mtp=mtp)
         read = run_ranks(convert_rank, layout.world, job)
-        copy_side_files(hf_dir, staging.path)
-        write_meta(staging.path, source=str(hf_dir.resolve()), format="torch_dist", dtype=dtype_name(dtype),
-                   mtp_layers=model.mtp_layers, arch=model.arch, hf_bytes=ckpt.total_bytes(), rank_bytes_read=read,
-                   layout=dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, dp=layout.dp))
+        _finish(staging, hf_dir, ckpt, model, layout, dtype, read)
     except BaseException:
         staging.abort()
         raise
     return staging.commit()
 
 
+def _hf_to_mcore_torchrun(hf_dir: Path, out_dir: Path, tp, pp, ep, etp, dtype, overwrite) -> Path:
+    """This process is one of torchrun's: every rank checks the input (same answer everywhere, no collective
+    needed to fail together), rank 0 owns the temp dir, all ranks save into it, rank 0 publishes it."""
+    import torch.distributed as dist
+
+    from mtrain.dist import init_distributed
+
+    from .errors import ConvertError
+    from .output_dir import check_output_dir
+
+    check_output_dir(out_dir, overwrite)
+    ckpt, cfg, mtp, model, _ = check_input(hf_dir, tp, pp, ep, etp)
+    layout, _ = megatron_layout(model, tp, pp, ep, etp, world=int(os.environ["WORLD_SIZE"]))
+    dtype = dtype or config_dtype(cfg)
+    info = init_distributed(tp=tp, pp=pp, ep=ep, etp=etp)
+    staging = AtomicDir(out_dir, overwrite) if info.rank == 0 else None
+    path = [str(staging.path) if staging else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        job = dict(hf=str(hf_dir), out=path[0], layout=layout, dtype=dtype_name(dtype), mtp=mtp)
+        result = convert_rank(info.rank, info.world_size, job)
+        results = [None] * info.world_size
+        dist.all_gather_object(results, result)
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise ConvertError(errors[0])
+        if staging is not None:
+            _finish(staging, hf_dir, ckpt, model, layout, dtype, [r["ok"] for r in results])
+    except BaseException:
+        if staging is not None:
+            staging.abort()
+        raise
+    out = staging.commit() if staging is not None else out_dir
+    dist.barrier()  # no rank returns before the checkpoint is published
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
                       overwrite=args.force)
-    print(f"wrote Megatron dist checkpoint {out}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"wrote Megatron dist checkpoint {out}")
     return 0

@@ -138,8 +138,9 @@ def tied_copies(model) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------ parallel layout
 
-def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None):
-    """The MegatronLayout for these sizes with the smallest data-parallel size that makes EP fit.
+def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: int | None = None):
+    """The MegatronLayout for these sizes on `world` ranks (default: the smallest data-parallel size that
+    makes EP fit), and the HF -> Megatron plan.
 
     Megatron needs tp*dp to be a multiple of etp*ep (experts are spread over the data-parallel ranks too):
     tp=2, ep=2 (etp=tp) therefore runs on 4 ranks, tp=2, ep=2, etp=1 on 2.
@@ -149,6 +150,11 @@ def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None):
     from mtrain.reshard.planner import build_plan
     expert_tp = etp or tp
     dp = math.lcm(tp, expert_tp * ep) // tp
+    if world is not None:
+        if world % (tp * pp) or (world // pp) % (expert_tp * ep):
+            raise ParallelSizeError(f"{world} processes cannot hold tp={tp} pp={pp} ep={ep} etp={expert_tp}: the "
+                                    f"world must be a multiple of tp*pp and world/pp a multiple of etp*ep")
+        dp = world // (tp * pp)
     layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp)
     try:
         plan = build_plan(model, HFLayout(), layout)
