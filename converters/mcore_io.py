@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from mtrain.layouts.models import canonical_config
+
 from .errors import CheckpointError, ConvertError, TensorMismatchError
 
 META_FILE = "mtrain_meta.json"
@@ -44,12 +46,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def normalized_config(cfg: dict) -> dict:
-    """transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`; the layout tables read
-    `num_experts` (map_hf_config reads both). Give the tables the name they read."""
-    if cfg.get("model_type") == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" in cfg:
-        return dict(cfg, num_experts=cfg["num_local_experts"])
-    return cfg
+normalized_config = canonical_config  # the keys the layout tables read (Qwen3-MoE's expert count)
 
 
 def model_config(cfg: dict, mtp: bool) -> dict:

@@ -14,6 +14,14 @@ DECODER = "decoder.layers.{layer}."  # {layer}: index inside the pipeline chunk,
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
+def canonical_config(cfg: dict) -> dict:
+    """The config keys the tables read. transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`
+    (older configs and the release say `num_experts`)."""
+    if cfg.get("model_type") == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" in cfg:
+        return dict(cfg, num_experts=cfg["num_local_experts"])
+    return cfg
+
+
 def _is_moe_layer(cfg: dict, i: int) -> bool:
     arch = cfg["model_type"]
     if arch == "qwen3_moe":
@@ -27,6 +35,7 @@ def _is_moe_layer(cfg: dict, i: int) -> bool:
 
 def moe_layer_pattern(cfg: dict) -> list[int]:
     """1 for an MoE layer, 0 for a dense one: what Megatron's moe_layer_freq takes as a list."""
+    cfg = canonical_config(cfg)
     return [int(_is_moe_layer(cfg, i)) for i in range(cfg["num_hidden_layers"])]
 
 
@@ -84,6 +93,7 @@ def _mtp_rows(cfg: dict, k: int, names: MegatronNames, divisible_by: int) -> lis
 def model_layout(cfg: dict, *, te: bool = False, make_vocab_size_divisible_by: int = 128,
                  mtp: bool = True) -> ModelLayout:
     """Every logical weight of the model described by a HF config.json dict."""
+    cfg = canonical_config(cfg)
     arch = cfg.get("model_type")
     if arch not in ARCHS:
         raise LayoutError(f"unsupported model_type {arch!r}; supported: {', '.join(ARCHS)}")
