@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/smollm2_demo.json and docs/smollm2_demo.png: GRPO on addition with SmolLM2-135M-Instruct,
-# on CPU, data parallel over 2 ranks (9 heads / 3 KV heads do not split over TP2). About 45 minutes on 2 cores.
+# on CPU, data parallel over 2 ranks (9 heads / 3 KV heads do not split over TP2). About 31 minutes on 2 shared cores.
 #   bash examples/smollm2/run.sh [extra a.b.c=value overrides]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

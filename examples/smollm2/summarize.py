@@ -18,8 +18,8 @@ from pathlib import Path
 from mtrain.metrics import read_metrics
 from mtrain.plot import plot_run
 
-# eval/reward_mean gets a panel of its own: mtrain.plot's overlay looks for "eval/reward/mean".
-PLOT_KEYS = ("reward/mean", "eval/reward_mean", "response_len/mean", "logprob_diff/max_abs")
+# mtrain.plot overlays eval/reward_mean on the reward/mean panel; no KL panel: the demo runs with kl_coef 0.
+PLOT_KEYS = ("reward/mean", "response_len/mean", "logprob_diff/max_abs")
 
 
 def _cpu_model() -> str:
