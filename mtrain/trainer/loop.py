@@ -124,6 +124,14 @@ class Trainer:
         if not self.eval_set:
             return {}
         res = self._rollout(self.eval_set, n=self.cfg.train.eval_samples, seed=10**9, prefix="eval", greedy=True)
+        if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+                n = self.cfg.train.eval_samples
+                for i, (text, r) in enumerate(list(zip(res.responses, res.rewards))[:8 * n]):
+                    sample = self.eval_set[i // n]
+                    f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
+                                        "response": text, "reward": r}) + "\n")
         return {"eval/reward_mean": sum(res.rewards) / len(res.rewards)}
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
@@ -205,7 +213,7 @@ class Trainer:
                 return
         while self.step < cfg.train.steps:
             m = self.train_step()
-            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+            if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 m.update(self.evaluate())
             if self.metrics:
                 self.metrics.log(self.step, m)
