@@ -28,6 +28,8 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict):
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    if cfg.engine.ep > 1:
+        server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     if cfg.engine.attention_backend:
         server_args["attention_backend"] = cfg.engine.attention_backend
     return SGLangEngine(str(hf_dir), tp_size=cfg.engine.tp, mem_fraction_static=cfg.engine.mem_fraction_static,
@@ -48,7 +50,9 @@ def weight_loader(cfg, layout: ModelLayout, rank: int):
                 c.load_state_dict({k: v for k, v in state.items() if k in c.state_dict()}, strict=False)
             return
         from mtrain.converters.safetensors_io import HFCheckpoint
-        from mtrain.reshard.megatron_side import load_hf_into_megatron
+        from mtrain.reshard.megatron_side import current_layout, load_hf_into_megatron
         ckpt = HFCheckpoint(cfg.model.hf_path)
-        load_hf_into_megatron(layout, chunks, ckpt.get, rank)
+        par = cfg.parallel
+        load_hf_into_megatron(layout, chunks, ckpt.get, rank,
+                              layout=current_layout(par.first_stage_layers, par.last_stage_layers))
     return load

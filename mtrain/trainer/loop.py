@@ -83,7 +83,8 @@ class Trainer:
         self.engine = make_engine(cfg, hf_dir, self.hf_config) if self.rank == LEADER else None
         kind = "hf" if cfg.engine.kind == "reference" or not torch.cuda.is_available() else "sglang"
         self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, engine_kind=kind, engine_tp=cfg.engine.tp,
-                               leader=LEADER, dtype=self.actor.dtype,
+                               engine_ep=cfg.engine.ep, first_stage_layers=p.first_stage_layers,
+                               last_stage_layers=p.last_stage_layers, leader=LEADER, dtype=self.actor.dtype,
                                bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                device="cuda" if torch.cuda.is_available() else "cpu")
         self.step = 0
@@ -163,7 +164,7 @@ class Trainer:
         res = self._rollout(samples, n=n, seed=cfg.train.seed * 1_000_003 + self.step * 10_007,
                             prefix=f"s{self.step}")
         t1 = time.perf_counter()
-        # Sequence parallelism (TP with MoE, or with TE) splits the sequence over TP ranks: pad to a multiple.
+        # Sequence parallelism (TP with Transformer Engine) splits the sequence over TP ranks: pad to a multiple.
         full = build_batch(res.completions, res.rewards, pad_id=self.tokenizer.pad_token_id or 0,
                            pad_to_multiple=ps.get_tensor_model_parallel_world_size())
         batch, rows, local = full, full.size, {}

@@ -24,12 +24,13 @@ def engine_layout(kind: str, tp: int, ep: int = 1):
 
 
 class WeightSync:
-    def __init__(self, model: ModelLayout, chunks, engine, *, engine_kind: str, engine_tp: int = 1,
-                 leader: int = 0, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu"):
+    def __init__(self, model: ModelLayout, chunks, engine, *, engine_kind: str, engine_tp: int = 1, engine_ep: int = 1,
+                 leader: int = 0, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu",
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None):
         self.engine, self.leader = engine, leader
         self.rank = dist.get_rank()
-        self.plan = build_plan(model, current_layout(), engine_layout(engine_kind, engine_tp),
-                               colocate=lambda r: leader)
+        self.plan = build_plan(model, current_layout(first_stage_layers, last_stage_layers),
+                               engine_layout(engine_kind, engine_tp, engine_ep), colocate=lambda r: leader)
         self.executor = Executor(self.plan, self.rank, tensor_lookup(chunks), dtype=dtype, backend=backend,
                                  bucket_bytes=bucket_bytes, device=device)
         self.tp = engine_tp

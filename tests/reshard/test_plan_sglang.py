@@ -13,7 +13,8 @@ from sglang_reference import sglang_rank_params
 
 TRAIN = {"tp1": MegatronLayout(), "tp2": MegatronLayout(tp=2), "tp2pp2": MegatronLayout(tp=2, pp=2),
          "ep2": MegatronLayout(dp=2, ep=2), "tp2ep2": MegatronLayout(tp=2, dp=2, ep=2),
-         "pp2vpp2": MegatronLayout(pp=2, vpp=2), "tp2etp1ep2": MegatronLayout(tp=2, ep=2, etp=1)}
+         "pp2vpp2": MegatronLayout(pp=2, vpp=2), "tp2etp1ep2": MegatronLayout(tp=2, ep=2, etp=1),
+         "pp2uneven": MegatronLayout(pp=2, first_stage_layers=1, last_stage_layers=3)}
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_qlora"]
 
 
@@ -67,7 +68,7 @@ def test_megatron_to_sglang_matches_sglang_slicing(arch, train):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("train", ["tp2", "tp2pp2", "tp2ep2", "pp2vpp2"])
+@pytest.mark.parametrize("train", ["tp2", "tp2pp2", "tp2ep2", "pp2vpp2", "pp2uneven"])
 def test_hf_megatron_hf_round_trip_is_identical(arch, train):
     t = TRAIN[train]
     if t.ep > 1 and not _moe(arch):
