@@ -47,6 +47,13 @@ def _reduce_metrics(local: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def _concat(batches):
+    """One RolloutBatch from several with the same width (the minibatches of one step, for metrics)."""
+    import dataclasses
+    return type(batches[0])(**{f.name: torch.cat([getattr(b, f.name) for b in batches])
+                               for f in dataclasses.fields(batches[0])})
+
+
 def _logprob_diff(old_lp, batch) -> dict[str, float]:
     if old_lp is None:
         return {}
@@ -178,16 +185,33 @@ class Trainer:
             adv, adv_metrics = compute_advantages(cfg.algo, batch.rewards[:rows], n, batch.response_mask[:rows])
             adv = torch.cat([adv, adv.new_zeros((batch.size - rows, adv.shape[1]))])
             local.update({k: float(v) for k, v in adv_metrics.items()})
-            sl = dp_slice(batch.size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-            mine, adv_mine = batch.select(sl), adv[sl]
-            old_lp = self.actor.logprobs(mine)
-            ref_lp = self.ref.logprobs(mine) if self.ref else None
-            norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(rows)}
+            # PPO minibatches: train.global_batch_size samples per optimizer step (default: the whole batch, one
+            # step). Every minibatch is scored by the rollout policy before the first update.
+            gbs = min(cfg.train.global_batch_size or batch.size, batch.size)
+            if batch.size % gbs and cfg.algo.filter_uniform_groups:
+                gbs = batch.size  # the filter left a batch that does not split: one update for this step
+            if batch.size % gbs:
+                raise ConfigError(f"train.global_batch_size: {gbs} does not divide the {batch.size} rows trained "
+                                  f"this step")
+            dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            minibatches = []
+            for start in range(0, batch.size, gbs):
+                sl = dp_slice(gbs, dp_rank, dp_size)
+                sl = slice(start + sl.start, start + sl.stop)
+                mb = batch.select(sl)
+                kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
+                minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
+                                    {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
+                                     "num_seqs": float(kept)}))
             if self.engine is not None and torch.cuda.is_available():
                 self.engine.release_memory(("kv_cache", "weights"))
             t2 = time.perf_counter()
-            train_metrics = self.actor.train_step(mine, old_lp, adv_mine, ref_lp, norms)
+            per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches]
+            train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
+            train_metrics["ppo/updates"] = float(len(per_update))
             t3 = time.perf_counter()
+            mine = minibatches[0][0] if len(minibatches) == 1 else _concat([m[0] for m in minibatches])
+            old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             if self.engine is not None and torch.cuda.is_available():
                 self.engine.resume_memory(("weights",))
         self.step += 1
