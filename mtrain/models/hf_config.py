@@ -198,6 +198,8 @@ def _map_qwen2(hf: dict) -> MappedConfig:
 
 def _map_qwen3(hf: dict, mt: str = "qwen3") -> MappedConfig:
     cfg, model = _common(hf, mt)
+    if hf.get("attention_bias"):
+        raise ModelConfigError(f"{mt} attention_bias=True is not supported (HF also biases o_proj; Megatron cannot)")
     cfg["qk_layernorm"] = True
     _llama_rope_scaling(hf, model)
     return MappedConfig(mt, False, cfg, model, int(_req(hf, "vocab_size", mt)))

@@ -147,6 +147,8 @@ def test_unknown_model_type_is_one_clear_error():
     [
         ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("llama", {"attention_bias": True}, "attention_bias"),
+        ("qwen3", {"attention_bias": True}, "attention_bias"),
+        ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq_factor"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
