@@ -1,8 +1,10 @@
 """Tiny HF config.json dicts for every supported architecture: tests, CPU examples and docs use them.
 
-Sizes are chosen to exercise awkward layouts: an odd vocabulary (padding on both sides), fewer KV heads
+Two families. `TINY` / `tiny_config` (layouts, trainer, converters, examples): sizes are chosen to exercise awkward layouts: an odd vocabulary (padding on both sides), fewer KV heads
 than a TP-4 engine (SGLang replicates KV heads), biases, tied embeddings, MoE with and without shared
-experts, MLA with and without q-LoRA, and an MTP layer.
+experts, MLA with and without q-LoRA, and an MTP layer. `NUMERICS_CONFIGS` / `numerics_config` (the Megatron
+model tests against transformers): values differ between architectures (eps, theta, head_dim != hidden/heads,
+dense layers mixed into Qwen3-MoE, yarn) so that a config mapping that ignores one shows up.
 """
 from __future__ import annotations
 
@@ -42,4 +44,118 @@ TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)
 def tiny_config(name: str, **overrides) -> dict:
     cfg = copy.deepcopy(TINY[name])
     cfg.update(overrides)
+    return cfg
+
+# ---------------------------------------------------------------- numerics family (model tests)
+
+_BASE = dict(
+    vocab_size=250,  # not a multiple of 128: exercises vocab padding
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=256,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+NUMERICS_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        _BASE,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    ),
+    "qwen2": dict(
+        _BASE,
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        _BASE,
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        head_dim=32,  # head_dim * heads != hidden, as in real Qwen3
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
+    "qwen3_moe": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        router_aux_loss_coef=0.001,
+    ),
+    "deepseek_v3": dict(
+        _BASE,
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        num_nextn_predict_layers=1,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        rope_scaling=dict(
+            type="yarn",
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+}
+
+
+def numerics_config(model_type: str, **changes) -> dict:
+    """A deep copy of the numerics config for ``model_type`` with ``changes`` applied."""
+    if model_type not in NUMERICS_CONFIGS:
+        raise KeyError(f"no numerics config for model_type={model_type!r}; have {sorted(NUMERICS_CONFIGS)}")
+    cfg = copy.deepcopy(NUMERICS_CONFIGS[model_type])
+    cfg.update(changes)
     return cfg

@@ -1,6 +1,6 @@
 """Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3).
 
-Public API (imported lazily so that ``mtrain.models.hf_config`` / ``mtrain.models.tiny`` stay cheap
+Public API (imported lazily so that ``mtrain.models.hf_config`` stays cheap
 to import without megatron-core): ``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``,
 ``make_transformer_config``, ``map_hf_config``, ``padded_vocab_size``, ``ModelConfigError``.
 """

@@ -58,7 +58,7 @@ def describe_model(chunks) -> str:
 def _dump_rank(rank: int, world: int, arch: str, tp: int, ep: int) -> str:
     from mtrain.dist import init_distributed
     from mtrain.models.builder import build_model
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed(tp=tp, ep=ep)
     chunks, _ = build_model(tiny_config(arch))

@@ -49,7 +49,7 @@ def _compare_all(rank: int, world: int, cases: dict, negative: dict) -> dict:
 
     from mtrain.dist import init_distributed
     from mtrain.models import build_model, forward_logits
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed()
     tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(3))

@@ -29,7 +29,7 @@ def _save_reference(rank: int, world: int, root: str) -> dict:
 
     from mtrain.dist import init_distributed
     from mtrain.models import build_model, forward_logits, model_sharded_state_dict
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed()
     diffs = {}
@@ -52,7 +52,7 @@ def _forward_layout(rank: int, world: int, root: str, layout: dict, archs: tuple
 
     from mtrain.dist import init_distributed
     from mtrain.models import build_model, forward_logits, model_sharded_state_dict
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed(**layout)
     out = {}
@@ -105,7 +105,7 @@ def test_parallel_logits_equal_tp1(reference_dir, layout):
 def _bad_build(rank: int, world: int, layout: dict, arch: str, changes: dict) -> str:
     from mtrain.dist import init_distributed
     from mtrain.models import ModelConfigError, build_model
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed(**layout)
     try:
@@ -159,7 +159,7 @@ def test_unknown_model_type_is_one_clear_error():
 )
 def test_unmappable_fields_are_named(arch, changes, needle):
     from mtrain.models import ModelConfigError, map_hf_config
-    from mtrain.models.tiny import tiny_config
+    from mtrain.tiny_configs import numerics_config as tiny_config
 
     with pytest.raises(ModelConfigError, match=needle):
         map_hf_config(tiny_config(arch, **changes))
