@@ -248,13 +248,9 @@ def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict,
 def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str):
     """Inside a live parallel_state: build this rank's chunks and fill them from the dist checkpoint
     (Megatron reshards on load, so the checkpoint's own layout does not matter)."""
-    from megatron.core import dist_checkpointing
-
-    from mtrain.models import build_model, model_sharded_state_dict
+    from mtrain.models import build_model, load_model_checkpoint
     chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype)
-    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), mcore_dir)
-    for i, c in enumerate(chunks):
-        c.load_state_dict(loaded[f"chunk{i}"])
+    load_model_checkpoint(chunks, mcore_dir)
     return chunks
 
 

@@ -1,7 +1,7 @@
 """Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3).
 
-Public API (imported lazily so that ``mtrain.models.hf_config`` stays cheap
-to import without megatron-core): ``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``,
+Public API (imported lazily so that ``mtrain.models.hf_config`` stays cheap to import without megatron-core):
+``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``, ``load_model_checkpoint``,
 ``make_transformer_config``, ``map_hf_config``, ``padded_vocab_size``, ``ModelConfigError``.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ _EXPORTS = {
     "make_transformer_config": "mtrain.models.builder",
     "model_config_summary": "mtrain.models.builder",
     "model_sharded_state_dict": "mtrain.models.builder",
+    "load_model_checkpoint": "mtrain.models.builder",
     "forward_logits": "mtrain.models.forward",
     "SUPPORTED_MODEL_TYPES": "mtrain.models.hf_config",
     "ModelConfigError": "mtrain.models.hf_config",

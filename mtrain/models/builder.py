@@ -202,3 +202,13 @@ def model_sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
         f"chunk{i}": m.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
         for i, m in enumerate(chunks)
     }
+
+
+def load_model_checkpoint(chunks: list[GPTModel], path) -> None:
+    """Fill this rank's chunks from a Megatron dist checkpoint saved under any parallel layout (a converter's
+    output or a trainer checkpoint): megatron reshards on load, every model tensor must be there."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(path))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded[f"chunk{i}"])

@@ -36,6 +36,12 @@ def _geom(ref: TensorRef, slot: int | None) -> tuple[int, int]:
     return (slot or 0) * rows * cols, cols
 
 
+def _src_start(p: Piece) -> tuple[int, int]:
+    """(element offset, row length) of a piece's first source element in its source parameter."""
+    slot_off, cols = _geom(p.src, p.src_slot)
+    return slot_off + p.src_row * cols + p.src_col, cols
+
+
 def piece_row(p: Piece, src_index: int, src_base: int | None, src_stride: int | None, dst_base: int) -> list[int]:
     """One kernel table row. src_base/src_stride override the source geometry (a packed receive buffer)."""
     d_off, d_cols = _geom(p.dst, p.dst_slot)
@@ -45,8 +51,7 @@ def piece_row(p: Piece, src_index: int, src_base: int | None, src_stride: int | 
     elif src_base is not None:
         s_off, s_stride = src_base, src_stride
     else:
-        slot_off, s_cols = _geom(p.src, p.src_slot)
-        s_off, s_stride = slot_off + p.src_row * s_cols + p.src_col, s_cols
+        s_off, s_stride = _src_start(p)
     d = dst_base + d_off + p.dst_row * d_cols + p.dst_col
     if ncols == s_stride == d_cols:  # whole rows on both sides: one contiguous run
         ncols, nrows, s_stride, d_stride = nrows * ncols, 1, nrows * ncols, nrows * ncols
@@ -177,8 +182,7 @@ class Executor:
         if table is None:
             rows, off = [], 0
             for p in pieces:
-                slot_off, s_cols = _geom(p.src, p.src_slot)
-                s = slot_off + p.src_row * s_cols + p.src_col
+                s, s_cols = _src_start(p)
                 rows.append([index[(p.src.rank, p.src.chunk, p.src.name)], s, s_cols, off, p.ncols, p.nrows, p.ncols])
                 off += p.numel
             table = self._tables[cache_key] = PieceTable(torch.tensor(rows, dtype=torch.int64))

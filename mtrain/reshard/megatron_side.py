@@ -12,7 +12,7 @@ import torch
 from mtrain.layouts.table import ModelLayout
 from mtrain.reshard.executor import Executor
 from mtrain.reshard.placement import HFLayout, MegatronLayout
-from mtrain.reshard.planner import TensorRef, build_plan
+from mtrain.reshard.planner import Plan, TensorRef, build_plan
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -48,7 +48,8 @@ def current_layout(first_stage_layers: int | None = None, last_stage_layers: int
     """The MegatronLayout of the running job, read from megatron's parallel_state (plus the uneven pipeline
     split the model was built with, which parallel_state does not know)."""
     from megatron.core import parallel_state as ps
-    return MegatronLayout(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,tp=ps.get_tensor_model_parallel_world_size(),
+    return MegatronLayout(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                          tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
                           vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
                           ep=ps.get_expert_model_parallel_world_size(),
@@ -57,9 +58,8 @@ def current_layout(first_stage_layers: int | None = None, last_stage_layers: int
                           dp=ps.get_data_parallel_world_size())
 
 
-def check_complete(model: ModelLayout, layout: MegatronLayout, rank: int, chunks) -> None:
-    """Every parameter of this rank's model is named by the table, and every named one exists."""
-    plan = build_plan(model, HFLayout(), layout)
+def check_complete(plan: Plan, rank: int, chunks) -> None:
+    """Every parameter of this rank's model is named by the plan's table, and every named one exists."""
     expected = {(k[1], k[2]) for k in plan.dst_tensors if k[0] == rank}
     actual = {(ci, n) for ci, t in enumerate(chunk_tensors(chunks)) for n in t}
     missing, extra = expected - actual, actual - expected
@@ -71,9 +71,8 @@ def check_complete(model: ModelLayout, layout: MegatronLayout, rank: int, chunks
 def load_hf_into_megatron(model: ModelLayout, chunks, hf_get: Callable[[str], torch.Tensor], rank: int,
                           layout: MegatronLayout | None = None, backend: str = "torch") -> None:
     """Fill this rank's chunks from HF tensors (`hf_get(name)`); every rank reads the files itself."""
-    layout = layout or current_layout()
-    check_complete(model, layout, rank, chunks)
-    plan = build_plan(model, HFLayout(), layout)
+    plan = build_plan(model, HFLayout(), layout or current_layout())
+    check_complete(plan, rank, chunks)
     dst = tensor_lookup(chunks)
     device = next(unwrap(chunks[0]).parameters()).device  # the files are read to the host: move each tensor
     with torch.no_grad():

@@ -28,6 +28,11 @@ class RolloutBatch:
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Rows of several batches of the same width, in order (a step's minibatches, for its metrics)."""
+        return RolloutBatch(**{f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)})
+
 
 def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1
                 ) -> RolloutBatch:

@@ -40,14 +40,8 @@ def weight_loader(cfg, layout: ModelLayout, rank: int):
     """A function that fills freshly built (unwrapped) model chunks: from HF safetensors or a dist checkpoint."""
     def load(chunks) -> None:
         if cfg.model.mcore_ckpt:
-            from megatron.core import dist_checkpointing
-            sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-            flat = {}
-            for v in sd.values():
-                flat.update(v)
-            state = dist_checkpointing.load(flat, cfg.model.mcore_ckpt)
-            for c in chunks:
-                c.load_state_dict({k: v for k, v in state.items() if k in c.state_dict()}, strict=False)
+            from mtrain.models import load_model_checkpoint
+            load_model_checkpoint(chunks, cfg.model.mcore_ckpt)
             return
         from mtrain.converters.safetensors_io import HFCheckpoint
         from mtrain.reshard.megatron_side import current_layout, load_hf_into_megatron

@@ -47,13 +47,6 @@ def _reduce_metrics(local: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _concat(batches):
-    """One RolloutBatch from several with the same width (the minibatches of one step, for metrics)."""
-    import dataclasses
-    return type(batches[0])(**{f.name: torch.cat([getattr(b, f.name) for b in batches])
-                               for f in dataclasses.fields(batches[0])})
-
-
 def _logprob_diff(old_lp, batch) -> dict[str, float]:
     if old_lp is None:
         return {}
@@ -210,7 +203,7 @@ class Trainer:
             train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
             train_metrics["ppo/updates"] = float(len(per_update))
             t3 = time.perf_counter()
-            mine = minibatches[0][0] if len(minibatches) == 1 else _concat([m[0] for m in minibatches])
+            mine = RolloutBatch.concat([m[0] for m in minibatches])
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             if self.engine is not None and torch.cuda.is_available():
                 self.engine.resume_memory(("weights",))
