@@ -1,10 +1,12 @@
 """Resharding kernels (imported as `mtrain.kernels`): execute a planner's piece table.
 
     execute_pieces(dst, srcs, table, backend="auto")
+    execute_scatter(dsts, srcs, scatter_table, backend="auto")
 
-copies 2-D blocks from flat source tensors into one flat destination (see pieces.py for the row
-format). "triton" runs the whole table in one launch; "torch" is the reference (and CPU) executor;
-"auto" picks Triton for CUDA tensors when Triton imports, torch otherwise.
+copy 2-D blocks from flat source tensors into one flat destination, or into many (a ScatterTable
+names each row's destination; see pieces.py for the row format and scatter.py). "triton" runs a
+table in one launch (scatter: one per destination dtype); "torch" is the reference (and CPU)
+executor; "auto" picks Triton for CUDA tensors when Triton imports, torch otherwise.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from .pieces import (CAST_DTYPES, FILL, PieceTable, PieceTableError, execute_pieces_torch,
                      validate)
+from .scatter import ScatterTable, execute_scatter_torch, execute_scatter_triton
 
 try:  # Triton is optional at import time: the torch executor must work without it.
     from .triton_pieces import execute_pieces_triton, is_interpreted as _triton_interpreted
@@ -37,16 +40,33 @@ def triton_available() -> bool:
 def execute_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable,
                    backend: str = "auto") -> None:
     """Write every piece of `table` into `dst` (see the module docstring for backends)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        use_triton = triton_available() and dst.is_cuda and not _triton_interpreted()
-        backend = "triton" if use_triton else "torch"
-    if backend == "triton":
+    if _resolve_backend(backend, dst) == "triton":
         execute_pieces_triton(dst, srcs, table)
     else:
         execute_pieces_torch(dst, srcs, table)
 
 
+def execute_scatter(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], table: ScatterTable,
+                    backend: str = "auto") -> None:
+    """Write every piece of `table` into its own destination `dsts[table.dst_index[i]]`; the same
+    result as execute_pieces per destination, with one Triton launch per destination dtype."""
+    if _resolve_backend(backend, dsts[0] if len(dsts) else None) == "triton":
+        if not triton_available():
+            raise RuntimeError(f"Triton backend unavailable: {_TRITON_IMPORT_ERROR!r}")
+        execute_scatter_triton(dsts, srcs, table)
+    else:
+        execute_scatter_torch(dsts, srcs, table)
+
+
+def _resolve_backend(backend: str, tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        is_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+        return "triton" if triton_available() and is_cuda and not _triton_interpreted() else "torch"
+    return backend
+
+
 __all__ = ["PieceTable", "PieceTableError", "execute_pieces", "execute_pieces_torch",
-           "execute_pieces_triton", "validate", "triton_available", "FILL", "CAST_DTYPES", "BACKENDS"]
+           "execute_pieces_triton", "validate", "triton_available", "FILL", "CAST_DTYPES", "BACKENDS",
+           "ScatterTable", "execute_scatter", "execute_scatter_torch", "execute_scatter_triton"]

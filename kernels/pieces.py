@@ -74,26 +74,30 @@ def _first_bad(mask: np.ndarray) -> int | None:
     return int(idx[0]) if idx.size else None
 
 
-def validate(table: PieceTable, dst_numel: int, src_numels: Sequence[int], check_overlap: bool = True) -> None:
+def validate(table: PieceTable, dst_numel: int, src_numels: Sequence[int], check_overlap: bool = True,
+             piece_ids: np.ndarray | None = None) -> None:
     """Raise PieceTableError naming the first bad piece: negative or absurd sizes/offsets/strides,
     a source index out of range, a read or write out of bounds, or (check_overlap) two pieces that
     write the same destination element. Empty pieces (nrows or ncols == 0) are always allowed.
+    `piece_ids` (one per row) are the numbers messages use for the pieces, so a caller validating a
+    sub-table (execute_scatter) names the pieces as its user numbered them; default 0..N-1.
     Cost: O(N) plus, for the overlap check, O(R log R) over R destination row segments."""
     rows = table.numpy()
+    ids = np.arange(len(rows)) if piece_ids is None else np.asarray(piece_ids)
     n_src = len(src_numels)
     if rows.size == 0:
         return
     bad = _first_bad((rows[:, 1:] < 0).any(axis=1))
     if bad is not None:
-        raise PieceTableError(f"piece {bad}: negative offset, stride or size in {rows[bad].tolist()}")
+        raise PieceTableError(f"piece {int(ids[bad])}: negative offset, stride or size in {rows[bad].tolist()}")
     bad = _first_bad((rows[:, 1:] > _MAX_FIELD).any(axis=1))
     if bad is not None:
-        raise PieceTableError(f"piece {bad}: offset, stride or size above 2**48 in {rows[bad].tolist()}")
+        raise PieceTableError(f"piece {int(ids[bad])}: offset, stride or size above 2**48 in {rows[bad].tolist()}")
     src_idx = rows[:, SRC_INDEX]
     bad = _first_bad((src_idx < FILL) | (src_idx >= n_src))
     if bad is not None:
         raise PieceTableError(
-            f"piece {bad}: src_index {int(src_idx[bad])} out of range (-1 for zero fill, or 0..{n_src - 1})")
+            f"piece {int(ids[bad])}: src_index {int(src_idx[bad])} out of range (-1 for zero fill, or 0..{n_src - 1})")
     nr, nc = rows[:, NROWS], rows[:, NCOLS]
     live = (nr > 0) & (nc > 0)
     # One past the last element touched; only meaningful for non-empty pieces.
@@ -101,22 +105,22 @@ def validate(table: PieceTable, dst_numel: int, src_numels: Sequence[int], check
     bad = _first_bad(live & (dst_end > dst_numel))
     if bad is not None:
         raise PieceTableError(
-            f"piece {bad}: writes dst elements up to {int(dst_end[bad])} but dst has {dst_numel} "
+            f"piece {int(ids[bad])}: writes dst elements up to {int(dst_end[bad])} but dst has {dst_numel} "
             f"(row {rows[bad].tolist()})")
     bad = _first_bad(live & (nr > 1) & (rows[:, DST_STRIDE] < nc))
     if bad is not None:
         raise PieceTableError(
-            f"piece {bad}: dst_row_stride {int(rows[bad, DST_STRIDE])} < ncols {int(nc[bad])} "
+            f"piece {int(ids[bad])}: dst_row_stride {int(rows[bad, DST_STRIDE])} < ncols {int(nc[bad])} "
             "makes the piece overlap itself in dst")
     numels = np.asarray(list(src_numels) + [0], dtype=np.int64)  # index -1 -> the dummy 0
     src_end = rows[:, SRC_OFFSET] + (nr - 1) * rows[:, SRC_STRIDE] + nc
     bad = _first_bad(live & (src_idx >= 0) & (src_end > numels[src_idx]))
     if bad is not None:
         raise PieceTableError(
-            f"piece {bad}: reads src {int(src_idx[bad])} elements up to {int(src_end[bad])} but it has "
+            f"piece {int(ids[bad])}: reads src {int(src_idx[bad])} elements up to {int(src_end[bad])} but it has "
             f"{int(numels[src_idx[bad]])} (row {rows[bad].tolist()})")
     if check_overlap:
-        _check_no_dst_overlap(rows[live], np.flatnonzero(live))
+        _check_no_dst_overlap(rows[live], ids[live])
 
 
 def _check_no_dst_overlap(rows: np.ndarray, piece_ids: np.ndarray) -> None:
@@ -185,6 +189,11 @@ def validate_call(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceT
 def execute_pieces_torch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> None:
     """Reference executor: one as_strided view pair and one copy_ (which casts) per piece."""
     validate_call(dst, srcs, table)
+    copy_pieces_torch(dst, srcs, table)
+
+
+def copy_pieces_torch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable) -> None:
+    """The torch executor's copy loop, for a call already validated (also used by execute_scatter)."""
     d0 = dst.storage_offset()
     for i, so, ss, do, ds, nr, nc in table.numpy().tolist():
         if nr == 0 or nc == 0:

@@ -194,17 +194,31 @@ def _slot_bases(srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], as_int: t
     return bases, info
 
 
+def check_device(dst: torch.Tensor) -> None:
+    """The tensors the current Triton mode can address: CUDA compiled, CPU interpreted."""
+    if not is_interpreted():
+        if not dst.is_cuda:
+            raise PieceTableError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    elif dst.device.type != "cpu":
+        # The interpreter copies each argument to the host separately, so the other sources'
+        # addresses (reached through base + delta) would not exist there.
+        raise PieceTableError("under TRITON_INTERPRET=1 the Triton backend needs CPU tensors")
+
+
 def execute_pieces_triton(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable,
                           block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> None:
     """Execute the table with one Triton launch (none if it writes nothing)."""
     meta = validate_call(dst, srcs, table)
+    check_device(dst)
+    launch_pieces(dst, srcs, meta, table, block, num_warps)
+
+
+def launch_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], table: PieceTable,
+                  block: int, num_warps: int) -> None:
+    """One launch for a validated call. DST_OFFSETs count elements from dst's first element and may
+    reach past its end into other allocations of dst's dtype (execute_scatter rebases a group of
+    destinations onto the lowest one this way); the caller has checked every write is in bounds."""
     compiled = not is_interpreted()
-    if compiled and not dst.is_cuda:
-        raise PieceTableError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    if not compiled and dst.device.type != "cpu":
-        # The interpreter copies each argument to the host separately, so the other sources'
-        # addresses (reached through base + delta) would not exist there.
-        raise PieceTableError("under TRITON_INTERPRET=1 the Triton backend needs CPU tensors")
     as_int = None
     if all(m.dtype == dst.dtype for m in meta):
         as_int = _INT_OF_SIZE.get(dst.element_size())
