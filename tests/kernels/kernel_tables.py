@@ -76,3 +76,61 @@ def make_sources(rng: np.random.Generator, dtypes: list[torch.dtype], numel: int
             src = src.view(2, -1)  # any contiguous shape is accepted, not only 1-D
         out.append(src)
     return out
+
+
+class ScatterCase:
+    """A random scatter: per destination a random_table over an allowed subset of the sources.
+    Destinations are either separate allocations or views at odd element offsets into one shared
+    buffer per dtype (the way row ranges of one parameter, or parameters packed in one allocation,
+    look to the loader); make_dsts() builds a fresh NaN-poisoned set of them every call."""
+
+    def __init__(self, rng: np.random.Generator, src_numels: list[int], dst_specs: list[tuple],
+                 n_pieces: int = 6, device: str = "cpu"):
+        """dst_specs: (dtype, "own" | "view", allowed source indices or None for all)."""
+        from mtrain.kernels import ScatterTable
+        self.specs, self.device, rows, self.sub_tables, self.numels = dst_specs, device, [], [], []
+        for d, (_, _, allowed) in enumerate(dst_specs):
+            allowed = list(range(len(src_numels))) if allowed is None else list(allowed)
+            table, n = random_table(rng, [src_numels[i] for i in allowed], n_pieces)
+            sub = table.rows.clone()
+            live = sub[:, 0] >= 0
+            sub[live, 0] = torch.tensor(allowed)[sub[live, 0]]
+            self.sub_tables.append(PieceTable(sub))
+            self.numels.append(n)
+            rows += [r + [d] for r in sub.tolist()]
+        order = rng.permutation(len(rows))  # destinations interleaved: the row order must not matter
+        self.table = ScatterTable.from_rows([rows[i] for i in order])
+        # Odd element offsets (and gaps) inside the shared buffers, so views are not 16-byte aligned.
+        self.offsets, cursor = [], {}
+        for d, (dt, where, _) in enumerate(dst_specs):
+            if where == "view":
+                start = cursor.get(dt, 0) + int(rng.integers(1, 6)) * 2 - 1
+                self.offsets.append(start)
+                cursor[dt] = start + self.numels[d]
+            else:
+                self.offsets.append(None)
+        self.buffer_numels = {dt: end + 3 for dt, end in cursor.items()}
+
+    def make_dsts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(dsts, every allocation behind them), all NaN-filled."""
+        def nan(n, dt):
+            return torch.full((n,), float("nan"), dtype=torch.float32, device=self.device).to(dt)
+        buffers = {dt: nan(n, dt) for dt, n in self.buffer_numels.items()}
+        dsts = []
+        for d, (dt, where, _) in enumerate(self.specs):
+            off = self.offsets[d]
+            dsts.append(buffers[dt][off:off + self.numels[d]] if where == "view" else nan(self.numels[d], dt))
+        own = [t for t, (_, where, _) in zip(dsts, self.specs) if where != "view"]
+        return dsts, own + list(buffers.values())
+
+    def coverage(self, allocation_of: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[np.ndarray]:
+        """Per allocation, which elements the scatter writes (mapped through the views)."""
+        out = []
+        for alloc in allocation_of:
+            cov = np.zeros(alloc.numel(), bool)
+            for d, dst in enumerate(dsts):
+                if dst.untyped_storage().data_ptr() == alloc.untyped_storage().data_ptr():
+                    off = dst.storage_offset() - alloc.storage_offset()
+                    cov[off:off + dst.numel()] |= coverage(self.sub_tables[d], dst.numel())
+            out.append(cov)
+        return out
