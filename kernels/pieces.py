@@ -97,7 +97,8 @@ def validate(table: PieceTable, dst_numel: int, src_numels: Sequence[int], check
     bad = _first_bad((src_idx < FILL) | (src_idx >= n_src))
     if bad is not None:
         raise PieceTableError(
-            f"piece {int(ids[bad])}: src_index {int(src_idx[bad])} out of range (-1 for zero fill, or 0..{n_src - 1})")
+            f"piece {int(ids[bad])}: src_index {int(src_idx[bad])} out of range "
+            f"(-1 for zero fill, or 0..{n_src - 1})")
     nr, nc = rows[:, NROWS], rows[:, NCOLS]
     live = (nr > 0) & (nc > 0)
     # One past the last element touched; only meaningful for non-empty pieces.

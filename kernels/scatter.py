@@ -21,7 +21,7 @@ from .pieces import (CAST_DTYPES, DST_OFFSET, NCOLS, NROWS, SRC_INDEX, PieceTabl
                      SrcMeta, copy_pieces_torch, validate)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity semantics: fields hold arrays, and caches key on the object
 class ScatterTable:
     """A piece table plus, per row, the destination it writes. DST_OFFSET/DST_STRIDE count elements
     of that row's own destination. Immutable: derived data (validation, per-dtype rebased tables
@@ -203,8 +203,7 @@ def execute_scatter_torch(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Ten
         copy_pieces_torch(dsts[d], srcs, sub.table)
 
 
-def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], smeta: list[SrcMeta],
-            raw_sizes: Sequence[int]) -> list[_Group]:
+def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], raw_sizes: Sequence[int]) -> list[_Group]:
     """Rebased per-dtype tables, cached per destination layout (pointers, dtypes); their tile plans
     are cached on the rebased PieceTables themselves, so a repeated sync re-plans nothing."""
     cache = st.derived()
@@ -219,13 +218,15 @@ def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], smeta
     groups = []
     for dtype, members in by_dtype.items():
         esize = dtype.itemsize
+        if esize not in raw_sizes:  # such a dtype cannot cast either, so the launch would be a raw copy
+            raise PieceTableError(f"dsts[{members[0]}] dtype {dtype} has no same-size integer type for a raw copy")
         for d in members:
             if dmeta[d].data_ptr % esize:
                 raise PieceTableError(f"dsts[{d}] data pointer is not aligned to its {esize}-byte elements")
         anchor = min(members, key=lambda d: dmeta[d].data_ptr)
         parts = []
         for d in members:
-            part = rows[subs[d].ids].copy()
+            part = rows[subs[d].ids]  # fancy indexing copies
             part[:, DST_OFFSET] += (dmeta[d].data_ptr - dmeta[anchor].data_ptr) // esize
             parts.append(part)
         part = np.concatenate(parts)
@@ -235,8 +236,6 @@ def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], smeta
         # shards keeps the raw-bit copy path even when an fp32 group in the same call casts.
         part[src >= 0, SRC_INDEX] = np.searchsorted(used, src[src >= 0])
         used_list = used.tolist()
-        if all(smeta[i].dtype == dtype for i in used_list) and esize not in raw_sizes:
-            raise PieceTableError(f"dsts[{anchor}] dtype {dtype} has no same-size integer type for a raw copy")
         groups.append(_Group(anchor, PieceTable(torch.from_numpy(part)), used_list))
     cache["groups_key"], cache["groups"] = layout, groups
     return groups
@@ -251,7 +250,7 @@ def execute_scatter_triton(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Te
     if not dsts:
         return
     tp.check_device(dsts[0])
-    groups = _groups(table, subs, dmeta, smeta, tuple(tp._INT_OF_SIZE))
+    groups = _groups(table, subs, dmeta, tuple(tp._INT_OF_SIZE))
     for i in sorted({i for g in groups for i in g.used_srcs}):
         esize = smeta[i].dtype.itemsize
         if smeta[i].data_ptr % esize:  # checked here, not in the launch: no group may run first

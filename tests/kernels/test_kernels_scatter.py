@@ -129,8 +129,9 @@ def _bad_calls():
     big = torch.full((30,), 7.0)
     s = [torch.arange(16.0)]
     return [
-        ("dst_index out of range", [torch.full((8,), 7.0)] * 1 + [torch.full((4,), 7.0)], s,
-         [(0, 0, 1, 0, 1, 1, 2, 0), (0, 0, 1, 0, 1, 1, 2, 2)], r"piece 1: dst_index 2 out of range for 2 destinations"),
+        ("dst_index out of range", [torch.full((8,), 7.0), torch.full((4,), 7.0)], s,
+         [(0, 0, 1, 0, 1, 1, 2, 0), (0, 0, 1, 0, 1, 1, 2, 2)],
+         r"piece 1: dst_index 2 out of range for 2 destinations \(0\.\.1\)"),
         ("negative dst_index", [torch.full((8,), 7.0)], s, [(0, 0, 1, 0, 1, 1, 2, -1)], r"piece 0: dst_index -1"),
         ("piece out of its own dst", [torch.full((8,), 7.0), torch.full((4,), 7.0), torch.full((8,), 7.0)], s,
          [(0, 0, 1, 0, 1, 1, 8, 0), (-1, 0, 0, 0, 0, 1, 2, 2), (0, 0, 1, 1, 1, 1, 4, 1)],
@@ -154,7 +155,7 @@ def _bad_calls():
         ("uncastable source", [torch.full((8,), 7.0), torch.full((8,), 7.0, dtype=BF16)],
          s + [torch.ones(4, dtype=torch.int32)], [(0, 0, 1, 0, 1, 1, 1, 0), (1, 0, 1, 0, 1, 1, 1, 1)],
          r"srcs\[1\] has dtype torch.int32 and dsts\[1\] torch.bfloat16"),
-        ("source read out of bounds", [torch.full((8,), 7.0)] * 1, s, [(0, 10, 1, 0, 1, 1, 8, 0)],
+        ("source read out of bounds", [torch.full((8,), 7.0)], s, [(0, 10, 1, 0, 1, 1, 8, 0)],
          r"dsts\[0\]: piece 0: reads src 0 elements up to 18 but it has 16"),
         ("not a ScatterTable", [torch.full((8,), 7.0)], s, PieceTable.from_rows([(0, 0, 1, 0, 1, 1, 1)]),
          "table must be a ScatterTable, got PieceTable"),
@@ -187,3 +188,17 @@ def test_scatter_table_construction_errors():
     assert st.dst_index.dtype == np.int64 and not st.dst_index.flags.writeable
     with pytest.raises(ValueError, match="backend must be one of"):
         execute_scatter([torch.zeros(2)], [torch.ones(2)], st, backend="cuda")
+
+
+@needs_interpreter
+def test_triton_refuses_a_dtype_without_raw_copy_before_any_launch():
+    # complex128 (16 bytes) neither casts nor has a same-size integer: the torch backend copies it,
+    # Triton refuses the whole call, even though the bf16 group alone could have run.
+    dsts = [torch.full((4,), 7.0, dtype=BF16), torch.zeros(4, dtype=torch.complex128)]
+    srcs = [torch.ones(4, dtype=BF16), torch.full((4,), 2 + 1j, dtype=torch.complex128)]
+    st = ScatterTable.from_rows([(0, 0, 0, 0, 0, 1, 4, 0), (1, 0, 0, 0, 0, 1, 4, 1)])
+    with pytest.raises(PieceTableError, match=r"dsts\[1\] dtype torch.complex128 has no same-size integer type"):
+        execute_scatter(dsts, srcs, st, backend="triton")
+    assert (dsts[0] == 7).all()
+    execute_scatter(dsts, srcs, st, backend="torch")
+    assert (dsts[0] == 1).all() and (dsts[1] == 2 + 1j).all()
