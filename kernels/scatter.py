@@ -66,8 +66,11 @@ class ScatterTable:
     @staticmethod
     def from_rows(rows: Sequence[Sequence[int]]) -> "ScatterTable":
         """8 ints per row: the 7 piece fields, then the destination index."""
-        t = torch.tensor(list(rows), dtype=torch.int64).reshape(-1, 8)
-        return ScatterTable(PieceTable(t[:, :7].contiguous()), t[:, 7].numpy())
+        try:  # also takes an [N, 8] integer array as is
+            arr = np.asarray(rows, dtype=np.int64).reshape(-1, 8)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PieceTableError(f"ScatterTable.from_rows needs rows of 8 integers: {exc}") from None
+        return ScatterTable(PieceTable(torch.from_numpy(np.ascontiguousarray(arr[:, :7]))), arr[:, 7])
 
 
 class _Sub(NamedTuple):

@@ -184,6 +184,10 @@ def test_scatter_table_construction_errors():
         ScatterTable(rows, np.zeros(2))
     with pytest.raises(PieceTableError, match="must be a PieceTable"):
         ScatterTable(rows.rows, np.zeros(2, np.int64))
+    with pytest.raises(PieceTableError, match="from_rows needs rows of 8 integers"):
+        ScatterTable.from_rows([(0, 0, 1, 0, 1, 1, 1)])
+    same = ScatterTable.from_rows(np.array([[0, 0, 1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1, 1]]))
+    assert torch.equal(same.table.rows, rows.rows) and same.dst_index.tolist() == [0, 1]
     st = ScatterTable(rows, torch.tensor([0, 1]))  # a torch index is accepted and copied read-only
     assert st.dst_index.dtype == np.int64 and not st.dst_index.flags.writeable
     with pytest.raises(ValueError, match="backend must be one of"):
