@@ -8,10 +8,12 @@
    reference. Without --disk the engine starts with dummy weights and the reference is SGLang's own loader
    fed the HF tensors (`model.load_weights`, the function its disk loader calls).
 3. Times, for each bucket size: the HF-names path (`update_weights_from_tensor` with HF-named tensors already
-   on the GPU; SGLang's loader fuses and slices) and the direct path (Megatron params -> our kernel packs
-   SGLang's per-rank layout into a bucket -> our custom loader copies it into the parameters). Also the
-   Megatron->HF conversion a peer pays on top of its HF-names call, and the copy floor measured in this run.
-4. Garbles the engine's weights (SGLang's check_weights "reset_tensors": random values), syncs through the direct path and
+   on the GPU; SGLang's loader fuses and slices) and mtrain's push mode (Megatron params -> our kernel packs
+   SGLang's per-rank layout into a bucket -> our custom loader copies it into the parameters); then mtrain's
+   pull mode (the engine's loader runs our kernel from the Megatron params, read in place through CUDA IPC,
+   straight into its parameters). Both through the trainer's own `WeightSync`. Also the Megatron->HF
+   conversion a peer pays on top of its HF-names call, and the copy floor measured in this run.
+4. Per mode: garbles the engine's weights (SGLang's check_weights "reset_tensors": random values), syncs, and
    checks every parameter's checksum equals the reference: bit for bit.
 Prints a table; writes $OUT/bench_sync_<model>.json.
 """
@@ -89,12 +91,12 @@ def main() -> int:
     from mtrain.dist import init_distributed
     from mtrain.layouts import model_layout
     from mtrain.models.builder import build_model
-    from mtrain.reshard.executor import Executor
     from mtrain.reshard.local import reshard_in_memory
     from mtrain.reshard.megatron_side import tensor_lookup
-    from mtrain.reshard.placement import HFLayout, MegatronLayout, SGLangLayout
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
     from mtrain.reshard.planner import build_plan
     from mtrain.rollout.sglang_engine import SGLangEngine
+    from mtrain.trainer.sync import WeightSync
 
     cfg = CONFIGS[args.model]
     res: dict = {"model": args.model, "config": cfg, "device": torch.cuda.get_device_name()}
@@ -139,60 +141,65 @@ def main() -> int:
         raw.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False)
     reference = eng.weight_checksums()[0]["checksums"]
 
+    def weight_sync(mode: str, bucket_mb: int):
+        return WeightSync(layout, chunks, eng, engine_kind="sglang", dtype=torch.bfloat16, bucket_bytes=bucket_mb << 20,
+                          backend="triton", device="cuda", mode=mode)
+
+    version = [0]
+
+    def run(ws):
+        version[0] += 1
+        ws.sync(version[0])
+
     rows = []
     for mb in args.buckets_mb:
         buckets = hf_buckets(named_hf, mb << 20)
         t_hf = timed(lambda: [raw.update_weights_from_tensor(named_tensors=b, flush_cache=False) for b in buckets],
                      args.repeats)
-        ex = Executor(build_plan(layout, mlay, SGLangLayout(tp=1)), 0, lookup, dtype=torch.bfloat16,
-                      bucket_bytes=mb << 20, backend="triton", device="cuda")
-        version = [0]
-
-        def direct():
-            for b in ex.stream():
-                eng.update_weights([b.get(0, [])])
-            version[0] += 1
-            eng.finish_weight_update(version[0])
-
-        direct()  # warm-up: kernel compile, tables, IPC handle of the reused bucket buffer
-        t_direct = timed(direct, args.repeats)
-        t_pack = timed(lambda: [None for _ in ex.stream()], args.repeats)
-        rows.append(dict(bucket_mb=mb, buckets=len(ex.buckets), hf_names_s=statistics.median(t_hf),
-                         direct_s=statistics.median(t_direct), pack_only_s=statistics.median(t_pack)))
+        push = weight_sync("push", mb)
+        run(push)  # warm-up: kernel compile, tables, IPC handle of the reused bucket buffer
+        t_push = timed(lambda: run(push), args.repeats)
+        t_pack = timed(lambda: [None for _ in push.executor.stream()], args.repeats)
+        rows.append(dict(bucket_mb=mb, buckets=len(push.executor.buckets), hf_names_s=statistics.median(t_hf),
+                         push_s=statistics.median(t_push), pack_only_s=statistics.median(t_pack)))
     one_call = timed(lambda: raw.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False), args.repeats)
     res["hf_names_one_call_s"] = statistics.median(one_call)
+    pull = weight_sync("pull", args.buckets_mb[0])
+    res["pull_first_sync_s"] = timed(lambda: run(pull), 1)[0]  # sends sources + tables, opens IPC handles
+    res["pull_s"] = statistics.median(timed(lambda: run(pull), args.repeats))
+    res["pull_engine_calls"] = len(pull.pull.buckets)
     res["rows"] = rows
 
-    # Bit-equality: garble the weights, sync through the direct path, compare with the reference checksums.
-    eng.randomize_weights()
-    garbled = eng.weight_checksums()[0]["checksums"]
-    ex = Executor(build_plan(layout, mlay, SGLangLayout(tp=1)), 0, lookup, dtype=torch.bfloat16,
-                  bucket_bytes=args.buckets_mb[0] << 20, backend="triton", device="cuda")
-    for b in ex.stream():
-        eng.update_weights([b.get(0, [])])
-    eng.finish_weight_update(100)
-    after = eng.weight_checksums()[0]["checksums"]
+    # Bit-equality, per mode: garble the weights, sync, compare every parameter with the reference checksums.
+    for mode, ws in (("pull", pull), ("push", weight_sync("push", args.buckets_mb[0]))):
+        eng.randomize_weights()
+        garbled = eng.weight_checksums()[0]["checksums"]
+        run(ws)
+        after = eng.weight_checksums()[0]["checksums"]
+        res[f"{mode}_params_garbled_before_sync"] = sum(garbled[k] != reference[k] for k in reference)
+        res[f"{mode}_params_mismatched_after_sync"] = sorted(k for k in reference if after.get(k) != reference[k])
     res["params_checked"] = len(reference)
-    res["params_garbled_before_sync"] = sum(garbled[k] != reference[k] for k in reference)
-    res["params_mismatched_after_direct_sync"] = sorted(k for k in reference if after.get(k) != reference[k])
     eng.shutdown()
 
     print(f"\n{args.model}: {nbytes / 1e9:.2f} GB in {len(named_hf)} HF tensors; copy {bw / 1e9:.0f} GB/s, "
           f"floor {res['copy_floor_s'] * 1e3:.1f} ms; Megatron->HF conversion {res['megatron_to_hf_s'] * 1e3:.1f} ms")
-    print(f"{'bucket':>8} {'n':>4} {'HF-names ms':>12} {'direct ms':>10} {'pack ms':>8} {'HF/direct':>10} "
-          f"{'direct/floor':>12}")
+    print(f"{'bucket':>8} {'n':>4} {'HF-names ms':>12} {'push ms':>9} {'pack ms':>8} {'HF/push':>8} {'HF/pull':>8}")
     for r in rows:
-        print(f"{r['bucket_mb']:>6}MB {r['buckets']:>4} {r['hf_names_s'] * 1e3:>12.1f} {r['direct_s'] * 1e3:>10.1f} "
-              f"{r['pack_only_s'] * 1e3:>8.1f} {r['hf_names_s'] / r['direct_s']:>9.2f}x "
-              f"{r['direct_s'] / res['copy_floor_s']:>11.2f}x")
-    print(f"HF-names one call: {res['hf_names_one_call_s'] * 1e3:.1f} ms; bit-equal after direct sync: "
-          f"{not res['params_mismatched_after_direct_sync']} ({res['params_checked']} params, "
-          f"{res['params_garbled_before_sync']} garbled before)")
+        print(f"{r['bucket_mb']:>6}MB {r['buckets']:>4} {r['hf_names_s'] * 1e3:>12.1f} {r['push_s'] * 1e3:>9.1f} "
+              f"{r['pack_only_s'] * 1e3:>8.1f} {r['hf_names_s'] / r['push_s']:>7.2f}x "
+              f"{r['hf_names_s'] / res['pull_s']:>7.2f}x")
+    print(f"pull: {res['pull_s'] * 1e3:.1f} ms ({res['pull_engine_calls']} engine call(s); first sync "
+          f"{res['pull_first_sync_s'] * 1e3:.1f} ms), {res['pull_s'] / res['copy_floor_s']:.2f}x the copy floor; "
+          f"HF-names one call {res['hf_names_one_call_s'] * 1e3:.1f} ms = "
+          f"{res['hf_names_one_call_s'] / res['pull_s']:.2f}x pull")
+    for mode in ("pull", "push"):
+        print(f"{mode}: bit-equal after sync: {not res[f'{mode}_params_mismatched_after_sync']} "
+              f"({res['params_checked']} params, {res[f'{mode}_params_garbled_before_sync']} garbled before)")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"bench_sync_{args.model}.json"), "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if not res["params_mismatched_after_direct_sync"] else 1
+    return 0 if not (res["pull_params_mismatched_after_sync"] or res["push_params_mismatched_after_sync"]) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The GRPO loop on one GPU with the real SGLang engine (colocated, direct weight sync every step), for a tiny
 # random Llama and the tiny DeepSeek-V3 (examples/deepseek_v3/tiny/gpu_config.json). Run from the repo root
 # on the GPU machine after `source benchmarks/gpu_setup.sh`; writes each run's log and metrics.jsonl to $OUT.
-# ENGINE=reference DTYPE=float32 runs the same plumbing on a CPU.
+# ENGINE=reference DTYPE=float32 runs the same plumbing on a CPU; SYNC_MODE=push|pull|auto picks the weight sync.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-gpu-rl}
@@ -10,7 +10,7 @@ out=${OUT:-$work}
 rm -rf "$work" && mkdir -p "$work"
 common="model.dtype=${DTYPE:-bfloat16} engine.kind=${ENGINE:-sglang} engine.mem_fraction_static=0.25
   train.steps=${STEPS:-4} rollout.prompts_per_step=8 rollout.samples_per_prompt=8 rollout.max_new_tokens=32
-  train.micro_batch_size=16 train.save_interval=0 train.eval_interval=0
+  train.micro_batch_size=16 train.save_interval=0 train.eval_interval=0 sync.mode=${SYNC_MODE:-auto}
   reward.fn=$repo/tests/trainer/signal_reward.py:digit_share"
 run() {  # name, init-tiny args...
     local name=$1; shift

@@ -127,6 +127,8 @@ def test_algorithm_presets_fill_only_unset_knobs():
     (["train.eval_interval=5", "data.arithmetic.num_eval=0"], "there is no eval set"),
     (["reward.fn=nocolon"], "reward.fn: must look like 'module:function'"),
     (["data.arithmetic.ops=+/"], "data.arithmetic.ops: must be a non-empty string"),
+    (["sync.mode=pull", "engine.tp=2"], "sync.mode: pull needs the SGLang engine with engine.tp=1"),
+    (["sync.mode=pull", "engine.kind=reference"], "sync.mode: pull needs the SGLang engine"),
 ])
 def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -157,3 +159,12 @@ def test_check_files_finds_missing_model_and_data(tmp_path):
     with pytest.raises(ConfigError, match="data.train_path: .*train.jsonl is not a file"):
         load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={tmp_path / 'train.jsonl'}"],
                     check_files=True)
+
+
+def test_sync_mode_resolution():
+    from mtrain.trainer.sync import sync_mode
+    assert sync_mode("auto", "sglang", 1) == "pull"
+    assert sync_mode("auto", "sglang", 2) == "push" and sync_mode("auto", "hf", 1) == "push"
+    assert sync_mode("push", "sglang", 1) == "push"
+    with pytest.raises(ConfigError, match="pull needs the SGLang engine with engine.tp=1 .this run: hf engine"):
+        sync_mode("pull", "hf", 1)  # engine.kind=auto on a machine without a GPU

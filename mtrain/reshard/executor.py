@@ -133,8 +133,9 @@ class Executor:
     def _dtype(self, bucket: Bucket) -> torch.dtype:
         return torch.float32 if bucket.fp32 else self.dtype
 
-    def _exchange(self, bucket: Bucket) -> dict[int, tuple[torch.Tensor, list[Piece]]]:
-        """Send my pieces that others own; return per peer (received buffer, its pieces in order)."""
+    def transfers(self, bucket: Bucket) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]]]:
+        """(pieces I send, per peer; pieces I receive, per peer), each list in bucket order: a receive buffer
+        holds its peer's pieces packed back to back in that order."""
         send: dict[int, list[Piece]] = defaultdict(list)
         recv: dict[int, list[Piece]] = defaultdict(list)
         for p in bucket.pieces:
@@ -147,6 +148,13 @@ class Executor:
                 send[o].append(p)
             elif o == self.rank:
                 recv[s].append(p)
+        return send, recv
+
+    def _exchange(self, bucket: Bucket, recv_buffer: Callable[[int, int, bool], torch.Tensor] | None = None
+                  ) -> dict[int, tuple[torch.Tensor, list[Piece]]]:
+        """Send my pieces that others own; return per peer (received buffer, its pieces in order).
+        recv_buffer(peer, numel, fp32) supplies the receive buffers (default: fresh ones)."""
+        send, recv = self.transfers(bucket)
         ops, out, keep = [], {}, []
         for peer in sorted(send):
             ps = send[peer]
@@ -156,14 +164,19 @@ class Executor:
             ops.append(dist.isend(buf, peer, group=self.group))
         for peer in sorted(recv):
             ps = recv[peer]
-            buf = torch.empty(sum(p.numel for p in ps), dtype=self._dtype(bucket), device=self.device)
+            n = sum(p.numel for p in ps)
+            buf = (torch.empty(n, dtype=self._dtype(bucket), device=self.device) if recv_buffer is None
+                   else recv_buffer(peer, n, bucket.fp32))
             out[peer] = (buf, ps)
             ops.append(dist.irecv(buf, peer, group=self.group))
         for op in ops:
             op.wait()
         return out
 
-    def _local_sources(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], dict[Key, int]]:
+    def _local_sources(self, pieces: list[Piece], in_place: bool = False) -> tuple[list[torch.Tensor], dict[Key, int]]:
+        """This rank's source tensors the pieces read, flat, and their index by key. in_place: the tensors must
+        be the parameters' own memory (another process reads them later), so a non-contiguous one is an error
+        rather than a copy."""
         srcs, index = [], {}
         for p in pieces:
             k = (p.src.rank, p.src.chunk, p.src.name)
@@ -172,6 +185,9 @@ class Executor:
                 if tuple(t.shape) != p.src.shape:
                     raise ValueError(f"source {p.src.name} on rank {self.rank} has shape {tuple(t.shape)}, "
                                      f"the layout table expects {p.src.shape}")
+                if in_place and not t.is_contiguous():
+                    raise ValueError(f"source {p.src.name} on rank {self.rank} is not contiguous: the engine "
+                                     "cannot read it in place")
                 index[k] = len(srcs)
                 srcs.append(t.contiguous().view(-1))
         return srcs, index

@@ -215,6 +215,7 @@ class SGLangEngine(RolloutEngine):
         self.tp_size = int(tp_size)
         self._weight_version = 0
         self._released: set[str] = set()
+        self._pull = None  # sglang_pull.PullSender: what the engine ranks hold of pull mode's sources and tables
         self._inflight: dict[str, Request] = {}
         self._task: asyncio.Task | None = None
         self._dead: str | None = None
@@ -370,6 +371,34 @@ class SGLangEngine(RolloutEngine):
         self._send_weights([marker] * self.tp_size, LOAD_DIRECT, flush_cache=True, weight_version=str(version),
                            what="finish_weight_update")
         self._weight_version = version
+
+    def pull_weights(self, jobs: Sequence[Any], version: int | None = None) -> None:
+        """One bucket in pull mode (`mtrain.reshard.pull`): every engine rank writes its parameters itself from
+        the trainer's tensors (CUDA IPC, read in place). jobs[r] is rank r's PullJob, or None when the bucket
+        has nothing for it. With `version` this call also ends the sync, as finish_weight_update does."""
+        from mtrain.rollout.sglang_pull import PullSender
+
+        if len(jobs) != self.tp_size:
+            raise EngineError(f"pull_weights: got jobs for {len(jobs)} ranks, engine tp_size is {self.tp_size}")
+        finish = version is not None
+        if finish and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise EngineError(f"pull_weights: version must be an int >= 0, got {version!r}")
+        if self._pull is None:
+            self._pull = PullSender(self.tp_size)
+        idle = [(FINISH_NAME, _marker_tensor())] if finish else []
+        payloads = [serialize_bucket(idle if job is None else self._pull.payload(r, job, finish, _marker_tensor()))
+                    for r, job in enumerate(jobs)]
+        try:
+            self._send_weights(payloads, LOAD_DIRECT, flush_cache=finish,
+                               weight_version=str(version) if finish else None, what="pull_weights")
+        except EngineError:
+            self._pull.forget()
+            raise
+        for r, job in enumerate(jobs):
+            if job is not None:
+                self._pull.confirm(r, job)
+        if finish:
+            self._weight_version = version
 
     def _send_weights(self, payloads: list[bytes], load_format: str, *, flush_cache: bool,
                       weight_version: str | None, what: str) -> None:

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import tempfile
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -85,7 +86,7 @@ def parse_target(name: str) -> Target:
     return Target(m["param"], start, stop)
 
 
-def _unknown(name: str, params: Mapping[str, torch.Tensor]) -> LoaderError:
+def unknown_param(name: str, params: Mapping[str, torch.Tensor]) -> LoaderError:
     close = difflib.get_close_matches(name, list(params), n=3)
     hint = f"; closest: {close}" if close else ""
     return LoaderError(f"engine has no parameter {name!r} ({len(params)} parameters){hint}")
@@ -110,7 +111,7 @@ def plan_copies(
             raise LoaderError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         param = params.get(target.param)
         if param is None:
-            raise _unknown(target.param, params)
+            raise unknown_param(target.param, params)
         rows = param.shape[0] if param.dim() > 0 else 1
         if target.start is None:
             dst, span = param.data, (0, rows)
@@ -175,7 +176,7 @@ def select_params(params: Mapping[str, torch.Tensor], names: Sequence[str] | Non
         return dict(params)
     missing = [n for n in names if n not in params]
     if missing:
-        raise _unknown(missing[0], params)
+        raise unknown_param(missing[0], params)
     return {n: params[n] for n in names}
 
 
@@ -263,20 +264,30 @@ def collect_errors(status_dir: str) -> list[str]:
     return out
 
 
-_params_of: dict[int, dict[str, torch.Tensor]] = {}
+_params_of: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """named_parameters() once per model: thousands of names for a MoE model, and it is the same every bucket."""
-    params = _params_of.get(id(model))
+    """named_parameters() once per model: thousands of names for a MoE model, and it is the same every bucket.
+    Weakly keyed: a new model at a dead one's address must not inherit its parameters."""
+    params = _params_of.get(model)
     if params is None:
-        params = _params_of[id(model)] = dict(model.named_parameters())
+        params = _params_of[model] = dict(model.named_parameters())
     return params
 
 
 def load_direct(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> None:
     """SGLang custom weight loader: copy per-rank shards into the parameters (see the module docstring)."""
     try:
+        from mtrain.rollout import sglang_pull  # imports this module: loaded on first use
+
+        if sglang_pull.is_pull(named_tensors):
+            names, finish = sglang_pull.run_pull(_params(model), named_tensors)
+            _touched_since_finish.update(names)
+            if finish:
+                run_post_load_hooks(model, sorted(_touched_since_finish))
+                _touched_since_finish.clear()
+            return
         if any(n == FINISH_NAME for n, _ in named_tensors):
             if len(named_tensors) != 1:
                 raise LoaderError(f"{FINISH_NAME} must be sent alone, got {len(named_tensors)} entries")

@@ -85,7 +85,7 @@ class Trainer:
         self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, engine_kind=kind, engine_tp=cfg.engine.tp,
                                engine_ep=cfg.engine.ep, first_stage_layers=p.first_stage_layers,
                                last_stage_layers=p.last_stage_layers, leader=LEADER, dtype=self.actor.dtype,
-                               bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                               bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend, mode=cfg.sync.mode,
                                device="cuda" if torch.cuda.is_available() else "cpu")
         self.step = 0
         resumed = self._resume()
