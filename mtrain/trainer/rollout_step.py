@@ -61,7 +61,8 @@ def run_rollout(engine, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int
 def broadcast_result(value, src: int):
     """Every rank gets the leader's value; an exception raised on the leader is raised on every rank."""
     box = [value if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    if dist.get_world_size() > 1:  # alone, skip the pickling and two collectives (part of every sync's time)
+        dist.broadcast_object_list(box, src=src)
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
