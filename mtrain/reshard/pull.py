@@ -72,6 +72,7 @@ class PullPlan:
                           for k, n in sorted(sizes.items())}
         self.dst_ranks = sorted({k[0] for b in self.buckets for k in b.keys if executor.owner(k[0]) == executor.rank})
         self._tables: dict[tuple[int, int], tuple[list, np.ndarray]] = {}
+        self._src_cache: tuple | None = None
 
     def _recv_buffer(self, peer: int, numel: int, fp32: bool) -> torch.Tensor:
         return self.recv_bufs[(peer, fp32)][:numel]
@@ -121,8 +122,7 @@ class PullPlan:
         """Per bucket, {engine rank: PullJob} for the engine ranks this process owns (every training rank must
         iterate: the buckets' slices move between processes as they go). The jobs' sources are valid, and
         their contents final, until the next bucket is requested."""
-        per_rank = {r: self.sources(r) for r in self.dst_ranks}
-        skeys = {r: self._fingerprint(srcs) for r, (srcs, _, _) in per_rank.items()}
+        per_rank, skeys = self._current_sources()
         for bi, bucket in enumerate(self.buckets):
             if self.exchanges:
                 self.ex._exchange(bucket, recv_buffer=self._recv_buffer)
@@ -137,6 +137,25 @@ class PullPlan:
                 # Another process reads these tensors next: the optimizer's and the receives' writes must be done.
                 torch.cuda.current_stream(self.ex.device).synchronize()
             yield out
+
+    def _current_sources(self) -> tuple[dict, dict]:
+        """Per engine rank: (sources, their index, receive-buffer index), and the source set's key.
+
+        Looking up and checking thousands of parameters (a MoE model: one per expert and projection) costs
+        tens of ms of Python per sync, so the result is kept and each sync only compares the parameters'
+        current addresses with the kept ones: a parameter updated in place keeps its address; one given new
+        memory (`param.data = ...`) does not, and then everything is looked up again. (The parameter objects
+        themselves are fixed for the life of a WeightSync, which the trainer builds after the model.)"""
+        if self._src_cache is not None:
+            per_rank, skeys, params, ptrs = self._src_cache
+            if [t.data_ptr() for t in params] == ptrs:
+                return per_rank, skeys
+        per_rank = {r: self.sources(r) for r in self.dst_ranks}
+        skeys = {r: self._fingerprint(srcs) for r, (srcs, _, _) in per_rank.items()}
+        keys = {k for _, index, _ in per_rank.values() for k in index}
+        params = [self.ex.sources(self.ex.plan.src_tensors[k]) for k in sorted(keys)]
+        self._src_cache = (per_rank, skeys, params, [t.data_ptr() for t in params])
+        return per_rank, skeys
 
     def _fingerprint(self, srcs: list[torch.Tensor]) -> str:
         """Identity of the source set: changes when any source moves (a re-allocated parameter), so the engine

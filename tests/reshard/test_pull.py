@@ -77,6 +77,16 @@ def test_pull_in_one_process_equals_sglang_slicing(arch, train):
         again = run_sync(pull, params, states, sender, engine_tp)
         assert all(n > 1 for n in first) and all(n == 1 for n in again)
         check(params, hf, cfg, engine_tp, engine_ep, range(engine_tp), torch.bfloat16)
+    # A parameter given new memory (`.data = ...`, as an offload/reload would): the engine gets fresh sources.
+    moved = next(k for k in mcore if k[2].endswith("linear_fc2.weight"))
+    old = mcore[moved].data
+    mcore[moved].data = old.clone()
+    old.fill_(float("nan"))  # an engine still reading the old memory would fail the check below
+    for p in params.values():
+        for v in p.values():
+            v.fill_(float("nan"))
+    assert any(n > 1 for n in run_sync(pull, params, states, sender, engine_tp))  # the ranks that read it
+    check(params, hf, cfg, engine_tp, engine_ep, range(engine_tp), torch.bfloat16)
 
 
 def _rank_main(rank, world, arch, train, engine_tp):
