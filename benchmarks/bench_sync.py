@@ -15,7 +15,9 @@
    conversion a peer pays on top of its HF-names call, and the copy floor measured in this run.
 4. Per mode: garbles the engine's weights (SGLang's check_weights "reset_tensors": random values), syncs, and
    checks every parameter's checksum equals the reference: bit for bit.
-Prints a table; writes $OUT/bench_sync_<model>.json.
+With --contiguous-params the Megatron parameters live in one buffer per dtype, as megatron's DDP with the
+distributed optimizer holds them (the kernel reads thousands of small separate allocations markedly slower:
+docs/results.md, section 1). Prints a table; writes $OUT/bench_sync_<model>[_contiguous].json.
 """
 from __future__ import annotations
 
@@ -68,6 +70,26 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / statistics.median(t)
 
 
+def contiguous_params(chunks) -> None:
+    """Move every parameter into one buffer per dtype (each at a 128-byte boundary) and rebind `.data` to it."""
+    by_dtype: dict = {}
+    for c in chunks:
+        for p in c.parameters():
+            by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, params in by_dtype.items():
+        align = 128 // params[0].element_size()
+        offs, n = [], 0
+        for p in params:
+            offs.append(n)
+            n += -(-p.numel() // align) * align
+        flat = torch.empty(n, dtype=dtype, device=params[0].device)
+        for p, o in zip(params, offs):
+            view = flat[o:o + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+    torch.cuda.empty_cache()
+
+
 def hf_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list]:
     out, cur, size = [], [], 0
     for n, t in named:
@@ -86,6 +108,9 @@ def main() -> int:
     ap.add_argument("--buckets-mb", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk", action="store_true", help="reference = SGLang loading the checkpoint from disk")
+    ap.add_argument("--contiguous-params", action="store_true",
+                    help="Megatron parameters as views into one buffer per dtype, as megatron's DDP with the "
+                         "distributed optimizer holds them (default: one allocation per parameter)")
     args = ap.parse_args()
 
     from mtrain.dist import init_distributed
@@ -104,6 +129,9 @@ def main() -> int:
     t0 = time.perf_counter()
     chunks, _ = build_model(cfg, params_dtype=torch.bfloat16)
     res["megatron_build_s"] = time.perf_counter() - t0
+    res["contiguous_params"] = args.contiguous_params
+    if args.contiguous_params:
+        contiguous_params(chunks)
     layout, mlay = model_layout(cfg), MegatronLayout()
     lookup = tensor_lookup(chunks)
     hf_plan = build_plan(layout, mlay, HFLayout())
@@ -197,7 +225,8 @@ def main() -> int:
               f"({res['params_checked']} params, {res[f'{mode}_params_garbled_before_sync']} garbled before)")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, f"bench_sync_{args.model}.json"), "w") as f:
+        suffix = "_contiguous" if args.contiguous_params else ""
+        with open(os.path.join(out, f"bench_sync_{args.model}{suffix}.json"), "w") as f:
             json.dump(res, f, indent=1)
     return 0 if not (res["pull_params_mismatched_after_sync"] or res["push_params_mismatched_after_sync"]) else 1
 

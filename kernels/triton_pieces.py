@@ -28,6 +28,8 @@ from .tiling import TILE_FIELDS, TilePlan, plan_tiles
 
 DEFAULT_BLOCK = int(os.environ.get("MTRAIN_PIECES_BLOCK", "8192"))
 DEFAULT_WARPS = int(os.environ.get("MTRAIN_PIECES_WARPS", "8"))
+# Tuning knob for benchmarks: force the tile width instead of tiling.choose_block_c's pick (0 = choose).
+FORCED_BLOCK_C = int(os.environ.get("MTRAIN_PIECES_BLOCK_C", "0")) or None
 MAX_SLOTS = 3
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -157,7 +159,7 @@ def _device_tiles(table: PieceTable, device: torch.device, block: int) -> tuple[
     cache = table.derived()
     key = ("tiles", str(device), block)
     if key not in cache:
-        plan = plan_tiles(table.numpy(), block)
+        plan = plan_tiles(table.numpy(), block, FORCED_BLOCK_C)
         tiles = torch.from_numpy(plan.tiles).to(device)
         if tiles.is_cuda:  # built once per plan; make it visible to launches on any stream
             torch.cuda.current_stream(device).synchronize()

@@ -41,10 +41,7 @@ class PullJob:
     rows: np.ndarray
     sources: list[torch.Tensor]
     sources_key: str
-
-    @property
-    def numel(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape in self.targets)
+    nbytes: int  # bytes the engine writes (float32-only weights at 4 bytes, the rest at the sync dtype's size)
 
 
 def _key(p: Piece) -> Key:
@@ -71,7 +68,7 @@ class PullPlan:
         self.recv_bufs = {k: torch.empty(n, dtype=torch.float32 if k[1] else executor.dtype, device=executor.device)
                           for k, n in sorted(sizes.items())}
         self.dst_ranks = sorted({k[0] for b in self.buckets for k in b.keys if executor.owner(k[0]) == executor.rank})
-        self._tables: dict[tuple[int, int], tuple[list, np.ndarray]] = {}
+        self._tables: dict[tuple[int, int], tuple[list, np.ndarray, int]] = {}
         self._src_cache: tuple | None = None
 
     def _recv_buffer(self, peer: int, numel: int, fp32: bool) -> torch.Tensor:
@@ -88,7 +85,7 @@ class PullPlan:
             srcs.append(buf)
         return srcs, index, recv_index
 
-    def _table(self, bi: int, dst_rank: int, index: dict[Key, int], recv_index: dict) -> tuple[list, np.ndarray]:
+    def _table(self, bi: int, dst_rank: int, index: dict[Key, int], recv_index: dict) -> tuple[list, np.ndarray, int]:
         cached = self._tables.get((bi, dst_rank))
         if cached is not None:
             return cached
@@ -115,7 +112,10 @@ class PullPlan:
                 row = piece_row(p, recv_index[(peer, bucket.fp32)], off, p.ncols, 0)
             rows.append(row + [target_of[_key(p)]])
         targets = [(k[2], self.ex.plan.dst_tensors[k].shape) for k in keys]
-        out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8))
+        itemsize = torch.empty((), dtype=self.ex.dtype).element_size()
+        nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else itemsize)
+                     for k, (_, shape) in zip(keys, targets))
+        out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8), nbytes)
         return out
 
     def jobs(self) -> Iterator[dict[int, PullJob]]:
@@ -131,8 +131,8 @@ class PullPlan:
                 if not any(k[0] == r for k in bucket.keys):
                     continue
                 srcs, index, recv_index = per_rank[r]
-                targets, rows = self._table(bi, r, index, recv_index)
-                out[r] = PullJob(f"{self.uid}/{bi}/{r}", targets, rows, srcs, skeys[r])
+                targets, rows, nbytes = self._table(bi, r, index, recv_index)
+                out[r] = PullJob(f"{self.uid}/{bi}/{r}", targets, rows, srcs, skeys[r], nbytes)
             if self.ex.device.type == "cuda":
                 # Another process reads these tensors next: the optimizer's and the receives' writes must be done.
                 torch.cuda.current_stream(self.ex.device).synchronize()

@@ -83,14 +83,14 @@ class WeightSync:
 
     def _sync_pull(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        n_elems = 0
+        n_bytes = 0
         error, finished = None, False
         last = len(self.pull.buckets) - 1
         # The last engine call also finishes the sync. No look-ahead: requesting the next bucket would overwrite
         # the receive buffers the engine is about to read.
         for i, jobs in enumerate(self.pull.jobs()):
             if self.rank == self.leader and error is None:
-                n_elems += sum(j.numel for j in jobs.values())
+                n_bytes += sum(j.nbytes for j in jobs.values())
                 try:
                     self.engine.pull_weights([jobs.get(r) for r in range(self.tp)], version=version if i == last else None)
                     finished = i == last
@@ -102,5 +102,4 @@ class WeightSync:
             except Exception as e:  # noqa: BLE001
                 error = e
         broadcast_result(error, self.leader)
-        itemsize = torch.empty((), dtype=self.executor.dtype).element_size()
-        return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_elems * itemsize)}
+        return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_bytes)}

@@ -77,6 +77,8 @@ def test_pull_in_one_process_equals_sglang_slicing(arch, train):
         again = run_sync(pull, params, states, sender, engine_tp)
         assert all(n > 1 for n in first) and all(n == 1 for n in again)
         check(params, hf, cfg, engine_tp, engine_ep, range(engine_tp), torch.bfloat16)
+        written = sum(v.numel() * v.element_size() for p in params.values() for v in p.values())
+        assert sum(j.nbytes for b in pull.jobs() for j in b.values()) == written  # float32 weights at 4 bytes
     # A parameter given new memory (`.data = ...`, as an offload/reload would): the engine gets fresh sources.
     moved = next(k for k in mcore if k[2].endswith("linear_fc2.weight"))
     old = mcore[moved].data

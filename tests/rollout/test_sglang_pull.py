@@ -42,7 +42,7 @@ def _job(src_a: torch.Tensor, src_b: torch.Tensor, key="plan1/0/0") -> PullJob:
     ]
     targets = [(QKV, (16, 8)), (W13 + "@1:3", (2, 6, 8)), (BIAS, (4,)), (KVB, (6, 4))]
     srcs = [src_a, src_b]
-    return PullJob(key, targets, np.asarray(rows, dtype=np.int64), srcs, "plan1:" + "s" * 16)
+    return PullJob(key, targets, np.asarray(rows, dtype=np.int64), srcs, "plan1:" + "s" * 16, nbytes=(128 + 96 + 24) * 2 + 16)
 
 
 def _sources():
