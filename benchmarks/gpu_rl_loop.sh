@@ -2,7 +2,8 @@
 # The GRPO loop on one GPU with the real SGLang engine (colocated, direct weight sync every step), for a tiny
 # random Llama and the tiny DeepSeek-V3 (examples/deepseek_v3/tiny/gpu_config.json). Run from the repo root
 # on the GPU machine after `source benchmarks/gpu_setup.sh`; writes each run's log and metrics.jsonl to $OUT.
-# ENGINE=reference DTYPE=float32 runs the same plumbing on a CPU; SYNC_MODE=push|pull|auto picks the weight sync.
+# ENGINE=reference DTYPE=float32 runs the same plumbing on a CPU; SYNC_MODE=push|pull|auto picks the weight sync;
+# NPROC=2 EXTRA="parallel.tp=2 engine.tp=2" MODELS=llama: two training ranks and a TP2 engine on two GPUs.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-gpu-rl}
@@ -17,12 +18,13 @@ run() {  # name, init-tiny args...
     # Run outside the checkout: `python -m` puts the working directory first on sys.path, and the checkout's
     # mtrain/ lacks the mtrain.kernels / mtrain.converters mapping that the installed package has.
     (cd "$work" && python -m mtrain init-tiny --out "$work/$name/hf" "$@" >/dev/null &&
-     torchrun --nproc-per-node 1 -m mtrain train "$repo/mtrain/configs/tiny_llama_grpo.yaml" \
-        model.hf_path="$work/$name/hf" train.run_dir="$work/$name/run" $common > "$out/log_$name.txt" 2>&1)
+     torchrun --nproc-per-node "${NPROC:-1}" -m mtrain train "$repo/mtrain/configs/tiny_llama_grpo.yaml" \
+        model.hf_path="$work/$name/hf" train.run_dir="$work/$name/run" $common ${EXTRA:-} > "$out/log_$name.txt" 2>&1)
     echo "== $name: exit $?"
     grep -v -i "warn" "$out/log_$name.txt" | grep -B 12 -A 3 "Error" | head -n 60
     cp "$work/$name/run/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
 }
-run llama --arch llama --set hidden_size=256 head_dim=64 num_attention_heads=4 num_key_value_heads=2 \
+models=" ${MODELS:-llama dsv3} "
+[[ $models == *" llama "* ]] && run llama --arch llama --set hidden_size=256 head_dim=64 num_attention_heads=4 num_key_value_heads=2 \
     intermediate_size=512 vocab_size=128
-run dsv3 --config "$repo/examples/deepseek_v3/tiny/gpu_config.json"
+[[ $models == *" dsv3 "* ]] && run dsv3 --config "$repo/examples/deepseek_v3/tiny/gpu_config.json"
