@@ -175,8 +175,8 @@ class SyncConfig:
     bucket_mb: int = 512
     backend: Literal["auto", "triton", "torch"] = "auto"
     # push: the trainer packs buckets the engine's loader copies in; pull: the engine writes its parameters from
-    # the trainer's tensors in place (one pass, one engine call; SGLang engine with engine.tp == 1 for now);
-    # auto: pull where it applies. docs/design-resharding.md, "Pull mode".
+    # the trainer's tensors in place (one pass, one engine call; engine.tp == 1 for now); auto: pull where it
+    # applies. docs/design-resharding.md, "Pull mode".
     mode: Literal["auto", "pull", "push"] = "auto"
 
 
@@ -296,9 +296,9 @@ def validate(cfg: RunConfig) -> None:
         _check(has_eval, "train.eval_interval",
                "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
                "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
-    _check(cfg.sync.mode != "pull" or (e.kind != "reference" and e.tp == 1), "sync.mode",
-           "pull needs the SGLang engine with engine.tp=1: each engine rank reads its sources in place, so it must "
-           f"share the GPU of the process that owns it (got engine.kind={e.kind}, engine.tp={e.tp}); use push or auto")
+    _check(cfg.sync.mode != "pull" or e.tp == 1, "sync.mode",
+           "pull needs engine.tp=1: each engine rank reads its sources in place, so it must share the GPU of the "
+           f"process that owns it, and the leader owns every engine rank (got engine.tp={e.tp}); use push or auto")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
 

@@ -127,8 +127,7 @@ def test_algorithm_presets_fill_only_unset_knobs():
     (["train.eval_interval=5", "data.arithmetic.num_eval=0"], "there is no eval set"),
     (["reward.fn=nocolon"], "reward.fn: must look like 'module:function'"),
     (["data.arithmetic.ops=+/"], "data.arithmetic.ops: must be a non-empty string"),
-    (["sync.mode=pull", "engine.tp=2"], "sync.mode: pull needs the SGLang engine with engine.tp=1"),
-    (["sync.mode=pull", "engine.kind=reference"], "sync.mode: pull needs the SGLang engine"),
+    (["sync.mode=pull", "engine.tp=2"], "sync.mode: pull needs engine.tp=1"),
 ])
 def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -163,8 +162,10 @@ def test_check_files_finds_missing_model_and_data(tmp_path):
 
 def test_sync_mode_resolution():
     from mtrain.trainer.sync import sync_mode
-    assert sync_mode("auto", "sglang", 1) == "pull"
-    assert sync_mode("auto", "sglang", 2) == "push" and sync_mode("auto", "hf", 1) == "push"
+    assert sync_mode("auto", "sglang", 1) == "pull" and sync_mode("auto", "hf", 1) == "pull"
+    assert sync_mode("auto", "sglang", 2) == "push"
     assert sync_mode("push", "sglang", 1) == "push"
-    with pytest.raises(ConfigError, match="pull needs the SGLang engine with engine.tp=1 .this run: hf engine"):
-        sync_mode("pull", "hf", 1)  # engine.kind=auto on a machine without a GPU
+    with pytest.raises(ConfigError, match="pull needs engine.tp=1 .the sglang engine here has tp=4"):
+        sync_mode("pull", "sglang", 4)
+    with pytest.raises(ConfigError, match="must be auto, pull or push"):
+        sync_mode("both", "hf", 1)

@@ -135,6 +135,12 @@ class RolloutEngine(abc.ABC):
     def finish_weight_update(self, version: int) -> None:
         """Called after the last bucket: the new weights are complete; bumps weight_version to `version`."""
 
+    def pull_weights(self, jobs: list, version: int | None = None) -> None:
+        """Pull mode (`mtrain.reshard.pull`): jobs[r] (a PullJob, or None) tells engine rank r which trainer
+        tensors to read and how to write its parameters from them; the engine writes them itself. With
+        `version` the call also closes the sync, as finish_weight_update does."""
+        raise EngineError(f"{type(self).__name__} does not support pull mode; use sync.mode=push")
+
     @abc.abstractmethod
     def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
         """Free the memory of `tags` ("weights", "kv_cache") so training can use it (colocated mode)."""

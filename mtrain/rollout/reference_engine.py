@@ -114,6 +114,7 @@ class ReferenceEngine(RolloutEngine):
         self._version = 0
         self._stale: set[str] = set()  # names not written since weights were resumed
         self._sync_open = False  # update_weights called, finish_weight_update not yet
+        self._pull = None  # (sglang_pull.PullSender, PullState) once pull mode is used
         self._released: set[str] = set()
         self._shut = False
         self._model_lock = threading.Lock()  # one generate / update / release at a time
@@ -177,6 +178,33 @@ class ReferenceEngine(RolloutEngine):
                     self._views[name].copy_(tensor)
             self._stale -= seen
             self._sync_open = True
+
+    def pull_weights(self, jobs: list, version: int | None = None) -> None:
+        """Pull mode: the same engine-side code SGLang's loader runs (`sglang_pull.run_pull`), on this engine's
+        HF-layout parameters, in-process (no IPC). Casts like the kernel does (fp32/bf16/fp16)."""
+        from mtrain.rollout.sglang_loader import LoaderError
+        from mtrain.rollout.sglang_pull import PullSender, PullState, run_pull
+
+        self._check_alive("pull_weights")
+        if not isinstance(jobs, (list, tuple)) or len(jobs) != 1:
+            raise EngineError(f"pull_weights: the reference engine has tp_size=1, expected 1 job, got {jobs!r:.60}")
+        if self._pull is None:
+            self._pull = (PullSender(1), PullState())
+        sender, state = self._pull
+        with self._model_lock:
+            if "weights" in self._released:
+                raise EngineError("pull_weights: weights are released; call resume_memory(('weights',)) first")
+            if jobs[0] is not None:
+                try:
+                    names, _ = run_pull(self._views, sender.payload(0, jobs[0], False, torch.empty(0)), state)
+                except LoaderError as e:
+                    sender.forget()
+                    raise EngineError(f"pull_weights: {e}") from None
+                sender.confirm(0, jobs[0])
+                self._stale -= set(names)
+                self._sync_open = True
+        if version is not None:
+            self.finish_weight_update(version)
 
     def _check_tensor(self, name: str, tensor: Any, seen: set[str]) -> None:
         if name not in self._views:

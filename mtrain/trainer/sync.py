@@ -5,7 +5,7 @@ executor; the engine's leader process owns every destination rank. Two modes (do
 push -- the leader assembles each bucket and hands it to the engine, whose loader copies it in; pull -- the
 leader hands the engine views of its own tensors (and of what other ranks sent it) and a table, and the engine
 writes its parameters itself (`mtrain.reshard.pull`). The engine's layout is SGLang's for the SGLang engine and
-HF's for the CPU reference engine (push only).
+HF's for the CPU reference engine.
 """
 from __future__ import annotations
 
@@ -29,16 +29,15 @@ def engine_layout(kind: str, tp: int, ep: int = 1):
 
 
 def sync_mode(mode: str, engine_kind: str, engine_tp: int) -> str:
-    """Resolve sync.mode: pull needs the SGLang engine on the leader's GPU (engine TP 1: the leader owns every
-    engine rank, and an engine rank reads its sources in place)."""
-    pull_ok = engine_kind == "sglang" and engine_tp == 1
-    if mode == "auto":
-        return "pull" if pull_ok else "push"
-    if mode == "pull" and not pull_ok:
-        raise ConfigError(f"sync.mode: pull needs the SGLang engine with engine.tp=1 (this run: {engine_kind} "
-                          f"engine, tp={engine_tp}); use push or auto")
-    if mode not in ("pull", "push"):
+    """Resolve sync.mode: pull needs every engine rank on the GPU of the process that owns it, and the leader owns
+    every engine rank, so pull means engine TP 1 (both engines implement it; the reference engine in-process)."""
+    if mode not in ("auto", "pull", "push"):
         raise ConfigError(f"sync.mode must be auto, pull or push, got {mode!r}")
+    if mode == "auto":
+        return "pull" if engine_tp == 1 else "push"
+    if mode == "pull" and engine_tp != 1:
+        raise ConfigError(f"sync.mode: pull needs engine.tp=1 (the {engine_kind} engine here has tp={engine_tp}); "
+                          "use push or auto")
     return mode
 
 

@@ -217,6 +217,28 @@ def test_update_weights_errors(saved):
     assert torch.equal(casting._views[name], torch.ones(32, 32))
 
 
+def test_pull_weights_writes_and_refuses_bad_jobs(saved):
+    from mtrain.reshard.pull import PullJob
+    _, path = saved("qwen3_moe")
+    engine = ReferenceEngine.from_pretrained(path)
+    name = "model.layers.0.self_attn.q_proj.weight"  # [32, 32] float32
+    src = torch.randn(1024)
+    rows = np.asarray([[0, 0, 0, 0, 0, 1, 1024, 0]], dtype=np.int64)
+    engine.pull_weights([PullJob("p/0/0", [(name, (32, 32))], rows, [src], "p:s", 4096)], version=7)
+    assert torch.equal(engine._views[name], src.view(32, 32)) and engine.weight_version == 7
+    before = engine._views[name].clone()
+    bad = PullJob("p/1/0", [(name, (16, 64))], rows, [src * 2], "p:t", 4096)
+    with pytest.raises(EngineError, match=r"pull_weights: pull: .*plan has shape \(16, 64\), the engine's parameter "
+                                          r"\(32, 32\)"):
+        engine.pull_weights([bad])
+    assert torch.equal(engine._views[name], before) and engine.weight_version == 7
+    with pytest.raises(EngineError, match="expected 1 job"):
+        engine.pull_weights([None, None])
+    engine.release_memory(("weights",))
+    with pytest.raises(EngineError, match="weights are released"):
+        engine.pull_weights([None], version=8)
+
+
 def test_request_errors(saved):
     _, path = saved("llama")
     engine = ReferenceEngine.from_pretrained(path)
