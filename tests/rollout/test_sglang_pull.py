@@ -10,7 +10,7 @@ import torch
 from mtrain.reshard.pull import PullJob
 from mtrain.rollout import sglang_loader as L
 from mtrain.rollout import sglang_pull as P
-from test_sglang_pure import TinySGLangLikeModel
+from test_sglang_pure import TinySGLangLikeModel, status_dir  # noqa: F401 -- a fixture
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # [16, 8] bf16
 W13 = "model.layers.1.mlp.experts.w13_weight"  # [4, 6, 8] bf16
@@ -19,14 +19,10 @@ KVB = "model.layers.1.self_attn.kv_b_proj.weight"  # [6, 4] bf16
 
 
 @pytest.fixture
-def status_dir(tmp_path, monkeypatch):
-    d = tmp_path / "status"
-    d.mkdir()
-    monkeypatch.setenv(L.STATUS_DIR_ENV, str(d))
-    L._touched_since_finish.clear()
-    P.STATE.__init__()  # a fresh scheduler process
-    yield str(d)
-    L._touched_since_finish.clear()
+def pull_dir(status_dir):
+    """The loader's status dir (test_sglang_pure's fixture) and a fresh pull state: a new scheduler process."""
+    P.STATE.__init__()
+    yield status_dir
     P.STATE.__init__()
 
 
@@ -59,7 +55,7 @@ def _check_written(m, a, b):
     assert not p[KVB].any()
 
 
-def test_pull_writes_then_reuses_cached_sources_and_table(status_dir):
+def test_pull_writes_then_reuses_cached_sources_and_table(pull_dir):
     m = TinySGLangLikeModel()
     torch.nn.init.ones_(m.model.layers[1].self_attn.kv_b_proj.weight)
     a, b = _sources()
@@ -68,7 +64,7 @@ def test_pull_writes_then_reuses_cached_sources_and_table(status_dir):
     first = sender.payload(0, job, finish=False, marker=torch.empty(0))
     assert len(first) == 3 and "targets" in first[0][0]
     L.load_direct(m, first)
-    assert L.collect_errors(status_dir) == []
+    assert L.collect_errors(pull_dir) == []
     sender.confirm(0, job)
     _check_written(m, a, b)
     # Next sync: the trainer changed its tensors in place; only the spec travels, the engine reads them again.
@@ -78,7 +74,7 @@ def test_pull_writes_then_reuses_cached_sources_and_table(status_dir):
     assert len(second) == 1 and "targets" not in second[0][0] and json.loads(
         second[0][0][len(P.PULL_PREFIX):])["n_sources"] == 0
     L.load_direct(m, second)
-    assert L.collect_errors(status_dir) == []
+    assert L.collect_errors(pull_dir) == []
     _check_written(m, a, b)
     assert m.hook_calls == [[KVB]]  # finish ran DeepSeek's post-load hook on the touched kv_b_proj
     assert L._touched_since_finish == set()
@@ -117,17 +113,17 @@ BAD = [
 
 
 @pytest.mark.parametrize("make, message", BAD, ids=[m for _, m in BAD])
-def test_bad_pull_is_reported_and_nothing_is_written(status_dir, make, message):
+def test_bad_pull_is_reported_and_nothing_is_written(pull_dir, make, message):
     m = TinySGLangLikeModel()
     a, b = _sources()
     good = _job(a.clone(), b.clone(), key="plan1/0/0")
     sender = P.PullSender(1)
     L.load_direct(m, sender.payload(0, good, False, torch.empty(0)))
-    assert L.collect_errors(status_dir) == []
+    assert L.collect_errors(pull_dir) == []
     before = {k: v.clone() for k, v in m.named_parameters()}
     held = (P.STATE.sources_key, list(P.STATE.tables))
     L.load_direct(m, make(a * 3, b * 3))  # must not raise (a raise in the scheduler kills the trainer)
-    errors = L.collect_errors(status_dir)
+    errors = L.collect_errors(pull_dir)
     assert len(errors) == 1 and "LoaderError" in errors[0], errors
     assert re.search(message, errors[0]), errors[0]
     assert all(torch.equal(before[k], v) for k, v in m.named_parameters())
