@@ -123,6 +123,7 @@ class Executor:
         self.buckets = make_buckets(plan, bucket_bytes, torch.empty((), dtype=dtype).element_size())
         self._tables: dict = {}
         self._bufs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._moves: dict[int, tuple[Bucket, dict, dict]] = {}  # id(bucket) -> (bucket, send, recv)
 
     def owner(self, dst_rank: int) -> int:
         return self.plan.owner.get(dst_rank, dst_rank)
@@ -135,7 +136,11 @@ class Executor:
 
     def transfers(self, bucket: Bucket) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]]]:
         """(pieces I send, per peer; pieces I receive, per peer), each list in bucket order: a receive buffer
-        holds its peer's pieces packed back to back in that order."""
+        holds its peer's pieces packed back to back in that order. Depends on the plan only: computed once per
+        bucket (the bucket is kept with the result, so its id cannot be reused while cached)."""
+        hit = self._moves.get(id(bucket))
+        if hit is not None:
+            return hit[1], hit[2]
         send: dict[int, list[Piece]] = defaultdict(list)
         recv: dict[int, list[Piece]] = defaultdict(list)
         for p in bucket.pieces:
@@ -148,6 +153,7 @@ class Executor:
                 send[o].append(p)
             elif o == self.rank:
                 recv[s].append(p)
+        self._moves[id(bucket)] = (bucket, send, recv)
         return send, recv
 
     def _exchange(self, bucket: Bucket, recv_buffer: Callable[[int, int, bool], torch.Tensor] | None = None

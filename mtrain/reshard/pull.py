@@ -112,8 +112,7 @@ class PullPlan:
                 row = piece_row(p, recv_index[(peer, bucket.fp32)], off, p.ncols, 0)
             rows.append(row + [target_of[_key(p)]])
         targets = [(k[2], self.ex.plan.dst_tensors[k].shape) for k in keys]
-        itemsize = torch.empty((), dtype=self.ex.dtype).element_size()
-        nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else itemsize)
+        nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else self.ex.dtype.itemsize)
                      for k, (_, shape) in zip(keys, targets))
         out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8), nbytes)
         return out

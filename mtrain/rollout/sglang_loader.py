@@ -92,6 +92,31 @@ def unknown_param(name: str, params: Mapping[str, torch.Tensor]) -> LoaderError:
     return LoaderError(f"engine has no parameter {name!r} ({len(params)} parameters){hint}")
 
 
+def target_view(params: Mapping[str, torch.Tensor], name: str) -> tuple[Target, torch.Tensor, tuple[int, int]]:
+    """The part of a parameter `name` addresses ('p', or rows 'p@a:b'): (target, view, row span).
+    Raises LoaderError for a bad name, an unknown parameter or rows out of range."""
+    target = parse_target(name)
+    param = params.get(target.param)
+    if param is None:
+        raise unknown_param(target.param, params)
+    rows = param.shape[0] if param.dim() > 0 else 1
+    if target.start is None:
+        return target, param.data, (0, rows)
+    if param.dim() == 0:
+        raise LoaderError(f"{name}: row range on a 0-d parameter {target.param}")
+    if target.stop > rows:
+        raise LoaderError(f"{name}: rows [{target.start}, {target.stop}) out of range for "
+                          f"{target.param} with {rows} rows (shape {tuple(param.shape)})")
+    return target, param.data[target.start:target.stop], (target.start, target.stop)
+
+
+def synchronize(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for the work queued on the GPUs these tensors live on. The loaders' sources are the trainer's memory
+    (CUDA IPC): the trainer may change it as soon as the call returns, so the copies must have run by then."""
+    for d in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
 def plan_copies(
     params: Mapping[str, torch.Tensor], named_tensors: Sequence[tuple[str, Any]]
 ) -> list[tuple[Target, torch.Tensor, torch.Tensor]]:
@@ -106,22 +131,9 @@ def plan_copies(
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
             raise LoaderError(f"bucket entries must be (name, tensor) pairs, got {type(entry).__name__}")
         name, tensor = entry
-        target = parse_target(name)
+        target, dst, span = target_view(params, name)
         if not isinstance(tensor, torch.Tensor):
             raise LoaderError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        param = params.get(target.param)
-        if param is None:
-            raise unknown_param(target.param, params)
-        rows = param.shape[0] if param.dim() > 0 else 1
-        if target.start is None:
-            dst, span = param.data, (0, rows)
-        else:
-            if param.dim() == 0:
-                raise LoaderError(f"{name}: row range on a 0-d parameter {target.param}")
-            if target.stop > rows:
-                raise LoaderError(f"{name}: rows [{target.start}, {target.stop}) out of range for "
-                                  f"{target.param} with {rows} rows (shape {tuple(param.shape)})")
-            dst, span = param.data[target.start:target.stop], (target.start, target.stop)
         if tuple(tensor.shape) != tuple(dst.shape):
             raise LoaderError(f"{name}: shape {tuple(tensor.shape)} does not match {target.param}"
                               f"{'' if target.start is None else f'[{target.start}:{target.stop}]'} "
@@ -141,11 +153,7 @@ def plan_copies(
 def apply_copies(plan: Sequence[tuple[Target, torch.Tensor, torch.Tensor]]) -> None:
     for _, dst, src in plan:
         dst.copy_(src, non_blocking=True)
-    # The sources are the trainer's bucket buffers (CUDA IPC): the trainer may overwrite them as soon as the
-    # call returns, so the copies must have run by then.
-    devices = {dst.device for _, dst, _ in plan if dst.device.type == "cuda"}
-    for d in devices:
-        torch.cuda.synchronize(d)
+    synchronize([dst for _, dst, _ in plan])  # the sources are the trainer's reused bucket buffers
 
 
 def post_load_kwargs(hook: Any, touched: Sequence[str]) -> dict | None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mtrain.kernels import PieceTableError, ScatterTable, execute_scatter
-from mtrain.rollout.sglang_loader import LoaderError, parse_target, unknown_param
+from mtrain.rollout.sglang_loader import LoaderError, synchronize, target_view
 
 PULL_PREFIX = "__mtrain_pull__"
 SOURCE_NAME = "__mtrain_src__"
@@ -73,13 +73,7 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
     for entry in targets:
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
             raise LoaderError(f"pull: bad target entry {entry!r}: expected [name, shape]")
-        target = parse_target(entry[0])
-        param = params.get(target.param)
-        if param is None:
-            raise unknown_param(target.param, params)
-        if target.start is not None and (param.dim() == 0 or target.stop > param.shape[0]):
-            raise LoaderError(f"pull: {entry[0]}: rows out of range for {target.param} of shape {tuple(param.shape)}")
-        view = param.data if target.start is None else param.data[target.start:target.stop]
+        target, view, _ = target_view(params, entry[0])
         if list(view.shape) != entry[1]:
             raise LoaderError(f"pull: {entry[0]}: the trainer's plan has shape {tuple(entry[1])}, the engine's parameter "
                         f"{tuple(view.shape)} (different model config or engine TP/EP?)")
@@ -128,8 +122,7 @@ def run_pull(params: Mapping[str, torch.Tensor], named_tensors: Sequence[tuple[s
         execute_scatter(dsts, sources, table)
     except PieceTableError as e:
         raise LoaderError(f"pull: table {spec['table']!r} does not fit: {e}") from None
-    for d in {t.device for t in dsts if t.device.type == "cuda"}:
-        torch.cuda.synchronize(d)  # the trainer may change its tensors once the call returns
+    synchronize(dsts)  # the trainer may change its tensors once the call returns
     # Kept only after a clean run: a bad table or source set never replaces good ones.
     state.sources_key, state.sources = spec["sources"], sources
     plan = spec["table"].split("/", 1)[0]
