@@ -8,6 +8,7 @@ CI run the whole RL loop on CPU with the reference engine and the GPU run it wit
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -121,6 +122,20 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Generate every request; returns completions in the same order as `requests`."""
+
+    @abc.abstractmethod
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """Queue one request and return at once: a future of its Completion. Thread-safe, callable from any
+        thread or event loop (`mtrain.rollout.client.LocalClient` awaits it); concurrent requests are batched by
+        the engine. A request the engine refuses fails its own future only."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Hold new and queued requests until resume(); running ones go on (abort them to stop them)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Let held requests run again."""
 
     @abc.abstractmethod
     def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:

@@ -8,10 +8,12 @@ substitute for SGLang on GPU.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
 import glob
 import os
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
+from mtrain.rollout.batcher import Batcher
 from mtrain.rollout.protocol import MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams
 
 
@@ -95,8 +98,10 @@ class ReferenceEngine(RolloutEngine):
     tp_size = 1
 
     def __init__(self, config: dict[str, Any] | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
-                 init_seed: int = 0, allow_dtype_cast: bool = False) -> None:
+                 init_seed: int = 0, allow_dtype_cast: bool = False, decode_delay_s: float = 0.0) -> None:
+        """decode_delay_s: sleep this long per decoding step (a test hook: a slow engine in a pool)."""
         self._config = as_hf_config(config)
+        self._decode_delay_s = float(decode_delay_s)
         with torch.random.fork_rng(devices=[]):  # random init must not disturb the caller's RNG stream
             torch.manual_seed(init_seed)
             # eager attention and experts: the plainest paths, identical math for any batch composition
@@ -121,6 +126,7 @@ class ReferenceEngine(RolloutEngine):
         self._abort_lock = threading.Lock()
         self._progress: dict[str, int] = {}  # in-flight rid -> tokens generated so far
         self._aborted: set[str] = set()
+        self._batcher: Batcher | None = None  # started by the first submit()
 
     @classmethod
     def from_pretrained(cls, hf_dir: str, **kwargs: Any) -> "ReferenceEngine":
@@ -288,6 +294,8 @@ class ReferenceEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._shut:
             return
+        if self._batcher is not None:
+            self._batcher.close("the engine was shut down")
         self.abort(None)
         with self._model_lock:
             self._shut = True
@@ -301,8 +309,36 @@ class ReferenceEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
     def abort(self, rid_prefix: str | None = None) -> None:
+        if self._batcher is not None:
+            self._batcher.abort_queued(rid_prefix)
         with self._abort_lock:
             self._aborted.update(r for r in self._progress if rid_prefix is None or r.startswith(rid_prefix))
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """One request, batched with whatever else is queued when the model is free (`Batcher`)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._check_alive("submit")
+            self._check_request(request)
+        except EngineError as e:  # refused on its own: other requests are not affected
+            fut.set_exception(e)
+            return fut
+        return self._requests().submit(request)
+
+    def _requests(self) -> Batcher:
+        with self._abort_lock:
+            if self._batcher is None:
+                self._batcher = Batcher(self.generate, name="mtrain-reference-engine")
+            return self._batcher
+
+    def pause(self) -> None:
+        self._check_alive("pause")
+        self._requests().pause()
+
+    def resume(self) -> None:
+        self._check_alive("resume")
+        if self._batcher is not None:
+            self._batcher.resume()
 
     def active_requests(self) -> dict[str, int]:
         """In-flight rid -> tokens generated so far (queued requests show 0)."""
@@ -415,6 +451,8 @@ class ReferenceEngine(RolloutEngine):
             with self._abort_lock:
                 for i in alive:
                     self._progress[reqs[i].rid] = len(outputs[i])
+            if self._decode_delay_s:
+                time.sleep(self._decode_delay_s)
             input_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
             positions = torch.tensor([[length]])
             length += 1
