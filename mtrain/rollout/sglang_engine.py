@@ -14,11 +14,18 @@ Facts this adapter relies on are in docs/sglang-layout.md (file:line in SGLang's
   output's meta_info; `finish_weight_update` sends it with a FINISH marker that runs the post-load hook;
 - a failing scheduler SIGQUITs this process and SGLang's handler SIGKILLs the whole process tree. The adapter
   replaces that handler so an engine death becomes an EngineError, and the loader never raises (it reports
-  through files in a status directory, sglang_loader.py).
+  through files in a status directory, sglang_loader.py);
+- `engine.loop` runs forever in a thread of its own ("mtrain-sglang-loop"): requests are submitted to it one by
+  one from any thread or event loop (`submit`), and weight/memory calls from the trainer's thread are run on it
+  and waited for (`_run`). SGLang's tokenizer manager binds to whichever loop first runs it
+  (utils/common.py:4529), so it is armed from that thread. Off the main thread SGLang installs no signal
+  handler; ours (installed from the main thread after start) marks the engine dead.
+Other process-wide effects of an in-process engine and how the trainer guards against each: docs/design-pool.md.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -28,6 +35,7 @@ import signal
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any, Awaitable, Mapping, Sequence
 
 import torch
@@ -39,7 +47,6 @@ from mtrain.rollout.protocol import (
     EngineError,
     Request,
     RolloutEngine,
-    SamplingParams,
 )
 from mtrain.rollout.sglang_loader import (
     DUMP_PARAMS,
@@ -49,143 +56,17 @@ from mtrain.rollout.sglang_loader import (
     STATUS_DIR_ENV,
     collect_errors,
 )
+from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine's public helpers
+    _marker_tensor,
+    completion_from_output,
+    engine_server_args,
+    serialize_bucket,
+    to_sglang_sampling,
+)
 
 logger = logging.getLogger(__name__)
 
 SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def _launch_sigquit_handler(signum: int, frame: Any) -> None:
-    """Replaces SGLang's launch-phase handler, which kills the whole process tree (engine.py:1649-1655).
-
-    Module-level so it pickles by name into the scheduler processes with the server args. A scheduler that
-    fails during start also makes `sglang.Engine(...)` raise, which becomes an EngineError.
-    """
-    logger.error("SGLang: a child process failed during engine start (SIGQUIT)")
-
-
-def engine_server_args(
-    model_path: str,
-    *,
-    tp_size: int,
-    mem_fraction_static: float,
-    base_gpu_id: int,
-    load_format: str,
-    random_seed: int,
-    deterministic: bool = False,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
-    args: dict[str, Any] = dict(
-        model_path=model_path,
-        tp_size=tp_size,
-        skip_tokenizer_init=True,  # token ids in, token ids out
-        enable_memory_saver=True,  # release/resume by tags
-        attention_backend="triton",
-        sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:267-269)
-        grammar_backend="none",
-        mem_fraction_static=mem_fraction_static,
-        cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
-        # Decode graph capture took 83 s of a 129 s start on the H200 (2026-11-29); tests and benchmarks turn it
-        # off, long runs turn it back on with server_args={"disable_cuda_graph": False}.
-        disable_cuda_graph=True,
-        load_format=load_format,
-        custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
-        # The direct loader writes w13_weight as [gate; up] in [E, 2I, H]: that is the triton runner's layout.
-        # flashinfer_trtllm ("auto" on Blackwell) stores [up; gate] re-blocked, triton_kernel transposes.
-        moe_runner_backend="triton",
-        # DeepSeek-V3 (256 routed + 1 shared expert) would fuse the shared expert into FusedMoE as expert 256
-        # on an H200; the layout tables keep it as mlp.shared_experts.* (deepseek_v2.py:2974-3044).
-        disable_shared_experts_fusion=True,
-        base_gpu_id=base_gpu_id,
-        weight_version="0",
-        random_seed=random_seed,
-        # Per-request sampling seeds only take effect with deterministic inference (batch-invariant kernels);
-        # without it sampling uses the global torch RNG (sampling_batch_info.py:118-132).
-        enable_deterministic_inference=deterministic,
-        custom_sigquit_handler=_launch_sigquit_handler,
-        log_level="error",
-    )
-    for k, v in (extra or {}).items():
-        if k == "custom_weight_loader":
-            args[k] = list(args[k]) + [x for x in v if x not in args[k]]
-        else:
-            args[k] = v
-    return args
-
-
-def _marker_tensor() -> torch.Tensor:
-    # SGLang's patched tensor reduction (patch_torch.py) only handles CUDA storages: a CPU tensor fails to
-    # serialize (seen on the H200, 2026-11-29). Control messages carry an empty CUDA tensor.
-    return torch.empty(0, device="cuda")
-
-
-def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
-    """Our SamplingParams as SGLang's sampling_params dict. Temperature 0 is SGLang's greedy too
-    (sampling_params.py:144-147: temperature 1, top_k 1, logprobs = log_softmax(logits)).
-
-    SGLang always stops at the model's EOS ids (config.json + generation_config.json) besides stop_token_ids;
-    `ignore_eos` turns off both (schedule_batch.py:1446-1457). So: no stop ids -> ignore_eos, only the length
-    limit stops (the protocol's meaning); with stop ids, EOS stops too -- put the EOS ids in stop_token_ids.
-    """
-    out: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "top_k": params.top_k,
-        "sampling_seed": seed,
-    }
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    else:
-        out["ignore_eos"] = True
-    return out
-
-
-def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
-    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
-    meta = out.get("meta_info", {})
-    output_ids = [int(t) for t in out.get("output_ids", [])]
-    entries = meta.get("output_token_logprobs") or []
-    logprobs = [float(e[0]) for e in entries]
-    if len(logprobs) != len(output_ids):
-        raise EngineError(f"request {req.rid!r}: SGLang returned {len(output_ids)} output ids but "
-                          f"{len(logprobs)} logprobs")
-    for i, e in enumerate(entries):
-        if int(e[1]) != output_ids[i]:
-            raise EngineError(f"request {req.rid!r}: logprob {i} is for token {e[1]}, output has {output_ids[i]}")
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind not in _FINISH:
-        raise EngineError(f"request {req.rid!r}: unexpected SGLang finish_reason {reason!r}")
-    version = meta.get("weight_version", default_version)
-    try:
-        version = int(version)
-    except (TypeError, ValueError):
-        raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
-    return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
-                      finish_reason=_FINISH[kind], weight_version=version)
-
-
-def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-    """One engine rank's bucket as the bytes SGLang deserializes (CUDA tensors travel as IPC handles).
-
-    Call it in the process that owns the tensors; the bytes can then be gathered to the process that owns
-    the engine (update_weights_serialized). The tensors must stay alive and unmodified until that call returns.
-    """
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    # Device by UUID instead of index, as SGLang's receiving side expects (utils/patch_torch.py:41-90).
-    monkey_patch_torch_reductions()
-    for entry in named_tensors:
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], torch.Tensor)):
-            raise EngineError(f"update_weights: entries must be (str, torch.Tensor), got {entry!r:.80}")
-    return MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in named_tensors])
-
-
 class SGLangEngine(RolloutEngine):
     """`sglang.Engine` in this process. One per process: it owns the process's SIGQUIT handler."""
 
@@ -217,7 +98,10 @@ class SGLangEngine(RolloutEngine):
         self._released: set[str] = set()
         self._pull = None  # sglang_pull.PullSender: what the engine ranks hold of pull mode's sources and tables
         self._inflight: dict[str, Request] = {}
-        self._task: asyncio.Task | None = None
+        self._aborted: set[str] = set()  # SGLang rids aborted before they reached the scheduler
+        self._tasks: set[concurrent.futures.Future] = set()  # everything submitted to engine.loop, for death
+        self._gate: asyncio.Event | None = None  # closed by pause(): requests wait before reaching SGLang
+        self._thread: threading.Thread | None = None
         self._dead: str | None = None
         self._engine = None
         self._seeds = random.Random(random_seed)
@@ -226,6 +110,7 @@ class SGLangEngine(RolloutEngine):
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
                                     deterministic=deterministic, extra=server_args)
         children_before = _child_pids()
+        logging_before = logging_state()
         with engine_environment(extra={STATUS_DIR_ENV: self._status_dir}):
             try:
                 self._engine = sglang.Engine(**kwargs)
@@ -234,21 +119,21 @@ class SGLangEngine(RolloutEngine):
                 shutil.rmtree(self._status_dir, ignore_errors=True)
                 raise EngineError(f"sglang.Engine failed to start for {model_path!r} (tp_size={tp_size}): "
                                   f"{type(e).__name__}: {e}") from e
-        self._engine.loop.run_until_complete(self._arm())
+        restore_logging(logging_before)  # SGLang's configure_logger resets the root logger (force=True)
+        loop = self._engine.loop
+        self._thread = threading.Thread(target=loop.run_forever, name="mtrain-sglang-loop", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._arm(), loop).result()
+        _LIVE.add(self)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, _on_sigquit)
 
     async def _arm(self) -> None:
-        """Start SGLang's output loop on engine.loop and own SIGQUIT from now on.
-
-        auto_create_handle_loop attaches to the *running* loop (utils/common.py:4529); called outside a running
-        loop it would build a second loop that never runs. It installs a SIGQUIT handler that SIGKILLs the
-        process tree (tokenizer_manager.py:2159-2167); ours turns an engine death into an EngineError.
-        """
-        tm = self._engine.tokenizer_manager
-        tm.auto_create_handle_loop()
-        if threading.current_thread() is threading.main_thread():
-            loop = asyncio.get_running_loop()
-            loop.remove_signal_handler(signal.SIGQUIT)
-            loop.add_signal_handler(signal.SIGQUIT, self._on_engine_death)
+        """Start SGLang's output loop on engine.loop (from its thread: auto_create_handle_loop attaches to the
+        *running* loop, utils/common.py:4529) and open the gate that `pause` closes."""
+        self._engine.tokenizer_manager.auto_create_handle_loop()
+        self._gate = asyncio.Event()
+        self._gate.set()
 
     def _on_engine_death(self) -> None:
         self._dead = ("an SGLang scheduler or detokenizer process died (SIGQUIT); its traceback is in the log "
@@ -256,32 +141,38 @@ class SGLangEngine(RolloutEngine):
         watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
         if watchdog is not None:
             watchdog.stop()  # it would keep re-sending SIGQUIT
-        if self._task is not None:
-            self._task.cancel()
+        loop = self._engine.loop
+        for task in list(self._tasks):
+            loop.call_soon_threadsafe(task.cancel)
 
     # -- plumbing ---------------------------------------------------------------------------------------
+    def _spawn(self, coro: Awaitable, what: str) -> concurrent.futures.Future:
+        """Schedule `coro` on engine.loop (its own thread); the future is cancelled if the engine dies."""
+        if self._dead is not None or self._engine is None:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise EngineError(f"SGLangEngine.{what}: {self._dead or 'the engine was shut down'}")
+        if threading.current_thread() is self._thread:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise EngineError(f"SGLangEngine.{what} called from engine.loop's own thread: it would wait on itself; "
+                              "await `submit` from a coroutine instead")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._engine.loop)
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
+        return fut
+
     def _run(self, coro: Awaitable, what: str) -> Any:
-        if self._dead is not None:
-            if asyncio.iscoroutine(coro):
-                coro.close()
-            raise EngineError(f"SGLangEngine.{what}: {self._dead}")
-        loop = self._engine.loop
-        if loop.is_running():
-            if asyncio.iscoroutine(coro):
-                coro.close()
-            raise EngineError(f"SGLangEngine.{what} called while engine.loop is running (from a coroutine or "
-                              "another thread during generate); call it from the thread that owns the engine")
-        self._task = loop.create_task(coro)
+        """Run `coro` on engine.loop and wait for it (weight, memory and batch calls from the trainer)."""
+        fut = self._spawn(coro, what)
         try:
-            return loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
+            return fut.result()
+        except concurrent.futures.CancelledError:
             raise EngineError(f"SGLangEngine.{what}: {self._dead or 'cancelled'}") from None
         except EngineError:
             raise
         except Exception as e:
             raise EngineError(f"SGLangEngine.{what} failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._task = None
 
     def _check_loader_errors(self, what: str) -> None:
         errors = collect_errors(self._status_dir)
@@ -316,16 +207,58 @@ class SGLangEngine(RolloutEngine):
         return [self._completion(r, o) for r, o in zip(requests, outs)]
 
     async def _generate_all(self, requests: list[Request], srids: list[str]) -> list[Any]:
-        async def one(req: Request, srid: str) -> Any:
-            seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
-            try:
-                return await self._engine.async_generate(
-                    input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                    return_logprob=True, rid=srid)
-            except self._aborted_error:
-                return None  # aborted before it reached the scheduler: no tokens
+        return await asyncio.gather(*(self._one(r, s) for r, s in zip(requests, srids)), return_exceptions=True)
 
-        return await asyncio.gather(*(one(r, s) for r, s in zip(requests, srids)), return_exceptions=True)
+    async def _one(self, req: Request, srid: str) -> Any:
+        await self._gate.wait()  # pause() holds requests here, before SGLang sees them
+        if srid in self._aborted:
+            return None
+        seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
+        try:
+            return await self._engine.async_generate(
+                input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
+                return_logprob=True, rid=srid)
+        except self._aborted_error:
+            return None  # aborted before it reached the scheduler: no tokens
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """One request onto engine.loop, where SGLang batches it with every other running request."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if not request.prompt_ids or not all(isinstance(t, int) and t >= 0 for t in request.prompt_ids):
+            out.set_exception(EngineError(f"request {request.rid!r}: prompt_ids must be a non-empty list of "
+                                          "token ids"))
+            return out
+        srid = uuid.uuid4().hex
+        self._inflight[srid] = request
+        try:
+            fut = self._spawn(self._one(request, srid), "submit")
+        except EngineError as e:
+            self._inflight.pop(srid, None)
+            out.set_exception(e)
+            return out
+
+        def done(f: concurrent.futures.Future) -> None:
+            self._inflight.pop(srid, None)
+            self._aborted.discard(srid)
+            try:
+                out.set_result(self._completion(request, f.result()))
+            except concurrent.futures.CancelledError:
+                out.set_exception(EngineError(f"request {request.rid!r}: {self._dead or 'cancelled'}"))
+            except Exception as e:  # noqa: BLE001 - delivered to the caller
+                out.set_exception(e if isinstance(e, EngineError) else EngineError(f"request {request.rid!r}: "
+                                                                                   f"{type(e).__name__}: {e}"))
+
+        fut.add_done_callback(done)
+        return out
+
+    def pause(self) -> None:
+        self._spawn(self._set_gate(False), "pause").result()
+
+    def resume(self) -> None:
+        self._spawn(self._set_gate(True), "resume").result()
+
+    async def _set_gate(self, open_: bool) -> None:
+        (self._gate.set if open_ else self._gate.clear)()
 
     def _completion(self, req: Request, out: Any) -> Completion:
         if out is None:
@@ -343,13 +276,10 @@ class SGLangEngine(RolloutEngine):
         def do() -> None:
             for srid, req in list(self._inflight.items()):
                 if rid_prefix is None or req.rid.startswith(rid_prefix):
+                    self._aborted.add(srid)  # one still held by pause() returns without reaching SGLang
                     self._engine.tokenizer_manager.abort_request(rid=srid)
 
-        loop = self._engine.loop
-        if loop.is_running():
-            loop.call_soon_threadsafe(do)
-        else:
-            do()
+        self._engine.loop.call_soon_threadsafe(do)
 
     # -- weights ----------------------------------------------------------------------------------------
     def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -487,12 +417,48 @@ class SGLangEngine(RolloutEngine):
         """Stop the engine. Note: SGLang's shutdown kills EVERY child process of this process
         (engine.py:1230, kill_process_tree(os.getpid(), include_parent=False)), not only its own."""
         if self._engine is not None:
+            loop = self._engine.loop
             try:
                 self._engine.shutdown()
             finally:
                 self._engine = None
                 self._dead = self._dead or "the engine was shut down"
+                _LIVE.discard(self)
+                for task in list(self._tasks):
+                    task.cancel()
+                loop.call_soon_threadsafe(loop.stop)
+                if self._thread is not None:
+                    self._thread.join(timeout=10)
                 shutil.rmtree(self._status_dir, ignore_errors=True)
+
+
+_LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
+
+
+def _on_sigquit(signum: int, frame: Any) -> None:
+    """A scheduler or detokenizer of some engine in this process died (SGLang signals its parent). We cannot
+    tell which engine: every live one is marked dead, and its waiting calls fail with EngineError."""
+    logger.error("SGLang: a child process died (SIGQUIT)")
+    for engine in list(_LIVE):
+        engine._on_engine_death()
+
+
+def logging_state() -> tuple:
+    root = logging.getLogger()
+    return root.level, list(root.handlers)
+
+
+def restore_logging(state: tuple) -> None:
+    """Undo SGLang's `logging.basicConfig(force=True, level=...)` on the trainer's root logger."""
+    root = logging.getLogger()
+    level, handlers = state
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 def _child_pids() -> set[int]:

@@ -1,0 +1,148 @@
+"""How mtrain's requests, settings and weight buckets are spelled for SGLang 0.5.17 (pure functions).
+
+Kept apart from `sglang_engine.py` (the engine's life cycle and threading) so they can be tested without a GPU.
+Facts with file:line are in docs/sglang-layout.md.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams
+from mtrain.rollout.sglang_loader import DUMP_PARAMS, LOAD_DIRECT
+
+logger = logging.getLogger("mtrain.rollout.sglang_engine")
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _launch_sigquit_handler(signum: int, frame: Any) -> None:
+    """Replaces SGLang's launch-phase handler, which kills the whole process tree (engine.py:1649-1655).
+
+    Module-level so it pickles by name into the scheduler processes with the server args. A scheduler that
+    fails during start also makes `sglang.Engine(...)` raise, which becomes an EngineError.
+    """
+    logger.error("SGLang: a child process failed during engine start (SIGQUIT)")
+
+
+def engine_server_args(
+    model_path: str,
+    *,
+    tp_size: int,
+    mem_fraction_static: float,
+    base_gpu_id: int,
+    load_format: str,
+    random_seed: int,
+    deterministic: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
+    args: dict[str, Any] = dict(
+        model_path=model_path,
+        tp_size=tp_size,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        enable_memory_saver=True,  # release/resume by tags
+        attention_backend="triton",
+        sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:267-269)
+        grammar_backend="none",
+        mem_fraction_static=mem_fraction_static,
+        cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
+        # Decode graph capture took 83 s of a 129 s start on the H200 (2026-11-29); tests and benchmarks turn it
+        # off, long runs turn it back on with server_args={"disable_cuda_graph": False}.
+        disable_cuda_graph=True,
+        load_format=load_format,
+        custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
+        # The direct loader writes w13_weight as [gate; up] in [E, 2I, H]: that is the triton runner's layout.
+        # flashinfer_trtllm ("auto" on Blackwell) stores [up; gate] re-blocked, triton_kernel transposes.
+        moe_runner_backend="triton",
+        # DeepSeek-V3 (256 routed + 1 shared expert) would fuse the shared expert into FusedMoE as expert 256
+        # on an H200; the layout tables keep it as mlp.shared_experts.* (deepseek_v2.py:2974-3044).
+        disable_shared_experts_fusion=True,
+        base_gpu_id=base_gpu_id,
+        weight_version="0",
+        random_seed=random_seed,
+        # Per-request sampling seeds only take effect with deterministic inference (batch-invariant kernels);
+        # without it sampling uses the global torch RNG (sampling_batch_info.py:118-132).
+        enable_deterministic_inference=deterministic,
+        custom_sigquit_handler=_launch_sigquit_handler,
+        log_level="error",
+    )
+    for k, v in (extra or {}).items():
+        if k == "custom_weight_loader":
+            args[k] = list(args[k]) + [x for x in v if x not in args[k]]
+        else:
+            args[k] = v
+    return args
+
+
+def _marker_tensor() -> torch.Tensor:
+    # SGLang's patched tensor reduction (patch_torch.py) only handles CUDA storages: a CPU tensor fails to
+    # serialize (seen on the H200, 2026-11-29). Control messages carry an empty CUDA tensor.
+    return torch.empty(0, device="cuda")
+
+
+def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
+    """Our SamplingParams as SGLang's sampling_params dict. Temperature 0 is SGLang's greedy too
+    (sampling_params.py:144-147: temperature 1, top_k 1, logprobs = log_softmax(logits)).
+
+    SGLang always stops at the model's EOS ids (config.json + generation_config.json) besides stop_token_ids;
+    `ignore_eos` turns off both (schedule_batch.py:1446-1457). So: no stop ids -> ignore_eos, only the length
+    limit stops (the protocol's meaning); with stop ids, EOS stops too -- put the EOS ids in stop_token_ids.
+    """
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": params.top_k,
+        "sampling_seed": seed,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    else:
+        out["ignore_eos"] = True
+    return out
+
+
+def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
+    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
+    meta = out.get("meta_info", {})
+    output_ids = [int(t) for t in out.get("output_ids", [])]
+    entries = meta.get("output_token_logprobs") or []
+    logprobs = [float(e[0]) for e in entries]
+    if len(logprobs) != len(output_ids):
+        raise EngineError(f"request {req.rid!r}: SGLang returned {len(output_ids)} output ids but "
+                          f"{len(logprobs)} logprobs")
+    for i, e in enumerate(entries):
+        if int(e[1]) != output_ids[i]:
+            raise EngineError(f"request {req.rid!r}: logprob {i} is for token {e[1]}, output has {output_ids[i]}")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in _FINISH:
+        raise EngineError(f"request {req.rid!r}: unexpected SGLang finish_reason {reason!r}")
+    version = meta.get("weight_version", default_version)
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
+    return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
+                      finish_reason=_FINISH[kind], weight_version=version)
+
+
+def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """One engine rank's bucket as the bytes SGLang deserializes (CUDA tensors travel as IPC handles).
+
+    Call it in the process that owns the tensors; the bytes can then be gathered to the process that owns
+    the engine (update_weights_serialized). The tensors must stay alive and unmodified until that call returns.
+    """
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    # Device by UUID instead of index, as SGLang's receiving side expects (utils/patch_torch.py:41-90).
+    monkey_patch_torch_reductions()
+    for entry in named_tensors:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], torch.Tensor)):
+            raise EngineError(f"update_weights: entries must be (str, torch.Tensor), got {entry!r:.80}")
+    return MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in named_tensors])
