@@ -121,6 +121,7 @@ def main() -> int:
     from mtrain.reshard.placement import HFLayout, MegatronLayout
     from mtrain.reshard.planner import build_plan
     from mtrain.rollout.sglang_engine import SGLangEngine
+    from mtrain.rollout.groups import EngineGroups
     from mtrain.trainer.sync import WeightSync
 
     cfg = CONFIGS[args.model]
@@ -170,8 +171,8 @@ def main() -> int:
     reference = eng.weight_checksums()[0]["checksums"]
 
     def weight_sync(mode: str, bucket_mb: int):
-        return WeightSync(layout, chunks, eng, engine_kind="sglang", dtype=torch.bfloat16, bucket_bytes=bucket_mb << 20,
-                          backend="triton", device="cuda", mode=mode)
+        return WeightSync(layout, chunks, eng, groups=EngineGroups(1, 1, 1), engine_kind="sglang", dtype=torch.bfloat16,
+                          bucket_bytes=bucket_mb << 20, backend="triton", device="cuda", mode=mode)
 
     version = [0]
 

@@ -8,7 +8,7 @@ needs (docs/design-resharding.md). Per case and mode, two syncs (the second reus
 mode, the engine's held sources):
 - push: `Executor.stream` packs each owned engine rank's bucket with the compiled Triton kernel, slices from the
   other GPU arriving over NCCL;
-- pull: `PullPlan.jobs` + the engine-side loader code (`sglang_pull.run_pull`, compiled scatter kernel) writing
+- pull: `PullPlan.jobs` + the engine-side loader code (`pull_protocol.run_pull`, compiled scatter kernel) writing
   CUDA parameter tensors in this process (SGLang itself is not started: the engine's IPC hop is covered by
   bench_sync.py on one GPU).
 Without a GPU it runs the same checks with gloo and the torch executor. Every owned engine rank's tensors must equal `tests/reshard/sglang_reference.py` bit for bit. Prints one line per
@@ -32,7 +32,7 @@ from mtrain.reshard.executor import Executor  # noqa: E402
 from mtrain.reshard.placement import MegatronLayout, SGLangLayout  # noqa: E402
 from mtrain.reshard.planner import build_plan  # noqa: E402
 from mtrain.reshard.pull import PullPlan  # noqa: E402
-from mtrain.rollout import sglang_pull as P  # noqa: E402
+from mtrain.reshard import pull_protocol as P  # noqa: E402
 from mtrain.tiny_configs import tiny_config  # noqa: E402
 from sglang_reference import sglang_rank_params  # noqa: E402
 from test_plan_sglang import random_hf_state, to_megatron  # noqa: E402

@@ -42,7 +42,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None  # expert TP; None = same as tp
     cp: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None  # None: on with Transformer Engine and tp > 1 (the local norm refuses it)
     # megatron-core's uneven pipeline split (num_layers_in_first/last_pipeline_stage), e.g. 61 layers on pp 16
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
@@ -55,8 +55,9 @@ class EngineConfig:
     ep: int = 1  # SGLang expert parallelism inside the engine's TP group (MoE over ep x tp/ep)
     mem_fraction_static: float = 0.5
     attention_backend: str | None = None  # None = SGLang's choice
-    colocate: bool = True
-    offload_train: bool = True  # move grads/optimizer state to host while the engines generate
+    nnodes: int = 1  # nodes one SGLang engine spans (engine.tp = nnodes x ranks per node); docs/design-pool.md
+    colocate: bool = True  # engines release weights + KV cache while training runs, and take them back for rollout
+    offload_train: bool = False  # move grads/optimizer state to host while the engines generate (metrics: offload/*)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class RolloutConfig:
     top_k: int = -1  # -1 = off
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
     max_prompt_len: int = 256
+    max_groups_in_flight: int = 16  # per engine: GRPO groups it runs at once (claimed from the pool's shared queue)
 
 
 ALGO_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp")
@@ -243,7 +245,8 @@ def validate(cfg: RunConfig) -> None:
     p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
     _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
     _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
-              "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len",
+              "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
+              "rollout.max_groups_in_flight",
               "data.arithmetic.num_train", "data.arithmetic.max_operand", "train.micro_batch_size",
               "train.eval_samples", "sync.bucket_mb")
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
@@ -296,9 +299,6 @@ def validate(cfg: RunConfig) -> None:
         _check(has_eval, "train.eval_interval",
                "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
                "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
-    _check(cfg.sync.mode != "pull" or e.tp == 1, "sync.mode",
-           "pull needs engine.tp=1: each engine rank reads its sources in place, so it must share the GPU of the "
-           f"process that owns it, and the leader owns every engine rank (got engine.tp={e.tp}); use push or auto")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
 

@@ -127,7 +127,8 @@ def test_algorithm_presets_fill_only_unset_knobs():
     (["train.eval_interval=5", "data.arithmetic.num_eval=0"], "there is no eval set"),
     (["reward.fn=nocolon"], "reward.fn: must look like 'module:function'"),
     (["data.arithmetic.ops=+/"], "data.arithmetic.ops: must be a non-empty string"),
-    (["sync.mode=pull", "engine.tp=2"], "sync.mode: pull needs engine.tp=1"),
+    (["engine.nnodes=0"], "engine.nnodes: must be >= 1"),
+    (["rollout.max_groups_in_flight=0"], "rollout.max_groups_in_flight: must be >= 1"),
 ])
 def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -160,12 +161,28 @@ def test_check_files_finds_missing_model_and_data(tmp_path):
                     check_files=True)
 
 
-def test_sync_mode_resolution():
+def test_run_decisions():
+    """The machine-dependent decisions, made once (mtrain.trainer.decisions) for given cuda/te answers."""
+    from mtrain.trainer.decisions import decide
     from mtrain.trainer.sync import sync_mode
-    assert sync_mode("auto", "sglang", 1) == "pull" and sync_mode("auto", "hf", 1) == "pull"
-    assert sync_mode("auto", "sglang", 2) == "push"
-    assert sync_mode("push", "sglang", 1) == "push"
-    with pytest.raises(ConfigError, match="pull needs engine.tp=1 .the sglang engine here has tp=4"):
-        sync_mode("pull", "sglang", 4)
+
+    def cfg(*o):
+        return load_config(None, ["model.hf_path=x", "data.task=arithmetic", *o])
+
+    d = decide(cfg(), world_size=4, local_world_size=4, cuda=False, te=False)
+    assert (d.device, d.engine_kind, d.engine_layout, d.sync_mode) == ("cpu", "reference", "hf", "pull")
+    assert d.groups.count == 4 and d.colocate and not d.offload_train and not d.sequence_parallel
+    d = decide(cfg("engine.tp=2", "parallel.tp=2", "engine.offload_train=true"), world_size=8, local_world_size=8,
+               cuda=True, te=True)
+    assert (d.engine_kind, d.engine_layout, d.groups.count, d.sequence_parallel, d.offload_train) == \
+        ("sglang", "sglang", 4, True, True)
+    assert decide(cfg("sync.mode=push"), world_size=2, local_world_size=2, cuda=True, te=False).sync_mode == "push"
+    with pytest.raises(ConfigError, match="engine.tp / engine.nnodes: engine.tp=3 does not divide the 4 ranks"):
+        decide(cfg("engine.tp=3"), world_size=4, local_world_size=4, cuda=False, te=False)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: true needs Transformer Engine"):
+        decide(cfg("parallel.sequence_parallel=true", "parallel.tp=2"), world_size=2, local_world_size=2, cuda=True,
+               te=False)
+    with pytest.raises(ConfigError, match="engine.kind: sglang needs a GPU"):
+        decide(cfg("engine.kind=sglang"), world_size=1, local_world_size=1, cuda=False, te=False)
     with pytest.raises(ConfigError, match="must be auto, pull or push"):
-        sync_mode("both", "hf", 1)
+        sync_mode("both")

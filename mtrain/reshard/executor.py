@@ -128,7 +128,7 @@ class Executor:
     def owner(self, dst_rank: int) -> int:
         return self.plan.owner.get(dst_rank, dst_rank)
 
-    def _src_rank(self, p: Piece) -> int:
+    def src_rank(self, p: Piece) -> int:
         return self.owner(p.dst.rank) if self.everywhere else p.src.rank
 
     def _dtype(self, bucket: Bucket) -> torch.dtype:
@@ -146,7 +146,7 @@ class Executor:
         for p in bucket.pieces:
             if p.src is None:
                 continue
-            s, o = self._src_rank(p), self.owner(p.dst.rank)
+            s, o = self.src_rank(p), self.owner(p.dst.rank)
             if s == o:
                 continue
             if s == self.rank:
@@ -156,7 +156,7 @@ class Executor:
         self._moves[id(bucket)] = (bucket, send, recv)
         return send, recv
 
-    def _exchange(self, bucket: Bucket, recv_buffer: Callable[[int, int, bool], torch.Tensor] | None = None
+    def exchange(self, bucket: Bucket, recv_buffer: Callable[[int, int, bool], torch.Tensor] | None = None
                   ) -> dict[int, tuple[torch.Tensor, list[Piece]]]:
         """Send my pieces that others own; return per peer (received buffer, its pieces in order).
         recv_buffer(peer, numel, fp32) supplies the receive buffers (default: fresh ones)."""
@@ -179,7 +179,7 @@ class Executor:
             op.wait()
         return out
 
-    def _local_sources(self, pieces: list[Piece], in_place: bool = False) -> tuple[list[torch.Tensor], dict[Key, int]]:
+    def local_sources(self, pieces: list[Piece], in_place: bool = False) -> tuple[list[torch.Tensor], dict[Key, int]]:
         """This rank's source tensors the pieces read, flat, and their index by key. in_place: the tensors must
         be the parameters' own memory (another process reads them later), so a non-contiguous one is an error
         rather than a copy."""
@@ -199,7 +199,7 @@ class Executor:
         return srcs, index
 
     def _pack(self, buf: torch.Tensor, pieces: list[Piece], cache_key) -> None:
-        srcs, index = self._local_sources(pieces)
+        srcs, index = self.local_sources(pieces)
         table = self._tables.get(cache_key)
         if table is None:
             rows, off = [], 0
@@ -212,8 +212,8 @@ class Executor:
 
     def _fill(self, dst: torch.Tensor, dst_base: dict[Key, int], pieces: list[Piece],
               received: dict[int, tuple[torch.Tensor, list[Piece]]], cache_key=None) -> None:
-        local = [p for p in pieces if p.src is not None and self._src_rank(p) == self.rank]
-        srcs, index = self._local_sources(local)
+        local = [p for p in pieces if p.src is not None and self.src_rank(p) == self.rank]
+        srcs, index = self.local_sources(local)
         srcs += [buf for _, (buf, _) in sorted(received.items())]
         # The table depends only on the plan: build it once per destination buffer and reuse it every sync
         # (the kernel caches its validation and tiling on the PieceTable object).
@@ -230,7 +230,7 @@ class Executor:
         for p in pieces:
             if p.src is None:
                 rows.append(piece_row(p, -1, None, None, dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
-            elif self._src_rank(p) == self.rank:
+            elif self.src_rank(p) == self.rank:
                 rows.append(piece_row(p, index[(p.src.rank, p.src.chunk, p.src.name)], None, None,
                                       dst_base[(p.dst.rank, p.dst.chunk, p.dst.name)]))
         wanted = {id(p) for p in pieces}
@@ -246,7 +246,7 @@ class Executor:
     def write_into(self, destinations: Callable[[TensorRef], torch.Tensor]) -> None:
         """Write every destination tensor this process owns in place (converters, the reference engine)."""
         for bucket in self.buckets:
-            received = self._exchange(bucket)
+            received = self.exchange(bucket)
             mine = [k for k in bucket.keys if self.owner(k[0]) == self.rank]
             by_key: dict[Key, list[Piece]] = defaultdict(list)
             for p in bucket.pieces:
@@ -268,7 +268,7 @@ class Executor:
         views into it, valid until the next bucket is requested.
         """
         for bi, bucket in enumerate(self.buckets):
-            received = self._exchange(bucket)
+            received = self.exchange(bucket)
             out: dict[int, list[tuple[str, torch.Tensor]]] = {}
             by_rank: dict[int, list[Key]] = defaultdict(list)
             for k in bucket.keys:

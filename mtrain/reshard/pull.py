@@ -77,8 +77,8 @@ class PullPlan:
     def sources(self, dst_rank: int) -> tuple[list[torch.Tensor], dict[Key, int], dict[tuple[int, bool], int]]:
         """Flat source tensors of one engine rank: its local sources (in place), then every receive buffer."""
         local = [p for b in self.buckets for p in b.pieces
-                 if p.dst.rank == dst_rank and p.src is not None and self.ex._src_rank(p) == self.ex.rank]
-        srcs, index = self.ex._local_sources(local, in_place=True)
+                 if p.dst.rank == dst_rank and p.src is not None and self.ex.src_rank(p) == self.ex.rank]
+        srcs, index = self.ex.local_sources(local, in_place=True)
         recv_index = {}
         for k, buf in self.recv_bufs.items():
             recv_index[k] = len(srcs)
@@ -105,7 +105,7 @@ class PullPlan:
                 continue
             if p.src is None:
                 row = piece_row(p, -1, None, None, 0)
-            elif self.ex._src_rank(p) == self.ex.rank:
+            elif self.ex.src_rank(p) == self.ex.rank:
                 row = piece_row(p, index[(p.src.rank, p.src.chunk, p.src.name)], None, None, 0)
             else:
                 peer, off = remote[id(p)]
@@ -124,7 +124,7 @@ class PullPlan:
         per_rank, skeys = self._current_sources()
         for bi, bucket in enumerate(self.buckets):
             if self.exchanges:
-                self.ex._exchange(bucket, recv_buffer=self._recv_buffer)
+                self.ex.exchange(bucket, recv_buffer=self._recv_buffer)
             out = {}
             for r in self.dst_ranks:
                 if not any(k[0] == r for k in bucket.keys):

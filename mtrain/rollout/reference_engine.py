@@ -119,7 +119,7 @@ class ReferenceEngine(RolloutEngine):
         self._version = 0
         self._stale: set[str] = set()  # names not written since weights were resumed
         self._sync_open = False  # update_weights called, finish_weight_update not yet
-        self._pull = None  # (sglang_pull.PullSender, PullState) once pull mode is used
+        self._pull = None  # (pull_protocol.PullSender, PullState) once pull mode is used
         self._released: set[str] = set()
         self._shut = False
         self._model_lock = threading.Lock()  # one generate / update / release at a time
@@ -186,10 +186,10 @@ class ReferenceEngine(RolloutEngine):
             self._sync_open = True
 
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
-        """Pull mode: the same engine-side code SGLang's loader runs (`sglang_pull.run_pull`), on this engine's
+        """Pull mode: the same engine-side code SGLang's loader runs (`pull_protocol.run_pull`), on this engine's
         HF-layout parameters, in-process (no IPC). Casts like the kernel does (fp32/bf16/fp16)."""
         from mtrain.rollout.sglang_loader import LoaderError
-        from mtrain.rollout.sglang_pull import PullSender, PullState, run_pull
+        from mtrain.reshard.pull_protocol import PullSender, PullState, run_pull
 
         self._check_alive("pull_weights")
         if not isinstance(jobs, (list, tuple)) or len(jobs) != 1:

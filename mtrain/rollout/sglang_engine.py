@@ -96,7 +96,7 @@ class SGLangEngine(RolloutEngine):
         self.tp_size = int(tp_size)
         self._weight_version = 0
         self._released: set[str] = set()
-        self._pull = None  # sglang_pull.PullSender: what the engine ranks hold of pull mode's sources and tables
+        self._pull = None  # pull_protocol.PullSender: what the engine ranks hold of pull mode's sources and tables
         self._inflight: dict[str, Request] = {}
         self._aborted: set[str] = set()  # SGLang rids aborted before they reached the scheduler
         self._tasks: set[concurrent.futures.Future] = set()  # everything submitted to engine.loop, for death
@@ -306,7 +306,7 @@ class SGLangEngine(RolloutEngine):
         """One bucket in pull mode (`mtrain.reshard.pull`): every engine rank writes its parameters itself from
         the trainer's tensors (CUDA IPC, read in place). jobs[r] is rank r's PullJob, or None when the bucket
         has nothing for it. With `version` this call also ends the sync, as finish_weight_update does."""
-        from mtrain.rollout.sglang_pull import PullSender
+        from mtrain.reshard.pull_protocol import PullSender
 
         if len(jobs) != self.tp_size:
             raise EngineError(f"pull_weights: got jobs for {len(jobs)} ranks, engine tp_size is {self.tp_size}")
@@ -327,6 +327,18 @@ class SGLangEngine(RolloutEngine):
         for r, job in enumerate(jobs):
             if job is not None:
                 self._pull.confirm(r, job)
+        if finish:
+            self._weight_version = version
+
+    def pull_weights_serialized(self, payloads: list[bytes], version: int | None = None) -> None:
+        """One bucket in pull mode with owners spread over the engine's GPUs: payloads[r] is engine rank r's request,
+        serialized by the training rank on its GPU (`WeightSync._pull_spread`), which also tracks what that rank
+        holds. With `version` this call also ends the sync."""
+        finish = version is not None
+        if finish and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise EngineError(f"pull_weights_serialized: version must be an int >= 0, got {version!r}")
+        self._send_weights(list(payloads), LOAD_DIRECT, flush_cache=finish,
+                           weight_version=str(version) if finish else None, what="pull_weights")
         if finish:
             self._weight_version = version
 

@@ -287,10 +287,10 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_direct(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> None:
     """SGLang custom weight loader: copy per-rank shards into the parameters (see the module docstring)."""
     try:
-        from mtrain.rollout import sglang_pull  # imports this module: loaded on first use
+        from mtrain.reshard import pull_protocol  # imports this module: loaded on first use
 
-        if sglang_pull.is_pull(named_tensors):
-            names, finish = sglang_pull.run_pull(_params(model), named_tensors)
+        if pull_protocol.is_pull(named_tensors):
+            names, finish = pull_protocol.run_pull(_params(model), named_tensors)
             _touched_since_finish.update(names)
             if finish:
                 run_post_load_hooks(model, sorted(_touched_since_finish))

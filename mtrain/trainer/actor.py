@@ -50,15 +50,17 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float)
 
 
 class Actor:
-    def __init__(self, cfg, hf_config: dict, load_weights=None, trainable: bool = True):
+    def __init__(self, cfg, hf_config: dict, load_weights=None, trainable: bool = True, overrides: dict | None = None):
         """load_weights(chunks) fills the unwrapped model before the optimizer copies its main params.
-        trainable=False: a frozen scorer (the KL reference policy), no DDP, no optimizer."""
+        trainable=False: a frozen scorer (the KL reference policy), no DDP, no optimizer.
+        overrides: TransformerConfig fields decided for the run (`mtrain.trainer.decisions`), e.g. sequence_parallel."""
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
         uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
                                     ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
-        chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp, config_overrides=uneven)
+        chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
+                                           config_overrides={**uneven, **(overrides or {})})
         c = self.tconfig
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)

@@ -1,6 +1,7 @@
 """What the loop needs from outside the trainer: the tokenizer, the rollout engine, the initial weights."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -17,12 +18,10 @@ def load_tokenizer(hf_dir: Path, hf_config: dict):
     return CharTokenizer(vocab_size=hf_config["vocab_size"])
 
 
-def make_engine(cfg, hf_dir: Path, hf_config: dict):
-    """SGLang on a GPU (or when asked), the CPU reference engine otherwise. Weights arrive by the first sync."""
-    kind = cfg.engine.kind
-    if kind == "auto":
-        kind = "sglang" if torch.cuda.is_available() else "reference"
-    if kind == "reference":
+def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
+    """The engine of this rank's group (call on the group's leader): SGLang or the CPU reference engine, as decided
+    once for the run (`mtrain.trainer.decisions`). Weights arrive by the first sync."""
+    if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
@@ -32,8 +31,32 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict):
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     if cfg.engine.attention_backend:
         server_args["attention_backend"] = cfg.engine.attention_backend
-    return SGLangEngine(str(hf_dir), tp_size=cfg.engine.tp, mem_fraction_static=cfg.engine.mem_fraction_static,
-                        load_format="dummy", random_seed=cfg.train.seed, server_args=server_args)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    placement = decisions.groups.sglang_placement(rank, local_rank=local_rank, dist_init_addr=engine_rendezvous(decisions.groups, rank))
+    tp = placement.pop("tp_size")
+    base_gpu_id = placement.pop("base_gpu_id")
+    server_args.update(placement)  # nnodes / node_rank / dist_init_addr for an engine spanning nodes
+    # Each engine gets its own seed: with one shared seed, unseeded requests would sample alike on every engine.
+    return SGLangEngine(str(hf_dir), tp_size=tp, base_gpu_id=base_gpu_id,
+                        mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
+                        random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args)
+
+
+def engine_rendezvous(groups, rank: int) -> str | None:
+    """host:port where the parts of an engine spanning nodes meet (SGLang's dist_init_addr): the group leader's host,
+    published in torchrun's store, and a port above torchrun's (MASTER_PORT + 1 + the leader's rank, distinct per
+    engine). None when the engine fits one node."""
+    if groups.nnodes == 1:
+        return None
+    import socket
+
+    from mtrain.rollout.pool import default_store
+
+    store, leader = default_store(), groups.leader(groups.group_of(rank))
+    key = f"mtrain/engine/{leader}/rendezvous"
+    if rank == leader:
+        store.set(key, f"{socket.getfqdn()}:{int(os.environ['MASTER_PORT']) + 1 + leader}")
+    return store.get(key).decode()  # blocks until the leader has published it
 
 
 def weight_loader(cfg, layout: ModelLayout, rank: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,12 +28,14 @@ from mtrain.metrics import MetricsWriter
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
+from mtrain.rollout.pool import RolloutPool
+from mtrain.trainer.decisions import decide
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
-from mtrain.trainer.rollout_step import broadcast_result, run_rollout
+from mtrain.trainer.offload import TrainOffload
+from mtrain.trainer.rollout_step import run_rollout
 from mtrain.trainer.sync import WeightSync
 
 log = logging.getLogger("mtrain")
-LEADER = 0  # the rank that drives the engine
 
 
 def _reduce_metrics(local: dict[str, float]) -> dict[str, float]:
@@ -62,6 +65,8 @@ class Trainer:
         p = cfg.parallel
         init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed)
         self.cfg, self.rank = cfg, dist.get_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
         self.run_dir = Path(cfg.train.run_dir)
         hf_dir = Path(cfg.model.hf_path)
         self.hf_config = json.loads((hf_dir / "config.json").read_text())
@@ -78,21 +83,25 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
         load = weight_loader(cfg, self.layout, self.rank)
-        self.actor = Actor(cfg, self.train_config, load_weights=load)
-        self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False) if cfg.algo.kl_coef else None
-        self.engine = make_engine(cfg, hf_dir, self.hf_config) if self.rank == LEADER else None
-        kind = "hf" if cfg.engine.kind == "reference" or not torch.cuda.is_available() else "sglang"
-        self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, engine_kind=kind, engine_tp=cfg.engine.tp,
-                               engine_ep=cfg.engine.ep, first_stage_layers=p.first_stage_layers,
-                               last_stage_layers=p.last_stage_layers, leader=LEADER, dtype=self.actor.dtype,
-                               bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend, mode=cfg.sync.mode,
-                               device="cuda" if torch.cuda.is_available() else "cpu")
+        arch = {"sequence_parallel": d.sequence_parallel}
+        self.actor = Actor(cfg, self.train_config, load_weights=load, overrides=arch)
+        self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False,
+                         overrides=arch) if cfg.algo.kl_coef else None
+        self.offload = TrainOffload(self.actor, d.offload_train)
+        self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
+        self.pool = RolloutPool(d.groups, self.rank, self.engine, max_groups_in_flight=cfg.rollout.max_groups_in_flight)
+        self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, groups=d.groups,
+                               engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
+                               first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+                               dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                               mode=d.sync_mode, device=d.device)
         self.step = 0
         resumed = self._resume()
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump_yaml(self.run_dir / "config.yaml")
             print(cfg.format_config(), flush=True)
+            print(d.summary(), flush=True)
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
                                      total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard
@@ -112,14 +121,13 @@ class Trainer:
         return True
 
     def _rollout(self, samples, *, n, seed, prefix, greedy=False):
-        value = None
-        if self.rank == LEADER:
-            try:
-                value = run_rollout(self.engine, self.tokenizer, samples, self.cfg, self.reward_fn, n=n, seed=seed,
-                                    rid_prefix=prefix, greedy=greedy, max_positions=self.max_positions)
-            except Exception as e:  # ship the error to every rank: nobody must wait forever
-                value = e
-        return broadcast_result(value, LEADER)
+        return run_rollout(self.pool, self.tokenizer, samples, self.cfg, self.reward_fn, n=n, seed=seed,
+                           rid_prefix=prefix, greedy=greedy, max_positions=self.max_positions)
+
+    def _engine_memory(self, op: str, tags: tuple[str, ...]) -> None:
+        """Colocated engines give their memory to training and take it back (engine.colocate)."""
+        if self.engine is not None and self.decisions.colocate:
+            getattr(self.engine, op)(tags)
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_set:
@@ -160,6 +168,7 @@ class Trainer:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         from megatron.core import parallel_state as ps
         samples = [self.train_set[i] for i in self.sampler.next_batch()]
+        offload_metrics = self.offload.offload()  # no-op unless engine.offload_train (and already done after a step)
         t0 = time.perf_counter()
         res = self._rollout(samples, n=n, seed=cfg.train.seed * 1_000_003 + self.step * 10_007,
                             prefix=f"s{self.step}")
@@ -196,8 +205,8 @@ class Trainer:
                 minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
                                     {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
                                      "num_seqs": float(kept)}))
-            if self.engine is not None and torch.cuda.is_available():
-                self.engine.release_memory(("kv_cache", "weights"))
+            self._engine_memory("release_memory", ("kv_cache", "weights"))
+            offload_metrics.update(self.offload.reload())
             t2 = time.perf_counter()
             per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches]
             train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
@@ -205,12 +214,13 @@ class Trainer:
             t3 = time.perf_counter()
             mine = RolloutBatch.concat([m[0] for m in minibatches])
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
-            if self.engine is not None and torch.cuda.is_available():
-                self.engine.resume_memory(("weights",))
+            offload_metrics.update(self.offload.offload())
+            self._engine_memory("resume_memory", ("weights",))
         self.step += 1
         sync_metrics = self.sync.sync(version=self.step)
-        if self.engine is not None and torch.cuda.is_available() and batch is not None:
-            self.engine.resume_memory(("kv_cache",))
+        if batch is not None:
+            self._engine_memory("resume_memory", ("kv_cache",))
+        local.update(offload_metrics)
         if old_lp is not None:
             local.update({**train_metrics, **_logprob_diff(old_lp, mine)})
         out = _reduce_metrics(local)
@@ -218,7 +228,7 @@ class Trainer:
             out["update_skipped"] = 1.0  # every group was uniform: nothing to learn from this rollout
         out.update({"reward/mean": float(full.rewards.mean()), "response_len/mean": float(full.response_lens
                     .float().mean()), "weight_version": self.step, "time/rollout": t1 - t0,
-                    "time/logprobs": t2 - t1, "time/train": t3 - t2, **sync_metrics})
+                    "time/logprobs": t2 - t1, "time/train": t3 - t2, **sync_metrics, **res.metrics})
         return out
 
     def run(self) -> None:
@@ -236,6 +246,7 @@ class Trainer:
             if self.metrics:
                 self.metrics.log(self.step, m)
             if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == cfg.train.steps:
+                self.offload.reload()  # the optimizer state must be in place to be saved
                 checkpoint.save(self.run_dir, self.step, self.actor, {"sampler": self.sampler.state_dict()})
 
     def close(self) -> None:

@@ -1,17 +1,22 @@
-"""One rollout on the engine's leader: prompts -> samples (n per prompt, distinct seeds) -> rewards.
+"""One rollout across the engine pool: prompts -> GRPO groups (n samples, distinct seeds) -> rewards.
 
-Runs only where the engine lives; `broadcast_result` ships the outcome (or the error) to every rank, so an
-engine or reward failure stops all ranks with the same clear message instead of leaving them waiting.
+Every rank calls `run_rollout` (a collective). The prompts are rendered and checked on every rank, before any
+generation (deterministic and cheap), so a bad prompt stops all ranks with the same clear message; the pool then
+spreads the groups over the engines, each engine's leader scores the groups it served, and every rank gets every
+group back in prompt order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
 from mtrain.data.chat import PromptError, tokenize_prompts
 from mtrain.data.rewards import score_responses
-from mtrain.rollout.protocol import Completion, EngineError, SamplingParams, expand_samples
+from mtrain.rollout.client import EngineClient
+from mtrain.rollout.pool import RolloutPool
+from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams
 
 
 @dataclass
@@ -19,6 +24,7 @@ class RolloutResult:
     completions: list[Completion]
     rewards: list[float]
     responses: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def stop_ids(tokenizer, extra: list[int]) -> tuple[int, ...]:
@@ -27,7 +33,16 @@ def stop_ids(tokenizer, extra: list[int]) -> tuple[int, ...]:
     return tuple(sorted(set(ids) | set(extra)))
 
 
-def run_rollout(engine, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int, rid_prefix: str,
+def group_requests(prompt_ids: list[int], index: int, n: int, params: SamplingParams, base_seed: int,
+                   rid_prefix: str, width: int) -> list[Request]:
+    """The n requests of group `index`: seeds base_seed + index*n + j (as `expand_samples`), so a group samples
+    the same tokens whichever engine serves it; rids f"{prefix}-{index:0W}-{j:0W}-" (none a prefix of another)."""
+    sw = len(str(n - 1))
+    return [Request(rid=f"{rid_prefix}-{index:0{width}d}-{j:0{sw}d}-", prompt_ids=list(prompt_ids),
+                    params=replace(params, seed=base_seed + index * n + j)) for j in range(n)]
+
+
+def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int, rid_prefix: str,
                 greedy: bool = False, max_positions: int | None = None) -> RolloutResult:
     """max_positions: the model's context (max_position_embeddings); a prompt that cannot take max_new_tokens
     more is refused here, before any generation, with the sample named (engines differ in what they do)."""
@@ -44,25 +59,38 @@ def run_rollout(engine, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
                             top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
                             stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
-    requests = expand_samples([p.ids for p in prompts], n, params, base_seed=seed, rid_prefix=rid_prefix)
-    completions = engine.generate(requests)
-    aborted = [c.rid for c in completions if c.finish_reason == "abort"]
-    if aborted:  # partial outputs of a stopped engine must never be scored and trained on
-        raise EngineError(f"rollout {rid_prefix}: {len(aborted)} of {len(completions)} requests were aborted by "
-                          f"the engine (e.g. {aborted[0]!r}); it was shut down or aborted mid-generation")
     stops = set(params.stop_token_ids)
-    responses = [tokenizer.decode([t for t in c.output_ids if t not in stops], skip_special_tokens=True)
-                 for c in completions]
-    grouped = [p.sample for p in prompts for _ in range(n)]
-    rewards = score_responses(reward_fn, grouped, responses, timeout_s=cfg.reward.timeout_s)
-    return RolloutResult(completions, rewards, responses)
+    width = len(str(max(len(prompts) - 1, 0)))
+
+    async def one_group(i: int, client: EngineClient):
+        reqs = group_requests(prompts[i].ids, i, n, params, seed, rid_prefix, width)
+        completions = await asyncio.gather(*(client.generate(q) for q in reqs))
+        aborted = [c.rid for c in completions if c.finish_reason == "abort"]
+        if aborted:  # partial outputs of a stopped engine must never be scored and trained on
+            raise EngineError(f"{len(aborted)} of {n} requests of group {i} were aborted by the engine (e.g. "
+                              f"{aborted[0]!r}); it was shut down or aborted mid-generation")
+        responses = [tokenizer.decode([t for t in c.output_ids if t not in stops], skip_special_tokens=True)
+                     for c in completions]
+        rewards = await asyncio.to_thread(score_responses, reward_fn, [prompts[i].sample] * n, responses,
+                                          timeout_s=cfg.reward.timeout_s)
+        return completions, rewards, responses
+
+    run = pool.run(len(prompts), one_group, rid_prefix=rid_prefix)
+    out = RolloutResult([], [], [], run.metrics())
+    for completions, rewards, responses in run.results:
+        out.completions += completions
+        out.rewards += rewards
+        out.responses += responses
+    tokens = sum(len(c.output_ids) for c in out.completions)
+    out.metrics["rollout/tokens_per_s"] = tokens / max(run.seconds, 1e-9)
+    return out
 
 
-def broadcast_result(value, src: int):
-    """Every rank gets the leader's value; an exception raised on the leader is raised on every rank."""
+def broadcast_result(value, src: int, group=None):
+    """Every rank (of `group`) gets the value of rank `src`; an exception there is raised on every rank."""
     box = [value if dist.get_rank() == src else None]
-    if dist.get_world_size() > 1:  # alone, skip the pickling and two collectives (part of every sync's time)
-        dist.broadcast_object_list(box, src=src)
+    if dist.get_world_size(group) > 1:  # alone, skip the pickling and two collectives (part of every sync's time)
+        dist.broadcast_object_list(box, src=src, group=group)
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]

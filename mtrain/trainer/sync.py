@@ -1,15 +1,19 @@
-"""Weight sync after each step: Megatron shards -> the engine's own parameter layout, bucket by bucket.
+"""Weight sync after each step: Megatron shards -> every engine's own parameter layout, all engines at once.
 
-The plan is built once (it depends only on the model and the two layouts). Every training rank runs the
-executor; the engine's leader process owns every destination rank. Two modes (docs/design-resharding.md):
-push -- the leader assembles each bucket and hands it to the engine, whose loader copies it in; pull -- the
-leader hands the engine views of its own tensors (and of what other ranks sent it) and a table, and the engine
-writes its parameters itself (`mtrain.reshard.pull`). The engine's layout is SGLang's for the SGLang engine and
-HF's for the CPU reference engine.
+One plan per engine (built once: it depends only on the model, the two layouts and where the engine's ranks live);
+every training rank runs every engine's executor, bucket by bucket, engines interleaved, so each rank sends the
+slices other engines need while its own engine loads. Two modes (docs/design-resharding.md, docs/design-pool.md):
+- pull: engine rank r of engine g is owned by the training rank on its GPU (`EngineGroups.owner`). That rank hands
+  its engine rank CUDA IPC views of its own parameters plus persistent receive buffers for slices other ranks send,
+  and a scatter table; the engine writes its parameters itself (`mtrain.reshard.pull`). For SGLang each owner
+  serializes its rank's request and the group's leader sends them together; the reference engine (HF layout, one
+  destination rank on its leader) pulls in-process.
+- push: the leader assembles every engine rank's bucket and hands it to the engine (the fallback).
 """
 from __future__ import annotations
 
 import time
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
@@ -21,84 +25,139 @@ from mtrain.reshard.megatron_side import current_layout, tensor_lookup
 from mtrain.reshard.placement import HFLayout, SGLangLayout
 from mtrain.reshard.planner import build_plan
 from mtrain.reshard.pull import PullPlan
-from mtrain.trainer.rollout_step import broadcast_result
+from mtrain.rollout.groups import EngineGroups
 
 
 def engine_layout(kind: str, tp: int, ep: int = 1):
     return HFLayout() if kind == "hf" else SGLangLayout(tp=tp, ep=ep)
 
 
-def sync_mode(mode: str, engine_kind: str, engine_tp: int) -> str:
-    """Resolve sync.mode: pull needs every engine rank on the GPU of the process that owns it, and the leader owns
-    every engine rank, so pull means engine TP 1 (both engines implement it; the reference engine in-process)."""
+def sync_mode(mode: str) -> str:
+    """Resolve sync.mode: every engine rank lives on the GPU of the training rank that owns it (engine groups), so
+    pull applies to every engine and TP; push stays as the fallback."""
     if mode not in ("auto", "pull", "push"):
         raise ConfigError(f"sync.mode must be auto, pull or push, got {mode!r}")
-    if mode == "auto":
-        return "pull" if engine_tp == 1 else "push"
-    if mode == "pull" and engine_tp != 1:
-        raise ConfigError(f"sync.mode: pull needs engine.tp=1 (the {engine_kind} engine here has tp={engine_tp}); "
-                          "use push or auto")
-    return mode
+    return "pull" if mode == "auto" else mode
 
 
 class WeightSync:
-    def __init__(self, model: ModelLayout, chunks, engine, *, engine_kind: str, engine_tp: int = 1, engine_ep: int = 1,
-                 leader: int = 0, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu",
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None, mode: str = "push"):
-        self.engine, self.leader = engine, leader
+    def __init__(self, model: ModelLayout, chunks, engine, *, groups: EngineGroups, engine_kind: str,
+                 engine_ep: int = 1, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu",
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None, mode: str = "pull"):
+        """engine: this rank's engine (its group's leader) or None. engine_kind "hf": the reference engine's layout
+        (one destination rank, written on the leader); "sglang": SGLang's, engine.tp ranks."""
+        self.engine, self.groups, self.kind = engine, groups, engine_kind
         self.rank = dist.get_rank()
-        self.plan = build_plan(model, current_layout(first_stage_layers, last_stage_layers),
-                               engine_layout(engine_kind, engine_tp, engine_ep), colocate=lambda r: leader)
-        self.executor = Executor(self.plan, self.rank, tensor_lookup(chunks), dtype=dtype, backend=backend,
-                                 bucket_bytes=bucket_bytes, device=device)
-        self.tp = engine_tp
-        self.mode = sync_mode(mode, engine_kind, engine_tp)
-        self.pull = PullPlan(self.executor) if self.mode == "pull" else None
+        self.mode = sync_mode(mode)
+        self.my_group = groups.group_of(self.rank)
+        self.is_leader = groups.is_leader(self.rank)
+        dst_tp = 1 if engine_kind == "hf" else groups.tp
+        self.dst_ranks = dst_tp
+        src = current_layout(first_stage_layers, last_stage_layers)
+        dst = engine_layout(engine_kind, groups.tp, engine_ep)
+        spread = self.mode == "pull" and engine_kind != "hf"
+        self.executors, self.pulls = [], []
+        lookup = tensor_lookup(chunks)
+        for g in range(groups.count):
+            owner = (lambda r, g=g: groups.owner(g, r)) if spread else (lambda r, g=g: groups.leader(g))
+            plan = build_plan(model, src, dst, colocate=owner)
+            ex = Executor(plan, self.rank, lookup, dtype=dtype, backend=backend, bucket_bytes=bucket_bytes,
+                          device=device)
+            self.executors.append(ex)
+            self.pulls.append(PullPlan(ex) if self.mode == "pull" else None)
+        # SGLang pull: each owner serializes its own engine rank's request; the group gathers them on its leader.
+        self.group_pg = None
+        if spread and groups.tp > 1:
+            for g in range(groups.count):  # every rank creates every group, in the same order
+                pg = dist.new_group(groups.ranks(g), backend="gloo")
+                if g == self.my_group:
+                    self.group_pg = pg
+        self._senders = None
 
     @torch.no_grad()
     def sync(self, version: int) -> dict[str, float]:
-        if self.pull is not None:
-            return self._sync_pull(version)
         t0 = time.perf_counter()
-        n_bytes = 0
-        error = None
-        # Every rank takes part in every bucket's collectives: an engine failure on the leader must not stop its
-        # loop early (the other ranks would wait forever). The first error is kept, then shipped to all ranks.
-        for bucket in self.executor.stream():
-            if self.rank == self.leader and error is None:
-                rank_tensors = [bucket.get(r, []) for r in range(self.tp)]
-                n_bytes += sum(t.numel() * t.element_size() for ts in rank_tensors for _, t in ts)
-                try:
-                    self.engine.update_weights(rank_tensors)
-                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                    error = e
-        if self.rank == self.leader and error is None:
+        n_bytes, error = 0, None
+        # Every rank takes part in every bucket of every engine: an engine failure must not stop its leader's
+        # loop early (the other ranks would wait forever). The first error is kept, then raised on all ranks.
+        streams = [p.jobs() for p in self.pulls] if self.mode == "pull" else [ex.stream() for ex in self.executors]
+        g = self.my_group
+        last = (len(self.pulls[g].buckets) if self.mode == "pull" else len(self.executors[g].buckets)) - 1
+        finished = False
+        for i, per_engine in enumerate(zip_longest(*streams)):
+            mine = per_engine[self.my_group]
+            if mine is None:
+                continue
+            final = i == last
+            try:
+                if error is None:
+                    if self.mode == "pull":
+                        n_bytes += self._pull_bucket(mine, version if final else None)
+                        finished = finished or final
+                    elif self.is_leader:
+                        rank_tensors = [mine.get(r, []) for r in range(self.dst_ranks)]
+                        n_bytes += sum(t.numel() * t.element_size() for ts in rank_tensors for _, t in ts)
+                        self.engine.update_weights(rank_tensors)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+        if error is None and self.is_leader and not finished:  # push, or a plan with nothing to write
             try:
                 self.engine.finish_weight_update(version)
             except Exception as e:  # noqa: BLE001
                 error = e
-        broadcast_result(error, self.leader)  # raises the leader's error everywhere; else a barrier
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            if error is not None:
+                raise error
+            r, msg = failed[0]
+            raise RuntimeError(f"weight sync failed on rank {r} (engine {self.groups.group_of(r)}): {msg}")
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_bytes)}
 
-    def _sync_pull(self, version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        n_bytes = 0
-        error, finished = None, False
-        last = len(self.pull.buckets) - 1
-        # The last engine call also finishes the sync. No look-ahead: requesting the next bucket would overwrite
-        # the receive buffers the engine is about to read.
-        for i, jobs in enumerate(self.pull.jobs()):
-            if self.rank == self.leader and error is None:
-                n_bytes += sum(j.nbytes for j in jobs.values())
+    def _pull_bucket(self, jobs: dict, version: int | None) -> int:
+        """One bucket of this rank's engine in pull mode; returns the bytes the engine wrote for this rank."""
+        if self.kind == "hf" or self.groups.tp == 1:
+            if self.is_leader:
+                self.engine.pull_weights([jobs.get(r) for r in range(self.dst_ranks)], version=version)
+            return sum(j.nbytes for j in jobs.values())
+        return self._pull_spread(jobs, version)
+
+    def _pull_spread(self, jobs: dict, version: int | None) -> int:
+        """SGLang at engine TP > 1: this rank owns engine rank `r` (its group rank); it serializes that rank's request
+        (sources and tables only when new to it), the leader sends all of them in one engine call, and tells
+        every owner whether the engine took them (so each knows what its engine rank now holds)."""
+        from mtrain.reshard.pull_protocol import PullSender
+        from mtrain.rollout.sglang_wire import _marker_tensor, serialize_bucket
+        from mtrain.rollout.sglang_loader import FINISH_NAME
+
+        if self._senders is None:
+            self._senders = PullSender(self.groups.tp)
+        r = self.rank - self.groups.leader(self.my_group)
+        job = jobs.get(r)
+        finish = version is not None
+        try:  # a failure here must still reach the gather below, or the group would wait forever
+            items = ([(FINISH_NAME, _marker_tensor())] if finish else []) if job is None else \
+                self._senders.payload(r, job, finish, _marker_tensor())
+            payload = serialize_bucket(items)
+        except Exception as e:  # noqa: BLE001
+            payload = RuntimeError(f"rank {self.rank} could not serialize engine rank {r}'s request: {e}")
+        leader = self.groups.leader(self.my_group)
+        gathered = [None] * self.groups.tp if self.is_leader else None
+        dist.gather_object(payload, gathered, dst=leader, group=self.group_pg)
+        outcome = None
+        if self.is_leader:
+            outcome = next((x for x in gathered if isinstance(x, Exception)), None)
+            if outcome is None:
                 try:
-                    self.engine.pull_weights([jobs.get(r) for r in range(self.tp)], version=version if i == last else None)
-                    finished = i == last
-                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                    error = e
-        if self.rank == self.leader and error is None and not finished:  # a plan with nothing to write
-            try:
-                self.engine.finish_weight_update(version)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        broadcast_result(error, self.leader)
-        return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_bytes)}
+                    self.engine.pull_weights_serialized(gathered, version=version)
+                except Exception as e:  # noqa: BLE001 - every owner must hear it
+                    outcome = e
+        box = [outcome]
+        dist.broadcast_object_list(box, src=leader, group=self.group_pg)
+        if box[0] is not None:
+            self._senders.forget()
+            raise box[0]
+        if job is not None:
+            self._senders.confirm(r, job)
+        return job.nbytes if job is not None else 0

@@ -1,4 +1,4 @@
-"""Pull mode end to end on CPU: Megatron shards -> PullPlan jobs -> the engine-side loader (sglang_pull) writing
+"""Pull mode end to end on CPU: Megatron shards -> PullPlan jobs -> the engine-side loader (pull_protocol) writing
 SGLang-named per-rank parameters equals SGLang's own slicing of the full HF tensors (independent reference), bit
 for bit, in one process and across real gloo ranks (slices other ranks send land in reused receive buffers)."""
 import pytest
@@ -11,7 +11,7 @@ from mtrain.reshard.executor import Executor
 from mtrain.reshard.placement import MegatronLayout, SGLangLayout
 from mtrain.reshard.planner import build_plan
 from mtrain.reshard.pull import PullPlan
-from mtrain.rollout import sglang_pull as P
+from mtrain.reshard import pull_protocol as P
 from mtrain.tiny_configs import tiny_config
 
 from sglang_reference import sglang_rank_params

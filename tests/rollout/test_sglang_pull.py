@@ -9,7 +9,7 @@ import torch
 
 from mtrain.reshard.pull import PullJob
 from mtrain.rollout import sglang_loader as L
-from mtrain.rollout import sglang_pull as P
+from mtrain.reshard import pull_protocol as P
 from test_sglang_pure import TinySGLangLikeModel, status_dir  # noqa: F401 -- a fixture
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # [16, 8] bf16

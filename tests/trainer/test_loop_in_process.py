@@ -82,12 +82,17 @@ def test_grpo_pp2_invariants_and_engine_weights_move(tiny_llama, tmp_path):
 # ------------------------------------------------------------------------------------------------ DAPO
 def _dapo_steps(rank, world, hf, run_dir):
     t = _trainer(hf, run_dir, **{"algo.name": "dapo", "reward.fn": f"{TEST_REWARDS}:odd_answers_only"})
-    calls = t.reward_fn.__globals__["CALLS"]
     out = {"records": [], "rewards": []}
+    rollout = t._rollout
+
+    def scored(*args, **kwargs):  # the rewards every rank receives from the pool, in group order
+        res = rollout(*args, **kwargs)
+        out["rewards"].append(list(res.rewards))
+        return res
+
+    t._rollout = scored
     for _ in range(2):
-        start = len(calls)
         out["records"].append(t.train_step())
-        out["rewards"].append([v for _, v in calls[start:]])
     before = _engine_weights(t.engine) if rank == 0 else None
     t.reward_fn = t.reward_fn.__globals__["constant"]  # every group uniform: nothing to train on
     out["records"].append(t.train_step())

@@ -1,4 +1,4 @@
-"""Pull-mode requests inside SGLang's scheduler: the engine writes its parameters from the trainer's memory.
+"""The pull-mode wire protocol, engine-neutral: an engine rank writes its parameters from the trainer's memory.
 
 A pull request is one `update_weights_from_tensor` payload per engine rank, handled by `sglang_loader.load_direct`:
     [(PULL_PREFIX + json spec, zero-size tensor), (SOURCE_NAME, source 0), (SOURCE_NAME, source 1), ...]

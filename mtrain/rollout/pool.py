@@ -1,0 +1,159 @@
+"""The rollout pool: every engine of the job serves one shared queue of GRPO groups.
+
+Every rank holds a `RolloutPool`; the leader of each engine group also holds that group's engine. `run(n, fn)` is a
+collective: the leaders claim group indices from one counter in torchrun's c10d store (`store.add` is atomic, so
+each index goes to exactly one engine, and a slow engine simply claims fewer), run `await fn(index, client)` for up
+to `max_groups_in_flight` groups at a time on their own engine, and then every rank receives every group's result,
+in index order (one `all_gather_object`). Results do not depend on which engine served a group: every request
+carries its own seed.
+
+Failure: a leader whose group function raises writes the message under the call's error key in the store; every
+other leader polls that key while it works and aborts its own requests when it appears, so the collective ends
+within about a poll interval plus one decoding step, and every rank raises the same EngineError.
+
+Why the c10d store: torchrun already runs it (no Ray, no HTTP, no extra port), it is reachable from every rank
+without a collective (a leader must not wait for others to claim), and `add` is an atomic fetch-and-add. Keys are
+namespaced per call and deleted when the call ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import torch.distributed as dist
+
+from mtrain.rollout.client import EngineClient, LocalClient
+from mtrain.rollout.groups import EngineGroups
+from mtrain.rollout.protocol import EngineError, RolloutEngine
+
+GroupFn = Callable[[int, EngineClient], Awaitable[Any]]
+POLL_S = 0.05
+
+
+@dataclass
+class PoolRun:
+    results: list[Any]  # per group index
+    served: list[int]  # groups served, per engine
+    seconds: float  # the slowest engine's
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engines": float(sum(1 for s in self.served if s)),
+                "rollout/groups_per_engine_min": float(min(self.served)),
+                "rollout/groups_per_engine_max": float(max(self.served))}
+
+
+def default_store():
+    """torchrun's c10d store (the one init_process_group rendezvoused through)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class RolloutPool:
+    def __init__(self, groups: EngineGroups, rank: int, engine: RolloutEngine | None, *, max_groups_in_flight: int,
+                 store=None, namespace: str = "mtrain/pool"):
+        if groups.is_leader(rank) != (engine is not None):
+            raise EngineError(f"rank {rank}: an engine group's leader must hold its engine and no other rank may "
+                              f"({'leader' if groups.is_leader(rank) else 'not a leader'}, engine="
+                              f"{type(engine).__name__ if engine else None})")
+        if max_groups_in_flight < 1:
+            raise EngineError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
+        self.groups, self.rank, self.engine = groups, rank, engine
+        self.max_in_flight = max_groups_in_flight
+        self.store = store if store is not None else default_store()
+        self.namespace = namespace
+        self.client = LocalClient(engine) if engine is not None else None
+        self._calls = 0
+
+    def run(self, n: int, fn: GroupFn, *, rid_prefix: str) -> PoolRun:
+        """Run fn(index, client) for index in range(n) across the engines (collective over all ranks)."""
+        key = f"{self.namespace}/{self._calls}"
+        self._calls += 1
+        dist.barrier()  # every engine starts claiming together: the first one ready must not take the whole queue
+        mine: dict[int, Any] = {}
+        error: Exception | _Echo | None = None
+        seconds = 0.0
+        if self.engine is not None:
+            t0 = time.perf_counter()
+            mine, error = asyncio.run(self._drive(n, fn, key, rid_prefix))
+            seconds = time.perf_counter() - t0
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.rank, mine, error, seconds))
+        if self.rank == 0:
+            for suffix in ("next", "error"):
+                self.store.delete_key(f"{key}/{suffix}")
+        errors = [(r, e) for r, _, e, _ in gathered if e is not None]
+        if errors:
+            # The cause, not its echoes (engines that aborted because another failed), raised as itself: a
+            # RewardError stays a RewardError on every rank, with a note saying where it happened.
+            r, exc = min(errors, key=lambda x: (isinstance(x[1], _Echo), x[0]))
+            where = f"rollout {rid_prefix}: engine {self.groups.group_of(r)} (rank {r}) failed"
+            if isinstance(exc, _Echo):
+                raise EngineError(f"{where}: {exc}")
+            exc.add_note(where)
+            raise exc
+        results: list[Any] = [None] * n
+        served = [0] * self.groups.count
+        for r, got, _, _ in gathered:
+            for i, value in got.items():
+                results[i] = value
+            if got:
+                served[self.groups.group_of(r)] += len(got)
+        missing = [i for i, v in enumerate(results) if v is None]
+        if missing:
+            raise EngineError(f"rollout {rid_prefix}: groups {missing[:5]} were claimed by no engine")
+        # The slowest engine's time, the same number on every rank.
+        return PoolRun(results, served, max(s for _, _, _, s in gathered))
+
+    async def _drive(self, n: int, fn: GroupFn, key: str, rid_prefix: str) -> tuple[dict[int, Any], Exception | None]:
+        results: dict[int, Any] = {}
+        state = {"error": None}
+        stop = asyncio.Event()
+
+        async def worker() -> None:
+            while not stop.is_set():
+                i = await asyncio.to_thread(self.store.add, f"{key}/next", 1) - 1
+                if i >= n or stop.is_set():
+                    return
+                try:
+                    results[i] = await fn(i, self.client)
+                except Exception as e:  # noqa: BLE001 - reported to every rank by run()
+                    if state["error"] is None and not stop.is_set():
+                        state["error"] = _picklable(e)
+                        self.store.set(f"{key}/error", f"{type(e).__name__}: {e}")
+                    stop.set()
+                    self.engine.abort(rid_prefix)
+                    return
+
+        async def watch() -> None:
+            """Another engine failed: stop claiming and abort this engine's requests of this rollout."""
+            while not stop.is_set():
+                if await asyncio.to_thread(self.store.check, [f"{key}/error"]):
+                    if state["error"] is None:
+                        state["error"] = _Echo("aborted: another engine failed")
+                    stop.set()
+                    self.engine.abort(rid_prefix)
+                    return
+                await asyncio.sleep(POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(worker() for _ in range(self.max_in_flight)))
+        stop.set()
+        await watcher
+        return results, state["error"]
+
+
+class _Echo(str):
+    """This engine stopped because another failed: not the cause."""
+
+
+def _picklable(e: Exception) -> Exception:
+    """The exception itself when it survives pickling (it travels to every rank), else an EngineError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return EngineError(f"{type(e).__name__}: {e}")

@@ -1,0 +1,64 @@
+"""The run's machine-dependent decisions, made once from the config and the machine, then passed down.
+
+Nothing else in the trainer asks `torch.cuda.is_available()` or whether Transformer Engine imports: the loop, the
+actor, the engines and the sync read these fields. `decide` is pure given its inputs (tests pass `cuda`/`te`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtrain.config import ConfigError
+from mtrain.rollout.groups import EngineGroups, EngineLayoutError
+from mtrain.trainer.sync import sync_mode
+
+
+@dataclass(frozen=True)
+class RunDecisions:
+    device: str  # "cuda" | "cpu": where training tensors live
+    engine_kind: str  # "sglang" | "reference"
+    engine_layout: str  # what the sync writes: "sglang" (SGLang's parameters) | "hf" (the reference engine's)
+    groups: EngineGroups
+    colocate: bool  # engines give their GPU memory back while training runs (release/resume around the update)
+    offload_train: bool  # gradients and optimizer state go to host memory while the engines generate
+    sequence_parallel: bool
+    use_te: bool
+    sync_mode: str  # "pull" | "push"
+
+    def summary(self) -> str:
+        return (f"device={self.device} engine={self.engine_kind} sync={self.sync_mode} colocate={self.colocate} "
+                f"offload_train={self.offload_train} sequence_parallel={self.sequence_parallel} te={self.use_te}\n"
+                f"{self.groups.describe()}")
+
+
+def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = None,
+           te: bool | None = None) -> RunDecisions:
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if te is None:
+        from mtrain.models.specs import te_available
+        te = te_available()
+    e, p = cfg.engine, cfg.parallel
+    kind = e.kind if e.kind != "auto" else ("sglang" if cuda else "reference")
+    if kind == "sglang" and not cuda:
+        raise ConfigError("engine.kind: sglang needs a GPU (none here); use engine.kind=reference or auto")
+    try:
+        groups = EngineGroups(world_size, e.tp, local_world_size, e.nnodes)
+    except EngineLayoutError as err:
+        raise ConfigError(f"engine.tp / engine.nnodes: {err}") from None
+    if kind == "reference" and e.nnodes > 1:
+        raise ConfigError("engine.nnodes > 1 is for SGLang engines spanning nodes; the reference engine is one "
+                          "process")
+    sp = p.sequence_parallel
+    if sp is None:  # the default: on where it works and helps (TE norms, TP > 1)
+        sp = te and p.tp > 1
+    elif sp and not te:
+        raise ConfigError("parallel.sequence_parallel: true needs Transformer Engine (megatron-core's local norm "
+                          "refuses sequence parallelism); leave it unset or false")
+    elif sp and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel: true needs parallel.tp > 1")
+    return RunDecisions(device="cuda" if cuda else "cpu", engine_kind=kind,
+                        engine_layout="hf" if kind == "reference" else "sglang", groups=groups,
+                        colocate=e.colocate, offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
+                        sync_mode=sync_mode(cfg.sync.mode))
