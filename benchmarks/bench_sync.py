@@ -188,15 +188,15 @@ def main() -> int:
         push = weight_sync("push", mb)
         run(push)  # warm-up: kernel compile, tables, IPC handle of the reused bucket buffer
         t_push = timed(lambda: run(push), args.repeats)
-        t_pack = timed(lambda: [None for _ in push.executor.stream()], args.repeats)
-        rows.append(dict(bucket_mb=mb, buckets=len(push.executor.buckets), hf_names_s=statistics.median(t_hf),
+        t_pack = timed(lambda: [None for _ in push.executors[0].stream()], args.repeats)
+        rows.append(dict(bucket_mb=mb, buckets=len(push.executors[0].buckets), hf_names_s=statistics.median(t_hf),
                          push_s=statistics.median(t_push), pack_only_s=statistics.median(t_pack)))
     one_call = timed(lambda: raw.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False), args.repeats)
     res["hf_names_one_call_s"] = statistics.median(one_call)
     pull = weight_sync("pull", args.buckets_mb[0])
     res["pull_first_sync_s"] = timed(lambda: run(pull), 1)[0]  # sends sources + tables, opens IPC handles
     res["pull_s"] = statistics.median(timed(lambda: run(pull), args.repeats))
-    res["pull_engine_calls"] = len(pull.pull.buckets)
+    res["pull_engine_calls"] = len(pull.pulls[0].buckets)
     res["rows"] = rows
 
     # Bit-equality, per mode: garble the weights, sync, compare every parameter with the reference checksums.

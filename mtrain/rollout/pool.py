@@ -140,7 +140,10 @@ class RolloutPool:
                 await asyncio.sleep(POLL_S)
 
         watcher = asyncio.create_task(watch())
-        await asyncio.gather(*(worker() for _ in range(self.max_in_flight)))
+        # No more workers than an even share: with few groups, the first engine to reach the store must not claim
+        # them all at once (later claims still go to whichever engine is free first).
+        workers = min(self.max_in_flight, -(-n // self.groups.count))
+        await asyncio.gather(*(worker() for _ in range(workers)))
         stop.set()
         await watcher
         return results, state["error"]

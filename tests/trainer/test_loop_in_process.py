@@ -165,7 +165,8 @@ def _shutdown_mid_rollout(engine):
 
 def _failures(rank, world, hf, run_dir):
     from mtrain.trainer import checkpoint
-    t = _trainer(hf, run_dir, **{"train.steps": 2, "train.save_interval": 2})
+    # One engine (engine.tp=2, on rank 0): the watcher below must catch the engine that serves the rollout.
+    t = _trainer(hf, run_dir, **{"train.steps": 2, "train.save_interval": 2, "engine.tp": 2})
     t.run()
     good = _ckpt_state(run_dir)
     out = {}
