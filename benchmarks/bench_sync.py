@@ -165,9 +165,8 @@ def main() -> int:
     eng = SGLangEngine(model_dir, tp_size=1, mem_fraction_static=0.35, load_format="auto" if args.disk else "dummy",
                        server_args={"dtype": "bfloat16"})
     res["engine_start_s"] = time.perf_counter() - t0
-    raw = eng._engine  # the HF-names baseline calls SGLang's own API, as peers do
     if not args.disk:
-        raw.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False)
+        eng.update_weights_hf_names(named_hf)
     reference = eng.weight_checksums()[0]["checksums"]
 
     def weight_sync(mode: str, bucket_mb: int):
@@ -183,7 +182,7 @@ def main() -> int:
     rows = []
     for mb in args.buckets_mb:
         buckets = hf_buckets(named_hf, mb << 20)
-        t_hf = timed(lambda: [raw.update_weights_from_tensor(named_tensors=b, flush_cache=False) for b in buckets],
+        t_hf = timed(lambda: [eng.update_weights_hf_names(b) for b in buckets],
                      args.repeats)
         push = weight_sync("push", mb)
         run(push)  # warm-up: kernel compile, tables, IPC handle of the reused bucket buffer
@@ -191,7 +190,7 @@ def main() -> int:
         t_pack = timed(lambda: [None for _ in push.executors[0].stream()], args.repeats)
         rows.append(dict(bucket_mb=mb, buckets=len(push.executors[0].buckets), hf_names_s=statistics.median(t_hf),
                          push_s=statistics.median(t_push), pack_only_s=statistics.median(t_pack)))
-    one_call = timed(lambda: raw.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False), args.repeats)
+    one_call = timed(lambda: eng.update_weights_hf_names(named_hf), args.repeats)
     res["hf_names_one_call_s"] = statistics.median(one_call)
     pull = weight_sync("pull", args.buckets_mb[0])
     res["pull_first_sync_s"] = timed(lambda: run(pull), 1)[0]  # sends sources + tables, opens IPC handles

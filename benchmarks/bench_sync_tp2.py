@@ -61,6 +61,19 @@ def main() -> int:
     chunks, _ = build_model(cfg, params_dtype=torch.bfloat16)
     contiguous_params(chunks)
     layout, lookup = model_layout(cfg), tensor_lookup(chunks)
+    # The engine starts first: SGLang refuses TP ranks whose GPUs have unequal free memory (bootstrap.py:269), and the
+    # full HF tensors below live on GPU 0 only.
+    eng = None
+    if rank == 0:
+        from mtrain.rollout.sglang_engine import SGLangEngine
+        work = tempfile.mkdtemp(prefix="mtrain-sync-tp2-")
+        with open(os.path.join(work, "config.json"), "w") as f:
+            json.dump(dict(cfg, torch_dtype="bfloat16"), f)
+        t0 = time.perf_counter()
+        eng = SGLangEngine(work, tp_size=2, base_gpu_id=0, mem_fraction_static=0.3, load_format="dummy",
+                           server_args={"dtype": "bfloat16"})
+        start_s = time.perf_counter() - t0
+    dist.barrier()
     # Full HF tensors on rank 0 (the HF-names baseline's input; peers gather like this every sync).
     hf_plan = build_plan(layout, current_layout(), HFLayout(), colocate=lambda r: 0)
     hf = {k: torch.empty(ref.shape, dtype=torch.bfloat16, device="cuda")
@@ -73,17 +86,9 @@ def main() -> int:
     bw = copy_bandwidth(2 << 30)
     res["copy_GBps"] = bw / 1e9
 
-    eng = None
     if rank == 0:
-        from mtrain.rollout.sglang_engine import SGLangEngine
-        work = tempfile.mkdtemp(prefix="mtrain-sync-tp2-")
-        with open(os.path.join(work, "config.json"), "w") as f:
-            json.dump(dict(cfg, torch_dtype="bfloat16"), f)
-        t0 = time.perf_counter()
-        eng = SGLangEngine(work, tp_size=2, base_gpu_id=0, mem_fraction_static=0.3, load_format="dummy",
-                           server_args={"dtype": "bfloat16"})
-        res["engine_start_s"] = time.perf_counter() - t0
-        eng._engine.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False)
+        res["engine_start_s"] = start_s
+        eng.update_weights_hf_names(named_hf)
         reference = [r["checksums"] for r in eng.weight_checksums()]
     dist.barrier()
     groups = EngineGroups(2, 2, 2)
@@ -102,7 +107,7 @@ def main() -> int:
 
     def hf_names():
         if rank == 0:
-            eng._engine.update_weights_from_tensor(named_tensors=named_hf, flush_cache=False)
+            eng.update_weights_hf_names(named_hf)
         dist.barrier()
 
     for m in ("pull", "push"):

@@ -138,8 +138,7 @@ def main() -> int:
         hf1, state1 = write_tiny_llama(os.path.join(work, "tiny-llama-v1"), seed=1)
         hf1 = hf1.cuda().eval()
         hf_named = [(n, t.cuda()) for n, t in state1.items()]
-        _, T["baseline_hf_names_update"] = timed(eng._engine.update_weights_from_tensor, hf_named,
-                                                 flush_cache=False)
+        _, T["baseline_hf_names_update"] = timed(eng.update_weights_hf_names, hf_named)
         named1 = [(n, t.cuda()) for n, t in hf_to_sglang_tp1(state1, 2)]
         half = len(named1) // 2
         _, T["direct_bucket_1"] = timed(eng.update_weights, [named1[:half]])

@@ -330,6 +330,17 @@ class SGLangEngine(RolloutEngine):
         if finish:
             self._weight_version = version
 
+    def update_weights_hf_names(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """SGLang's own HF-names path, as `Engine.update_weights_from_tensor` runs it (the same list serialized for
+        every rank, SGLang's loader fuses and slices): the baseline peers use. Runs on engine.loop's thread."""
+        payload = serialize_bucket(list(named_tensors))
+        obj = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload] * self.tp_size,
+                                                       load_format=None, flush_cache=False)
+        ok, message = self._run(self._engine.tokenizer_manager.update_weights_from_tensor(obj, None),
+                                "update_weights_hf_names")
+        if not ok:
+            raise EngineError(f"SGLangEngine.update_weights_hf_names: SGLang reported failure: {message}")
+
     def pull_weights_serialized(self, payloads: list[bytes], version: int | None = None) -> None:
         """One bucket in pull mode with owners spread over the engine's GPUs: payloads[r] is engine rank r's request,
         serialized by the training rank on its GPU (`WeightSync._pull_spread`), which also tracks what that rank
