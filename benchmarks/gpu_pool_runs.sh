@@ -33,9 +33,9 @@ try:
     recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 except FileNotFoundError:
     sys.exit(0)
-recs = [r for r in recs if "rollout/tokens_per_s" in r][1:]  # step 1 carries Triton JIT
+recs = [r for r in recs if "perf/rollout_tokens_per_s" in r][1:]  # step 1 carries Triton JIT
 if recs:
-    tps = [r["rollout/tokens_per_s"] for r in recs]
+    tps = [r["perf/rollout_tokens_per_s"] for r in recs]
     print(f"   rollout tokens/s median {statistics.median(tps):.0f} (min {min(tps):.0f}, max {max(tps):.0f}, "
           f"{len(tps)} steps); engines {recs[-1]['rollout/engines']:.0f}, groups/engine "
           f"{recs[-1]['rollout/groups_per_engine_min']:.0f}-{recs[-1]['rollout/groups_per_engine_max']:.0f}; "

@@ -71,6 +71,14 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
     max_prompt_len: int = 256
     max_groups_in_flight: int = 16  # per engine: GRPO groups it runs at once (claimed from the pool's shared queue)
+    # Partial rollout (docs/design-partial-rollout.md): over-sample, train on the first prompts_per_step groups that
+    # finish, keep the rest (with the weight version of every token) in a buffer and resume them next step.
+    partial: bool = False
+    over_sample: float = 1.0  # groups in flight / groups trained (>= 1; with partial)
+    offpolicy: Literal["mask", "tis"] = "mask"  # tokens of older versions: out of the loss, or TIS (algo.tis_cap)
+    max_staleness: int | None = None  # drop buffered groups with tokens more than this many versions old
+    max_new_tokens_start: int | None = None  # growing length budget: start here, reach max_new_tokens ...
+    max_new_tokens_ramp_steps: int = 0  # ... linearly over this many steps (0 = no ramp)
 
 
 ALGO_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp")
@@ -271,6 +279,18 @@ def validate(cfg: RunConfig) -> None:
            f"must be > 1 or null, got {a.dual_clip_c}")
     _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
     _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    _check(r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight / groups trained), got "
+           f"{r.over_sample}")
+    _check(r.partial or r.over_sample == 1.0, "rollout.over_sample", "needs rollout.partial=true")
+    _check(not r.partial or r.offpolicy != "tis" or a.tis_cap is not None, "rollout.offpolicy",
+           "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
+    _check(r.max_staleness is None or r.max_staleness >= 0, "rollout.max_staleness",
+           f"must be >= 0 or null, got {r.max_staleness}")
+    _check(r.max_new_tokens_start is None or 1 <= r.max_new_tokens_start <= r.max_new_tokens,
+           "rollout.max_new_tokens_start", f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}] or null, got "
+           f"{r.max_new_tokens_start}")
+    _check(r.max_new_tokens_ramp_steps >= 0, "rollout.max_new_tokens_ramp_steps",
+           f"must be >= 0, got {r.max_new_tokens_ramp_steps}")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
     for k in ("adam_beta1", "adam_beta2"):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -248,7 +249,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, resu
     torch.set_num_threads(1)
     try:
         value = fn(rank, world, *args)
-        results.put((rank, True, value))
+        # Plain pickle (tensors by value): torch's queue would share tensors through a file descriptor that the
+        # parent can only open while this process is alive, and this process exits right after.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -313,7 +316,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                     )
                 continue
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 failures.append((rank, value))
                 # Give the other ranks a moment to report their own errors, then stop waiting.

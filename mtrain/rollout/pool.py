@@ -35,9 +35,10 @@ POLL_S = 0.05
 
 @dataclass
 class PoolRun:
-    results: list[Any]  # per group index
+    results: list[Any]  # per group index (None: never started, when a quota stopped the call)
     served: list[int]  # groups served, per engine
     seconds: float  # the slowest engine's
+    tickets: dict[int, int] | None = None  # quota runs: group index -> its place (1, 2, ...) among counted groups
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engines": float(sum(1 for s in self.served if s)),
@@ -68,8 +69,13 @@ class RolloutPool:
         self.client = LocalClient(engine) if engine is not None else None
         self._calls = 0
 
-    def run(self, n: int, fn: GroupFn, *, rid_prefix: str) -> PoolRun:
-        """Run fn(index, client) for index in range(n) across the engines (collective over all ranks)."""
+    def run(self, n: int, fn: GroupFn, *, rid_prefix: str, quota: int | None = None) -> PoolRun:
+        """Run fn(index, client) for index in range(n) across the engines (collective over all ranks).
+
+        quota: fn returns (counts, value); once `quota` groups returned counts=True (over all engines, in the order
+        of a store counter: their tickets), every engine stops claiming and aborts its running requests of this
+        call, whose group functions then return their partial state (partial rollout). Groups never started are
+        None in the results."""
         key = f"{self.namespace}/{self._calls}"
         self._calls += 1
         dist.barrier()  # every engine starts claiming together: the first one ready must not take the whole queue
@@ -78,12 +84,12 @@ class RolloutPool:
         seconds = 0.0
         if self.engine is not None:
             t0 = time.perf_counter()
-            mine, error = asyncio.run(self._drive(n, fn, key, rid_prefix))
+            mine, error = asyncio.run(self._drive(n, fn, key, rid_prefix, quota))
             seconds = time.perf_counter() - t0
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.rank, mine, error, seconds))
         if self.rank == 0:
-            for suffix in ("next", "error"):
+            for suffix in ("next", "error", "done", "quota"):
                 self.store.delete_key(f"{key}/{suffix}")
         errors = [(r, e) for r, _, e, _ in gathered if e is not None]
         if errors:
@@ -102,13 +108,17 @@ class RolloutPool:
                 results[i] = value
             if got:
                 served[self.groups.group_of(r)] += len(got)
+        seconds = max(s for _, _, _, s in gathered)  # the slowest engine's time, the same number on every rank
+        if quota is not None:
+            tickets = {i: v[0] for i, v in enumerate(results) if v is not None and v[0] is not None}
+            return PoolRun([None if v is None else v[1] for v in results], served, seconds, tickets)
         missing = [i for i, v in enumerate(results) if v is None]
         if missing:
             raise EngineError(f"rollout {rid_prefix}: groups {missing[:5]} were claimed by no engine")
-        # The slowest engine's time, the same number on every rank.
-        return PoolRun(results, served, max(s for _, _, _, s in gathered))
+        return PoolRun(results, served, seconds)
 
-    async def _drive(self, n: int, fn: GroupFn, key: str, rid_prefix: str) -> tuple[dict[int, Any], Exception | None]:
+    async def _drive(self, n: int, fn: GroupFn, key: str, rid_prefix: str,
+                     quota: int | None) -> tuple[dict[int, Any], Exception | None]:
         results: dict[int, Any] = {}
         state = {"error": None}
         stop = asyncio.Event()
@@ -119,7 +129,16 @@ class RolloutPool:
                 if i >= n or stop.is_set():
                     return
                 try:
-                    results[i] = await fn(i, self.client)
+                    value = await fn(i, self.client)
+                    if quota is not None:  # (counts, value) -> (ticket or None, value)
+                        counts, value = value
+                        ticket = None
+                        if counts:
+                            ticket = await asyncio.to_thread(self.store.add, f"{key}/done", 1)
+                            if ticket >= quota:
+                                self.store.set(f"{key}/quota", "met")
+                        value = (ticket, value)
+                    results[i] = value
                 except Exception as e:  # noqa: BLE001 - reported to every rank by run()
                     if state["error"] is None and not stop.is_set():
                         state["error"] = _picklable(e)
@@ -137,12 +156,16 @@ class RolloutPool:
                     stop.set()
                     self.engine.abort(rid_prefix)
                     return
+                if quota is not None and await asyncio.to_thread(self.store.check, [f"{key}/quota"]):
+                    stop.set()  # enough groups: the running ones stop and come back partial
+                    self.engine.abort(rid_prefix)
+                    return
                 await asyncio.sleep(POLL_S)
 
         watcher = asyncio.create_task(watch())
         # No more workers than an even share: with few groups, the first engine to reach the store must not claim
         # them all at once (later claims still go to whichever engine is free first).
-        workers = min(self.max_in_flight, -(-n // self.groups.count))
+        workers = max(1, min(self.max_in_flight, -(-n // self.groups.count)))
         await asyncio.gather(*(worker() for _ in range(workers)))
         stop.set()
         await watcher

@@ -93,8 +93,19 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int
+    # Per output token, the weight version that produced it; None = all weight_version. A sample resumed across a
+    # weight sync (partial rollout) spans several versions.
+    token_versions: list[int] | None = None
+
+    @property
+    def versions(self) -> list[int]:
+        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(
+            self.output_ids)
 
     def __post_init__(self) -> None:
+        if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
+            raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
+                             f"{len(self.token_versions)} token versions")
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"

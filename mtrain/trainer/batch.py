@@ -20,6 +20,7 @@ class RolloutBatch:
     engine_logprobs: torch.Tensor  # [B, T-1] float (0 off the mask)
     rewards: torch.Tensor  # [B]
     response_lens: torch.Tensor  # [B]
+    versions: torch.Tensor  # [B, T-1] long: the weight version that generated each response token (-1 off the mask)
 
     @property
     def size(self) -> int:
@@ -45,14 +46,16 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
     tokens = torch.full((b, t), pad_id, dtype=torch.long)
     mask = torch.zeros((b, t - 1))
     engine_lp = torch.zeros((b, t - 1))
+    versions = torch.full((b, t - 1), -1, dtype=torch.long)
     for i, c in enumerate(completions):
         p, r = len(c.prompt_ids), len(c.output_ids)
         tokens[i, :p + r] = torch.tensor(list(c.prompt_ids) + list(c.output_ids), dtype=torch.long)
         if r:
             mask[i, p - 1:p - 1 + r] = 1.0
             engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
+            versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([len(c.output_ids) for c in completions]))
+                        torch.tensor([len(c.output_ids) for c in completions]), versions)
 
 
 def dp_slice(n: int, dp_rank: int, dp_size: int) -> slice:

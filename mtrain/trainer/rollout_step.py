@@ -43,20 +43,23 @@ def group_requests(prompt_ids: list[int], index: int, n: int, params: SamplingPa
 
 
 def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int, rid_prefix: str,
-                greedy: bool = False, max_positions: int | None = None) -> RolloutResult:
-    """max_positions: the model's context (max_position_embeddings); a prompt that cannot take max_new_tokens
+                greedy: bool = False, max_positions: int | None = None, max_new_tokens: int | None = None
+                ) -> RolloutResult:
+    """max_new_tokens: this step's budget (default rollout.max_new_tokens; a growing schedule passes less).
+    max_positions: the model's context (max_position_embeddings); a prompt that cannot take max_new_tokens
     more is refused here, before any generation, with the sample named (engines differ in what they do)."""
     r, d = cfg.rollout, cfg.data
+    budget = max_new_tokens or r.max_new_tokens
     prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
                                apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
                                drop_overlong=d.drop_overlong_prompts)
     if max_positions is not None:
         for p in prompts:
-            if len(p.ids) + r.max_new_tokens > max_positions:
+            if len(p.ids) + budget > max_positions:
                 raise PromptError(f"sample {p.sample.index}: prompt of {len(p.ids)} tokens + rollout.max_new_tokens="
                                   f"{r.max_new_tokens} exceeds the model's context (max_position_embeddings="
                                   f"{max_positions}); shorten the prompt or lower rollout.max_new_tokens")
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0 if greedy else r.temperature,
                             top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
                             stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
     stops = set(params.stop_token_ids)
@@ -82,7 +85,7 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
         out.rewards += rewards
         out.responses += responses
     tokens = sum(len(c.output_ids) for c in out.completions)
-    out.metrics["rollout/tokens_per_s"] = tokens / max(run.seconds, 1e-9)
+    out.metrics["perf/rollout_tokens_per_s"] = tokens / max(run.seconds, 1e-9)
     return out
 
 

@@ -75,7 +75,7 @@ def test_grpo_pp2_invariants_and_engine_weights_move(tiny_llama, tmp_path):
     # Non-zero advantages moved (nearly) every weight of the engine after the first synced step.
     assert lead["changed"][0] > 0.9, lead["changed"]
     def reduced(r):  # wall-clock times and the bytes the leader handed to its engine are per-rank
-        return {k: v for k, v in r.items() if not k.startswith(("time/", "sync/"))}
+        return {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "sync/"))}
     assert [reduced(r) for r in res[1]["records"]] == [reduced(r) for r in lead["records"]]
 
 
@@ -242,7 +242,7 @@ def test_pull_and_push_syncs_train_identically(tiny_llama, tmp_path):
     push = run_on_ranks(_sync_mode_steps, 2, tiny_llama, tmp_path / "push", "push", timeout=240)[0]
     pull = run_on_ranks(_sync_mode_steps, 2, tiny_llama, tmp_path / "pull", "pull", timeout=240)[0]
     def reduced(r):
-        return {k: v for k, v in r.items() if not k.startswith("time/")}
+        return {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
     assert [reduced(r) for r in pull[0]] == [reduced(r) for r in push[0]]
     assert pull[1].keys() == push[1].keys() and all(torch.equal(pull[1][k], push[1][k]) for k in push[1])
     assert all(r["logprob_diff/max_abs"] <= 1e-5 for r in pull[0])
