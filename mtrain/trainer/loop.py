@@ -86,6 +86,7 @@ class Trainer:
                                engine_ep=cfg.engine.ep, first_stage_layers=p.first_stage_layers,
                                last_stage_layers=p.last_stage_layers, leader=LEADER, dtype=self.actor.dtype,
                                bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend, mode=cfg.sync.mode,
+                               engine_fp8=cfg.engine.weight_dtype == "fp8",
                                device="cuda" if torch.cuda.is_available() else "cpu")
         self.step = 0
         resumed = self._resume()

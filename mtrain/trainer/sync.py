@@ -24,8 +24,10 @@ from mtrain.reshard.pull import PullPlan
 from mtrain.trainer.rollout_step import broadcast_result
 
 
-def engine_layout(kind: str, tp: int, ep: int = 1):
-    return HFLayout() if kind == "hf" else SGLangLayout(tp=tp, ep=ep)
+def engine_layout(kind: str, tp: int, ep: int = 1, fp8: bool = False):
+    """fp8 (engine.weight_dtype=fp8): SGLang's block-FP8 layout, quantized by the sync kernel; the HF-layout
+    reference engine receives bf16 and emulates FP8 itself (mtrain.rollout.fp8_engine)."""
+    return HFLayout() if kind == "hf" else SGLangLayout(tp=tp, ep=ep, fp8=fp8)
 
 
 def sync_mode(mode: str, engine_kind: str, engine_tp: int) -> str:
@@ -44,11 +46,12 @@ def sync_mode(mode: str, engine_kind: str, engine_tp: int) -> str:
 class WeightSync:
     def __init__(self, model: ModelLayout, chunks, engine, *, engine_kind: str, engine_tp: int = 1, engine_ep: int = 1,
                  leader: int = 0, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu",
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None, mode: str = "push"):
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None, mode: str = "push",
+                 engine_fp8: bool = False):
         self.engine, self.leader = engine, leader
         self.rank = dist.get_rank()
         self.plan = build_plan(model, current_layout(first_stage_layers, last_stage_layers),
-                               engine_layout(engine_kind, engine_tp, engine_ep), colocate=lambda r: leader)
+                               engine_layout(engine_kind, engine_tp, engine_ep, engine_fp8), colocate=lambda r: leader)
         self.executor = Executor(self.plan, self.rank, tensor_lookup(chunks), dtype=dtype, backend=backend,
                                  bucket_bytes=bucket_bytes, device=device)
         self.tp = engine_tp
