@@ -22,12 +22,20 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict):
     kind = cfg.engine.kind
     if kind == "auto":
         kind = "sglang" if torch.cuda.is_available() else "reference"
+    fp8 = cfg.engine.weight_dtype == "fp8"  # block-FP8 engine (mtrain/rollout/fp8_engine.py)
     if kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        if fp8:
+            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
+            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    if fp8:
+        from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir
+        server_args.update(SERVER_ARGS)
+        hf_dir = fp8_model_dir(str(hf_dir), hf_config)
     if cfg.engine.ep > 1:
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     if cfg.engine.attention_backend:
