@@ -59,36 +59,68 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr):
+    """One sub-piece's part of the tile as float32 (zeros outside it) and its mask. When its offset, stride, first
+    column and width are multiples of VEC (16 bytes of the source dtype), offsets are written as (x // VEC) * VEC and
+    columns compared in units of VEC, so the compiler sees the alignment and issues 16-byte loads (triton_pieces
+    does the same; tl.multiple_of on loaded scalars does not survive canonicalisation)."""
+    if ((so % VEC) == 0) & ((ss % VEC) == 0) & ((c0 % VEC) == 0) & ((pnc % VEC) == 0):
+        cv = c // VEC
+        m = (rows >= r0) & (rows < r0 + pnr) & (cv >= c0 // VEC) & (cv < (c0 + pnc) // VEC)
+        off = (so // VEC) * VEC + (rows - r0) * ((ss // VEC) * VEC) + (c - (c0 // VEC) * VEC)
+        v = _to_f32(tl.load(src + off, mask=m, other=0))  # loaded in this branch: after the if, the
+    else:  # merged offsets would carry the unaligned branch's (lack of) alignment
+        m = (rows >= r0) & (rows < r0 + pnr) & (c >= c0) & (c < c0 + pnc)
+        v = _to_f32(tl.load(src + (so + (rows - r0) * ss + (c - c0)), mask=m, other=0))
+    return v, m
+
+
+@triton.jit
 def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c,
-            N_SLOTS: tl.constexpr, STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr):
+            N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
+            STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr):
     """Rows [r_lo, r_lo + STEP) of the block as float32, from sub-pieces p0..p1 (zeros where none writes)."""
     acc = tl.zeros([STEP, BK], dtype=tl.float32)
     rows = r_lo + r
     for i in range(p0, p1):
         prow = sub_ptr + i * FIELDS
         si = tl.load(prow)
-        r0 = tl.load(prow + 3)
-        c0 = tl.load(prow + 4)
-        m = (rows >= r0) & (rows < r0 + tl.load(prow + 5)) & (c >= c0) & (c < c0 + tl.load(prow + 6))
         if si >= 0:
-            off = tl.load(prow + 1) + tl.load(info_ptr + si * 2) + (rows - r0) * tl.load(prow + 2) + (c - c0)
+            so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
+            ss = tl.load(prow + 2)
+            r0 = tl.load(prow + 3)
+            c0 = tl.load(prow + 4)
+            pnr = tl.load(prow + 5)
+            pnc = tl.load(prow + 6)
             slot = tl.load(info_ptr + si * 2 + 1)
             v = tl.zeros([STEP, BK], dtype=tl.float32)
+            m = (rows < 0) & (c < 0)  # all false
             if slot == 0:
-                v = _to_f32(tl.load(src0 + off, mask=m, other=0))
+                v, m = _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0)
             if N_SLOTS > 1:
                 if slot == 1:
-                    v = _to_f32(tl.load(src1 + off, mask=m, other=0))
+                    v, m = _load_piece(src1, so, ss, r0, c0, pnr, pnc, rows, c, VEC1)
             if N_SLOTS > 2:
                 if slot == 2:
-                    v = _to_f32(tl.load(src2 + off, mask=m, other=0))
+                    v, m = _load_piece(src2, so, ss, r0, c0, pnr, pnc, rows, c, VEC2)
             acc = tl.where(m, v, acc)  # a select, not an add: keeps the sign of -0.0
     return acc
 
 
 @triton.jit
+def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q):
+    """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide."""
+    bits = _e4m3_bits(q)
+    if ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
+        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
+        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
+    else:
+        tl.store(w_ptr + (w_off + rows * w_stride + c), bits, mask=(rows < nr) & (c < nc))
+
+
+@triton.jit
 def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
-                       N_SLOTS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
+                       N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
                        FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr):
     row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     w_off = tl.load(row) + w_delta
@@ -102,18 +134,19 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
     c = tl.arange(0, BK)[None, :]
     amax = tl.zeros([STEP, BK], dtype=tl.float32)
     for r_lo in tl.static_range(0, BN, STEP):
-        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, STEP, BK, SUBF)
+        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
+                      SUBF)
         amax = tl.maximum(amax, tl.abs(acc))
     amax_s = tl.max(tl.max(amax, axis=1), axis=0)
     scale = tl.math.div_rn(amax_s, FMAX)
     tl.store(s_ptr + s_off, scale)
     safe = tl.where(scale > 0, scale, 1.0)
     for r_lo in tl.static_range(0, BN, STEP):
-        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, STEP, BK, SUBF)
+        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
+                      SUBF)
         q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
         q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-        rows = r_lo + r
-        tl.store(w_ptr + (w_off + rows * w_stride + c), _e4m3_bits(q), mask=(rows < nr) & (c < nc))
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, q)
 
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
@@ -145,7 +178,7 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
         bases.append(bases[0] if bases else (w_arg, 16))
     _fp8_blocks_kernel[(n_blocks,)](
         blocks, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0], bases[2][0],
-        N_SLOTS=max(n_used, 1), BN=bn, BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
+        N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn, BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
         num_warps=num_warps or WARPS)
 
 
