@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from mtrain.converters.fp8 import dequant_fp8_blockwise
 from mtrain.layouts import model_layout
 from mtrain.rollout.fp8_engine import QUANTIZATION_CONFIG, Fp8ReferenceEngine, fp8_model_dir
 from mtrain.rollout.protocol import EngineError, Request, SamplingParams
@@ -51,8 +52,8 @@ def test_fp8_reference_engine_holds_quantize_dequantize_of_the_fused_tensors(arc
         names = [p.name for p in wt.hf]
         linear |= set(names)
         q, s = ref_quant(torch.cat([w[n] for n in names]).float())
-        deq = q.view(torch.float8_e4m3fn).double() * s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[
-            :q.shape[0], :q.shape[1]]
+        # dequantized by the converters' own DeepSeek-checkpoint reader (independent of the kernels' helper)
+        deq = dequant_fp8_blockwise(q.view(torch.float8_e4m3fn), s, 128, out_dtype=torch.float32)
         start = 0
         for n in names:
             got = eng._views[n]
