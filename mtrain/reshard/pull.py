@@ -41,7 +41,8 @@ class PullJob:
     rows: np.ndarray
     sources: list[torch.Tensor]
     sources_key: str
-    nbytes: int  # bytes the engine writes (float32-only weights at 4 bytes, the rest at the sync dtype's size)
+    nbytes: int  # bytes the engine writes (float32-only weights at 4, FP8 ones at 1 + their scales, the rest at the
+    # sync dtype's size)
     quant: dict = field(default_factory=dict)  # target index -> layouts.fp8.Fp8Param: written as block FP8
 
 
@@ -113,9 +114,10 @@ class PullPlan:
                 row = piece_row(p, recv_index[(peer, bucket.fp32)], off, p.ncols, 0)
             rows.append(row + [target_of[_key(p)]])
         targets = [(k[2], self.ex.plan.dst_tensors[k].shape) for k in keys]
-        nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else self.ex.dtype.itemsize)
-                     for k, (_, shape) in zip(keys, targets))
         quant = {i: self.ex.plan.quant[k] for i, k in enumerate(keys) if k in self.ex.plan.quant}
+        nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else self.ex.dtype.itemsize)
+                     for k, (_, shape) in zip(keys, targets) if k not in self.ex.plan.quant)
+        nbytes += sum(int(np.prod(targets[i][1])) + 4 * int(np.prod(q.scale_shape)) for i, q in quant.items())
         out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8), nbytes, quant)
         return out
 

@@ -132,6 +132,8 @@ def test_fp8_pull_and_push_equal_sglang_loading_an_fp8_checkpoint(name):
                     sender.confirm(r, job)
             for r in range(tp):
                 check(params[r], *want[r], f"{name} {train} pull engine tp{tp} ep{ep} rank {r}")
+            written = sum(v.numel() * v.element_size() for p in params.values() for v in p.values())
+            assert sum(j.nbytes for b in pull.jobs() for j in b.values()) == written
             # push: bf16 buckets, the loader's copy quantizes
             params = {r: engine_params(plan, r) for r in range(tp)}
             for bucket in ex.stream():
