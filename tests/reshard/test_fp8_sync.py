@@ -31,17 +31,18 @@ DENSE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
 CONFIGS = {  # name: (arch, overrides, training layouts, engine (tp, ep) grid)
     # intermediate 384 at training TP2: 192-row gate/up shards, so engine blocks straddle two training ranks
     "llama_straddle": ("llama", dict(DENSE, intermediate_size=384), ["tp2", "tp1"], [(1, 1)]),
-    "llama": ("llama", dict(DENSE, intermediate_size=512), ["tp2", "tp2pp2"], [(1, 1), (2, 1), (4, 1)]),
+    "llama": ("llama", dict(DENSE, intermediate_size=512, num_hidden_layers=4),
+              ["tp2", "tp2pp2", "pp2vpp2", "pp2uneven"], [(1, 1), (2, 1), (4, 1)]),
     "qwen2_bias": ("qwen2", dict(DENSE, intermediate_size=512), ["tp2"], [(1, 1), (2, 1)]),
     "qwen3_moe": ("qwen3_moe", dict(DENSE, intermediate_size=512, moe_intermediate_size=256, num_experts=4),
-                  ["tp2ep2", "ep2"], [(1, 1), (2, 1), (2, 2)]),
+                  ["tp2ep2", "ep2", "tp2etp1ep2"], [(1, 1), (2, 1), (2, 2)]),
     # MLA: fused q_a + kv_a (256 + 192 rows: a partial last block), q_b/kv_b heads, shared and routed experts
     "deepseek_v3": ("deepseek_v3", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
                                         num_hidden_layers=2, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
                                         qk_rope_head_dim=64, v_head_dim=64, intermediate_size=512,
                                         moe_intermediate_size=256, n_routed_experts=4, n_group=2, topk_group=1,
                                         num_experts_per_tok=2),
-                    ["tp2", "tp2ep2"], [(1, 1), (2, 1), (2, 2)]),
+                    ["tp2", "tp2ep2", "tp2etp1ep2"], [(1, 1), (2, 1), (2, 2)]),
 }
 
 
