@@ -90,3 +90,14 @@ def test_sglang_fp8_model_dir(tmp_path):
     assert os.path.islink(os.path.join(out, "tokenizer.json"))
     with pytest.raises(EngineError, match="already has quantization_config"):
         fp8_model_dir(str(src), dict(cfg, quantization_config={"quant_method": "awq"}), str(tmp_path / "x"))
+
+
+def test_weight_dtype_config_key():
+    from pathlib import Path
+
+    from mtrain.config import ConfigError, load_config
+    example = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    assert load_config(example).engine.weight_dtype == "auto"
+    assert load_config(example, ["engine.weight_dtype=fp8"]).engine.weight_dtype == "fp8"
+    with pytest.raises(ConfigError, match=r"engine.weight_dtype.*must be auto or fp8, got 'fp16'"):
+        load_config(example, ["engine.weight_dtype=fp16"])
