@@ -65,8 +65,8 @@ def prepare_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], st: 
     """Every check, before any write; returns (plain ScatterTable or None, plans, source metadata)."""
     if not isinstance(st, ScatterTable):
         raise PieceTableError(f"table must be a ScatterTable, got {type(st).__name__}")
+    _, smeta = _sweep(dsts, srcs)  # tensors, flat, contiguous, one device: before the specs look at them
     check_specs(dsts, quant)
-    _, smeta = _sweep(dsts, srcs)
     subs = _structure(st)
     cache = st.derived()
     sizes = (tuple(d.numel() for d in dsts), tuple(m.numel for m in smeta))
