@@ -1,12 +1,13 @@
 """Resharding kernels (imported as `mtrain.kernels`): execute a planner's piece table.
 
     execute_pieces(dst, srcs, table, backend="auto")
-    execute_scatter(dsts, srcs, scatter_table, backend="auto")
+    execute_scatter(dsts, srcs, scatter_table, backend="auto", quant={d: BlockFp8(scale, shape)})
 
 copy 2-D blocks from flat source tensors into one flat destination, or into many (a ScatterTable
 names each row's destination; see pieces.py for the row format and scatter.py). "triton" runs a
 table in one launch (scatter: one per destination dtype); "torch" is the reference (and CPU)
-executor; "auto" picks Triton for CUDA tensors when Triton imports, torch otherwise.
+executor; "auto" picks Triton for CUDA tensors when Triton imports, torch otherwise. `quant` writes the
+named destinations as DeepSeek-style block FP8 with their scales (fp8.py, docs/fp8.md).
 """
 from __future__ import annotations
 
