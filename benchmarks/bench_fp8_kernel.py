@@ -129,6 +129,12 @@ def main() -> int:
                copy_GBps=bw / 1e9, fp8_ms=t_fp8 * 1e3, bf16_ms=t_bf16 * 1e3, copy_ms=t_copy * 1e3,
                fp8_vs_floor=(3 * n / bw) / t_fp8, bf16_vs_copy=t_copy / t_bf16, fp8_over_bf16=t_fp8 / t_bf16,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)")
+    # Where the sources live (the bf16 MoE bucket ran at ~50 % or ~81 % of copy bandwidth depending on it,
+    # docs/results.md section 1): allocator segments and the address span the sources cover.
+    ptrs = sorted(t.data_ptr() for t in srcs)
+    res["sources_span_GB"] = (ptrs[-1] - ptrs[0]) / 1e9 if ptrs else 0.0
+    if device.type == "cuda":
+        res["allocator_segments"] = torch.cuda.memory_stats(device).get("segment.all.current")
     print(json.dumps(res, indent=1))
     out = os.environ.get("OUT")
     if out:
