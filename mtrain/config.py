@@ -58,6 +58,10 @@ class EngineConfig:
     nnodes: int = 1  # nodes one SGLang engine spans (engine.tp = nnodes x ranks per node); docs/design-pool.md
     colocate: bool = True  # engines release weights + KV cache while training runs, and take them back for rollout
     offload_train: bool = False  # move grads/optimizer state to host while the engines generate (metrics: offload/*)
+    # auto: the engine holds the trainer's dtype. fp8: SGLang's block-FP8 layout (float8_e4m3fn + 128x128 scales
+    # for every linear layer); each sync quantizes inside the resharding kernel. The CPU reference engine
+    # emulates it (quantize-dequantize with the same block math). docs/fp8.md
+    weight_dtype: str = "auto"
 
 
 @dataclass
@@ -263,6 +267,7 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 2, "parallel.vpp", optional=True)
     _at_least(cfg, 2, "data.arithmetic.num_operands")
     _check(p.vpp is None or p.pp > 1, "parallel.vpp", f"needs parallel.pp > 1 (pp={p.pp})")
+    _check(e.weight_dtype in ("auto", "fp8"), "engine.weight_dtype", f"must be auto or fp8, got {e.weight_dtype!r}")
     _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
            f"must be in (0, 1), got {e.mem_fraction_static}")
     # Every algorithm here uses a group baseline: one sample per prompt gives advantage 0 everywhere.

@@ -99,9 +99,9 @@ def gqa_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, bias: bo
              f"{hp}input_layernorm.weight", **kw),
         Weight(f"L{i}.qkv", (q + 2 * kv, hidden), one(f"{mp}self_attention.linear_qkv.weight", q + 2 * kv, mg_qkv),
                stacked([(n + ".weight", r) for n, r in hf_qkv]),
-               one(f"{hp}self_attn.qkv_proj.weight", q + 2 * kv, sg_qkv), **kw),
+               one(f"{hp}self_attn.qkv_proj.weight", q + 2 * kv, sg_qkv), block_fp8=True, **kw),
         Weight(f"L{i}.o_proj", (hidden, q), one(f"{mp}self_attention.linear_proj.weight", hidden, ROW),
-               one(f"{hp}self_attn.o_proj.weight", hidden), one(f"{hp}self_attn.o_proj.weight", hidden, ROW), **kw),
+               one(f"{hp}self_attn.o_proj.weight", hidden), one(f"{hp}self_attn.o_proj.weight", hidden, ROW), block_fp8=True, **kw),
     ]
     if bias:
         rows.append(Weight(f"L{i}.qkv_bias", (q + 2 * kv,),
@@ -137,30 +137,30 @@ def mla_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, **kw) ->
                            (Part(f"{sa}linear_q_down_proj.weight", (0, q_lora), down),
                             Part(f"{sa}linear_kv_down_proj.weight", (q_lora, q_lora + kv_a), down)),
                            stacked([(f"{hs}q_a_proj.weight", q_lora), (f"{hs}kv_a_proj_with_mqa.weight", kv_a)]),
-                           one(f"{hs}fused_qkv_a_proj_with_mqa.weight", q_lora + kv_a), **kw))
+                           one(f"{hs}fused_qkv_a_proj_with_mqa.weight", q_lora + kv_a), block_fp8=True, **kw))
         rows.append(norm(f"L{i}.q_a_norm", q_lora, names.mla_q_norm(mp), f"{hs}q_a_layernorm.weight",
                          f"{hs}q_a_layernorm.weight", **kw))
         rows.append(Weight(f"L{i}.q_b", (heads * (nope + rope), q_lora),
                            one(f"{sa}linear_q_up_proj.weight", heads * (nope + rope), heads_rule),
                            one(f"{hs}q_b_proj.weight", heads * (nope + rope)),
-                           one(f"{hs}q_b_proj.weight", heads * (nope + rope), heads_rule), **kw))
+                           one(f"{hs}q_b_proj.weight", heads * (nope + rope), heads_rule), block_fp8=True, **kw))
     else:
         rows.append(Weight(f"L{i}.q", (heads * (nope + rope), hidden),
                            one(f"{sa}linear_q_proj.weight", heads * (nope + rope), heads_rule),
                            one(f"{hs}q_proj.weight", heads * (nope + rope)),
-                           one(f"{hs}q_proj.weight", heads * (nope + rope), heads_rule), **kw))
+                           one(f"{hs}q_proj.weight", heads * (nope + rope), heads_rule), block_fp8=True, **kw))
         rows.append(Weight(f"L{i}.kv_a", (kv_a, hidden), one(f"{sa}linear_kv_down_proj.weight", kv_a, down),
                            one(f"{hs}kv_a_proj_with_mqa.weight", kv_a), one(f"{hs}kv_a_proj_with_mqa.weight", kv_a),
-                           **kw))
+                           block_fp8=True, **kw))
     rows += [
         norm(f"L{i}.kv_a_norm", kv_lora, names.mla_kv_norm(mp), f"{hs}kv_a_layernorm.weight",
              f"{hs}kv_a_layernorm.weight", **kw),
         Weight(f"L{i}.kv_b", (heads * (nope + vd), kv_lora),
                one(f"{sa}linear_kv_up_proj.weight", heads * (nope + vd), kv_heads_rule),
                one(f"{hs}kv_b_proj.weight", heads * (nope + vd)),
-               one(f"{hs}kv_b_proj.weight", heads * (nope + vd), kv_heads_rule), **kw),
+               one(f"{hs}kv_b_proj.weight", heads * (nope + vd), kv_heads_rule), block_fp8=True, **kw),
         Weight(f"L{i}.o_proj", (hidden, heads * vd), one(f"{sa}linear_proj.weight", hidden, ROW),
-               one(f"{hs}o_proj.weight", hidden), one(f"{hs}o_proj.weight", hidden, ROW), **kw),
+               one(f"{hs}o_proj.weight", hidden), one(f"{hs}o_proj.weight", hidden, ROW), block_fp8=True, **kw),
     ]
     return rows
 
@@ -173,9 +173,9 @@ def dense_mlp_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, in
              f"{hp}post_attention_layernorm.weight", **kw),
         Weight(f"L{i}.gate_up", (2 * inter, hidden), one(f"{mp}mlp.linear_fc1.weight", 2 * inter, g),
                stacked([(f"{hp}mlp.gate_proj.weight", inter), (f"{hp}mlp.up_proj.weight", inter)]),
-               one(f"{hp}mlp.gate_up_proj.weight", 2 * inter, g), **kw),
+               one(f"{hp}mlp.gate_up_proj.weight", 2 * inter, g), block_fp8=True, **kw),
         Weight(f"L{i}.down", (hidden, inter), one(f"{mp}mlp.linear_fc2.weight", hidden, ROW),
-               one(f"{hp}mlp.down_proj.weight", hidden), one(f"{hp}mlp.down_proj.weight", hidden, ROW), **kw),
+               one(f"{hp}mlp.down_proj.weight", hidden), one(f"{hp}mlp.down_proj.weight", hidden, ROW), block_fp8=True, **kw),
     ]
 
 
@@ -200,17 +200,17 @@ def moe_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, experts:
         rows.append(Weight(f"L{i}.E{e}.gate_up", (2 * inter, hidden),
                            one(names.expert(mp, "linear_fc1"), 2 * inter, g),
                            stacked([(f"{ep}gate_proj.weight", inter), (f"{ep}up_proj.weight", inter)]),
-                           one(f"{hp}mlp.experts.w13_weight", 2 * inter, g, slot=True), expert=e, **kw))
+                           one(f"{hp}mlp.experts.w13_weight", 2 * inter, g, slot=True), expert=e, block_fp8=True, **kw))
         rows.append(Weight(f"L{i}.E{e}.down", (hidden, inter), one(names.expert(mp, "linear_fc2"), hidden, ROW),
                            one(f"{ep}down_proj.weight", hidden),
-                           one(f"{hp}mlp.experts.w2_weight", hidden, ROW, slot=True), expert=e, **kw))
+                           one(f"{hp}mlp.experts.w2_weight", hidden, ROW, slot=True), expert=e, block_fp8=True, **kw))
     if shared_inter:
         sg = gated(shared_inter, "shared expert intermediate size")
         sp, hsp = f"{mp}mlp.shared_experts.", f"{hp}mlp.shared_experts."
         rows.append(Weight(f"L{i}.shared.gate_up", (2 * shared_inter, hidden),
                            one(f"{sp}linear_fc1.weight", 2 * shared_inter, sg),
                            stacked([(f"{hsp}gate_proj.weight", shared_inter), (f"{hsp}up_proj.weight", shared_inter)]),
-                           one(f"{hsp}gate_up_proj.weight", 2 * shared_inter, sg), **kw))
+                           one(f"{hsp}gate_up_proj.weight", 2 * shared_inter, sg), block_fp8=True, **kw))
         rows.append(Weight(f"L{i}.shared.down", (hidden, shared_inter), one(f"{sp}linear_fc2.weight", hidden, ROW),
-                           one(f"{hsp}down_proj.weight", hidden), one(f"{hsp}down_proj.weight", hidden, ROW), **kw))
+                           one(f"{hsp}down_proj.weight", hidden), one(f"{hsp}down_proj.weight", hidden, ROW), block_fp8=True, **kw))
     return rows

@@ -5,6 +5,8 @@ weight of the model with its Megatron, HF and SGLang names and shardings.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mtrain.layouts.blocks import (MegatronNames, dense_mlp_rows, embedding_rows, gqa_rows, megatron_vocab_rule,
                                    mla_rows, moe_rows, norm)
 from mtrain.layouts.rules import LayoutError
@@ -70,7 +72,7 @@ def _mtp_rows(cfg: dict, k: int, names: MegatronNames, divisible_by: int) -> lis
     kw = dict(region="mtp", layer=k)
     vocab_rule = megatron_vocab_rule(divisible_by)
     rows = _layer_rows(cfg, i, mp + "transformer_layer.", hp, names, **kw)
-    rows = [Weight(w.key, w.shape, w.megatron, w.hf, (), w.region, w.layer, w.expert, w.fp32) for w in rows]
+    rows = [replace(w, sglang=()) for w in rows]
     rows += [
         norm(f"L{i}.enorm", hidden, f"{mp}enorm.weight", f"{hp}enorm.weight", None, **kw),
         norm(f"L{i}.hnorm", hidden, f"{mp}hnorm.weight", f"{hp}hnorm.weight", None, **kw),

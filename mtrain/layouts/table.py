@@ -40,6 +40,10 @@ class Weight:
     layer: int | None = None  # global decoder layer (or MTP depth for region "mtp")
     expert: int | None = None  # global routed-expert index
     fp32: bool = False  # kept in float32 on every side whatever the model dtype (DeepSeek's expert bias)
+    # A linear layer's weight: block-FP8 checkpoints (DeepSeek-V3's release, Qwen3-*-FP8) and SGLang's FP8 layout
+    # store it as float8_e4m3fn + weight_scale_inv. Everything else (embedding, head, norms, biases, routers) stays
+    # in the model dtype there (mtrain/layouts/fp8.py, docs/fp8.md).
+    block_fp8: bool = False
 
     @property
     def shape2d(self) -> tuple[int, int]:

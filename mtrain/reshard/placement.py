@@ -146,10 +146,12 @@ class MegatronLayout:
 
 @dataclass(frozen=True)
 class SGLangLayout:
-    """One SGLang engine: attention TP over `tp` ranks; MoE over ep x (tp // ep) (moe_tp) ranks."""
+    """One SGLang engine: attention TP over `tp` ranks; MoE over ep x (tp // ep) (moe_tp) ranks. fp8: the engine
+    runs SGLang's block-FP8 layout, so weights marked `block_fp8` are float8_e4m3fn + a scale (layouts/fp8.py)."""
 
     tp: int = 1
     ep: int = 1
+    fp8: bool = False
     side = "sglang"
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from mtrain.layouts.fp8 import check_block_split, fp8_param
 from mtrain.layouts.rules import LayoutError, Rect
 from mtrain.layouts.table import ModelLayout, Weight
 from mtrain.reshard.placement import Holder, parts_of
@@ -52,6 +53,8 @@ class Plan:
     src_tensors: dict[tuple[int, int, str], TensorRef]
     owner: dict[int, int] = field(default_factory=dict)  # dst rank -> process (training rank) that writes it
     fp32: set = field(default_factory=set)  # destination keys that stay float32 whatever the sync dtype
+    # destination keys written as block FP8 (an FP8 engine), with their scale parameter (layouts/fp8.py)
+    quant: dict = field(default_factory=dict)
 
     def remote(self, piece: Piece) -> bool:
         return piece.src is not None and self.owner.get(piece.dst.rank, piece.dst.rank) != piece.src.rank
@@ -101,6 +104,8 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
     src_tensors: dict = {}
     owner: dict[int, int] = {}
     fp32: set = set()
+    quant: dict = {}
+    fp8 = getattr(dst_layout, "fp8", False)
     for w in model.weights:
         dst_holders = dst_layout.holders(model, w)
         if only_writable:
@@ -129,6 +134,9 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             owner.setdefault(dh.rank, colocate(dh.rank))
             if w.fp32:
                 fp32.add(key)
+            if fp8 and w.block_fp8:
+                check_block_split(w, part, dshape, dh.rule_world)
+                quant[key] = fp8_param(dh.name, dref.shape)
             covered = 0
             for dr in drects:
                 covered = max(covered, dr.row + dr.nrows)
@@ -152,7 +160,7 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             if covered < dshape[0]:  # vocabulary padding rows
                 pieces.append(Piece(None, None, dref, dh.slot, 0, 0, covered, 0, dshape[0] - covered, dshape[1], w.key))
     _check_coverage(pieces, dst_tensors)
-    return Plan(pieces, dst_tensors, src_tensors, owner, fp32)
+    return Plan(pieces, dst_tensors, src_tensors, owner, fp32, quant)
 
 
 def _check_coverage(pieces: list[Piece], dst_tensors: dict) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -41,7 +41,9 @@ class PullJob:
     rows: np.ndarray
     sources: list[torch.Tensor]
     sources_key: str
-    nbytes: int  # bytes the engine writes (float32-only weights at 4 bytes, the rest at the sync dtype's size)
+    nbytes: int  # bytes the engine writes (float32-only weights at 4, FP8 ones at 1 + their scales, the rest at the
+    # sync dtype's size)
+    quant: dict = field(default_factory=dict)  # target index -> layouts.fp8.Fp8Param: written as block FP8
 
 
 def _key(p: Piece) -> Key:
@@ -68,7 +70,7 @@ class PullPlan:
         self.recv_bufs = {k: torch.empty(n, dtype=torch.float32 if k[1] else executor.dtype, device=executor.device)
                           for k, n in sorted(sizes.items())}
         self.dst_ranks = sorted({k[0] for b in self.buckets for k in b.keys if executor.owner(k[0]) == executor.rank})
-        self._tables: dict[tuple[int, int], tuple[list, np.ndarray, int]] = {}
+        self._tables: dict[tuple[int, int], tuple[list, np.ndarray, int, dict]] = {}
         self._src_cache: tuple | None = None
 
     def _recv_buffer(self, peer: int, numel: int, fp32: bool) -> torch.Tensor:
@@ -85,7 +87,7 @@ class PullPlan:
             srcs.append(buf)
         return srcs, index, recv_index
 
-    def _table(self, bi: int, dst_rank: int, index: dict[Key, int], recv_index: dict) -> tuple[list, np.ndarray, int]:
+    def _table(self, bi: int, dst_rank: int, index: dict[Key, int], recv_index: dict) -> tuple[list, np.ndarray, int, dict]:
         cached = self._tables.get((bi, dst_rank))
         if cached is not None:
             return cached
@@ -112,9 +114,11 @@ class PullPlan:
                 row = piece_row(p, recv_index[(peer, bucket.fp32)], off, p.ncols, 0)
             rows.append(row + [target_of[_key(p)]])
         targets = [(k[2], self.ex.plan.dst_tensors[k].shape) for k in keys]
+        quant = {i: self.ex.plan.quant[k] for i, k in enumerate(keys) if k in self.ex.plan.quant}
         nbytes = sum(int(np.prod(shape)) * (4 if k in self.ex.plan.fp32 else self.ex.dtype.itemsize)
-                     for k, (_, shape) in zip(keys, targets))
-        out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8), nbytes)
+                     for k, (_, shape) in zip(keys, targets) if k not in self.ex.plan.quant)
+        nbytes += sum(int(np.prod(targets[i][1])) + 4 * int(np.prod(q.scale_shape)) for i, q in quant.items())
+        out = self._tables[(bi, dst_rank)] = (targets, np.asarray(rows, dtype=np.int64).reshape(-1, 8), nbytes, quant)
         return out
 
     def jobs(self) -> Iterator[dict[int, PullJob]]:
@@ -130,8 +134,8 @@ class PullPlan:
                 if not any(k[0] == r for k in bucket.keys):
                     continue
                 srcs, index, recv_index = per_rank[r]
-                targets, rows, nbytes = self._table(bi, r, index, recv_index)
-                out[r] = PullJob(f"{self.uid}/{bi}/{r}", targets, rows, srcs, skeys[r], nbytes)
+                targets, rows, nbytes, quant = self._table(bi, r, index, recv_index)
+                out[r] = PullJob(f"{self.uid}/{bi}/{r}", targets, rows, srcs, skeys[r], nbytes, quant)
             if self.ex.device.type == "cuda":
                 # Another process reads these tensors next: the optimizer's and the receives' writes must be done.
                 torch.cuda.current_stream(self.ex.device).synchronize()

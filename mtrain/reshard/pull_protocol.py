@@ -3,7 +3,8 @@
 A pull request is one `update_weights_from_tensor` payload per engine rank, handled by `sglang_loader.load_direct`:
     [(PULL_PREFIX + json spec, zero-size tensor), (SOURCE_NAME, source 0), (SOURCE_NAME, source 1), ...]
 spec = {"table": key, "sources": key, "n_sources": k, "finish": bool,
-        "targets": [[param name, shape], ...], "rows": [[8 ints], ...]}   # targets/rows: first use of `table` only
+        "targets": [[param name, shape], ...], "rows": [[8 ints], ...],   # targets/rows: first use of `table` only
+        "quant": [[target index, scale name, scale shape, [bn, bk]], ...]}  # with targets, for an FP8 engine
 Sources (the trainer's parameters and receive buffers, as CUDA IPC views) come only when their key is new; the
 loader keeps them, so their IPC mappings are opened once. Tables are validated, resolved to the parameters
 and cached per key. Each call then runs `mtrain.kernels.execute_scatter`: one launch per parameter dtype.
@@ -19,8 +20,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from mtrain.kernels import PieceTableError, ScatterTable, execute_scatter
-from mtrain.rollout.sglang_loader import LoaderError, synchronize, target_view
+from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
+from mtrain.rollout.sglang_loader import LoaderError, fp8_spec, synchronize, target_view
 
 PULL_PREFIX = "__mtrain_pull__"
 SOURCE_NAME = "__mtrain_src__"
@@ -33,7 +34,7 @@ class PullState:
     sources_key: str | None = None
     sources: list[torch.Tensor] = field(default_factory=list)
     plan: str | None = None  # tables of one plan at a time: a new plan's first table drops the old ones
-    tables: dict[str, tuple[ScatterTable, list[str], list[torch.Tensor]]] = field(default_factory=dict)
+    tables: dict[str, tuple[ScatterTable, list[str], list[torch.Tensor], dict[int, BlockFp8]]] = field(default_factory=dict)
 
 
 STATE = PullState()  # this scheduler process's (one engine rank's)
@@ -81,7 +82,26 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
             raise LoaderError(f"pull: {entry[0]}: the engine's parameter is not contiguous")
         names.append(target.param)
         dsts.append(view.view(-1))
-    return names, dsts
+    return names, dsts, _resolve_quant(spec, params, targets)
+
+
+def _resolve_quant(spec: dict, params: Mapping[str, torch.Tensor], targets: list) -> dict[int, BlockFp8]:
+    """The trainer's FP8 targets, checked against the engine's parameters: FP8 on both sides or on neither."""
+    entries = spec.get("quant", [])
+    if not isinstance(entries, list):
+        raise LoaderError("pull: 'quant' must be a list of [target index, scale name, scale shape, block]")
+    quant: dict[int, BlockFp8] = {}
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
+                and 0 <= entry[0] < len(targets)):
+            raise LoaderError(f"pull: bad quant entry {entry!r}: expected [target index, scale name, shape, block]")
+        i, scale_name, scale_shape, block = entry
+        quant[i] = fp8_spec(params, targets[i][0], scale_name, scale_shape, block)
+    for i, (name, _) in enumerate(targets):
+        if i not in quant and params[name.split("@")[0]].dtype == torch.float8_e4m3fn:
+            raise LoaderError(f"pull: {name} is float8_e4m3fn in this engine (an FP8 engine) but the trainer's plan "
+                              "writes it unquantized: set engine.weight_dtype=fp8 for this engine")
+    return quant
 
 
 def _table(spec: dict) -> ScatterTable:
@@ -113,13 +133,13 @@ def run_pull(params: Mapping[str, torch.Tensor], named_tensors: Sequence[tuple[s
                           f"{state.sources_key!r}); the trainer must send them")
     cached = state.tables.get(spec["table"])
     if "targets" in spec:
-        names, dsts = _resolve_targets(spec, params)
-        cached = (_table(spec), names, dsts)
+        names, dsts, quant = _resolve_targets(spec, params)
+        cached = (_table(spec), names, dsts, quant)
     elif cached is None:
         raise LoaderError(f"pull: table {spec['table']!r} is not held by this engine rank; the trainer must send it")
-    table, names, dsts = cached
+    table, names, dsts, quant = cached
     try:
-        execute_scatter(dsts, sources, table)
+        execute_scatter(dsts, sources, table, quant=quant)
     except PieceTableError as e:
         raise LoaderError(f"pull: table {spec['table']!r} does not fit: {e}") from None
     synchronize(dsts)  # the trainer may change its tensors once the call returns
@@ -153,6 +173,9 @@ class PullSender:
         if job.table_key not in self.tables[rank]:
             spec["targets"] = [[name, list(shape)] for name, shape in job.targets]
             spec["rows"] = job.rows.tolist()
+            quant = getattr(job, "quant", None) or {}
+            if quant:
+                spec["quant"] = [[i, q.scale_name, list(q.scale_shape), list(q.block)] for i, q in sorted(quant.items())]
         out = [(PULL_PREFIX + json.dumps(spec, separators=(",", ":")), marker)]
         if send_sources:
             out += [(SOURCE_NAME, t) for t in job.sources]

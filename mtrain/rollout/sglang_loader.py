@@ -10,7 +10,9 @@ Names are SGLang's internal parameter names (`dict(model.named_parameters())`) w
     "model.layers.3.mlp.experts.w13_weight@8:16"      rows [8, 16) along dim 0 of it
 The row-range form writes part of a parameter: local experts 8..15 of a FusedMoE weight, or one piece of a
 tensor too big for one bucket. The tensor must have exactly the destination's shape and dtype; nothing is
-cast or re-sliced here (the planner already produced per-rank shards).
+cast or re-sliced here (the planner already produced per-rank shards). One exception, an FP8 engine: a
+float32/bf16/fp16 tensor for a float8_e4m3fn parameter `X` is block-quantized into `X` and its scale
+`X_scale_inv` (whole 128x128 blocks; `mtrain.kernels` BlockFp8), one kernel launch per bucket.
 
 Control names (a zero-size tensor goes with them):
     FINISH_NAME      end of a sync: run the model's post-load hook (DeepSeek's kv_b_proj -> w_kc/w_vc).
@@ -36,7 +38,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
+
+from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
+from mtrain.kernels.fp8 import FP8, SRC_DTYPES
+from mtrain.layouts.fp8 import BLOCK, SCALE_SUFFIX
 
 LOAD_DIRECT = "mtrain.rollout.sglang_loader.load_direct"
 DUMP_PARAMS = "mtrain.rollout.sglang_loader.dump_params"
@@ -138,7 +145,9 @@ def plan_copies(
             raise LoaderError(f"{name}: shape {tuple(tensor.shape)} does not match {target.param}"
                               f"{'' if target.start is None else f'[{target.start}:{target.stop}]'} "
                               f"shape {tuple(dst.shape)}")
-        if tensor.dtype != dst.dtype:
+        if dst.dtype == FP8 and tensor.dtype in SRC_DTYPES:
+            fp8_spec(params, target.param, target.param + SCALE_SUFFIX, None, list(BLOCK))  # checks the scale
+        elif tensor.dtype != dst.dtype:
             raise LoaderError(f"{name}: dtype {tensor.dtype} does not match {target.param} dtype {dst.dtype} "
                               "(the loader never casts)")
         for a, b in written.get(target.param, []):
@@ -150,10 +159,71 @@ def plan_copies(
     return plan
 
 
-def apply_copies(plan: Sequence[tuple[Target, torch.Tensor, torch.Tensor]]) -> None:
-    for _, dst, src in plan:
-        dst.copy_(src, non_blocking=True)
+def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, scale_shape: Sequence[int] | None,
+             block: Sequence[int]) -> BlockFp8:
+    """The engine's FP8 parameter `name` and its scale `scale_name`, checked (shape None: the weight's grid)."""
+    target, view, _ = target_view(params, name)
+    if target.start is not None:
+        raise LoaderError(f"{name}: an FP8 target must be a whole parameter")
+    if view.dtype != FP8:
+        raise LoaderError(f"{name}: the trainer quantizes it to FP8 but this engine holds it as {view.dtype}: start "
+                          "the engine with quantization fp8, or set engine.weight_dtype=auto")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise LoaderError(f"{name}: bad FP8 block {block!r}: expected two positive ints")
+    scale = params.get(scale_name)
+    if scale is None:
+        raise LoaderError(f"{name} is float8_e4m3fn but the engine has no parameter {scale_name!r} (a block-FP8 "
+                          "engine has one per FP8 weight; per-channel FP8 from quantization='fp8' on a bf16 "
+                          "checkpoint is not supported)")
+    want = [-(-view.shape[-2] // block[0]), -(-view.shape[-1] // block[1])]
+    want = list(view.shape[:-2]) + want if scale_shape is None else list(scale_shape)
+    if scale.dtype != torch.float32 or list(scale.shape) != want or not scale.is_contiguous():
+        raise LoaderError(f"{scale_name}: expected a contiguous float32 {tuple(want)} scale ({block[0]}x{block[1]} "
+                          f"blocks), the engine has {scale.dtype} {tuple(scale.shape)}")
+    if not view.is_contiguous():
+        raise LoaderError(f"{name}: the engine's FP8 parameter is not contiguous")
+    return BlockFp8(scale.data.view(-1), tuple(view.shape), (int(block[0]), int(block[1])))
+
+
+# Push buckets repeat every sync: their FP8 tables (and the kernel's per-table caches) are kept by bucket layout.
+_fp8_tables: dict[tuple, ScatterTable] = {}
+
+
+def apply_copies(plan: Sequence[tuple[Target, torch.Tensor, torch.Tensor]],
+                 params: Mapping[str, torch.Tensor] | None = None) -> None:
+    quantized = []
+    for target, dst, src in plan:
+        if dst.dtype == FP8 and src.dtype != FP8:
+            quantized.append((target, dst, src))
+        else:
+            dst.copy_(src, non_blocking=True)
+    if quantized:
+        _apply_fp8(quantized, params)
     synchronize([dst for _, dst, _ in plan])  # the sources are the trainer's reused bucket buffers
+
+
+def _apply_fp8(entries, params: Mapping[str, torch.Tensor]) -> None:
+    """One execute_scatter for a bucket's FP8 entries: each a contiguous run into its parameter (rows a..b)."""
+    dsts, srcs, quant, rows = [], [], {}, []
+    for i, (target, dst, src) in enumerate(entries):
+        whole = params[target.param]
+        spec = fp8_spec(params, target.param, target.param + SCALE_SUFFIX, None, list(BLOCK))
+        start = (target.start or 0) * (whole[0].numel() if whole.dim() > 0 else 1)
+        n = src.numel()
+        dsts.append(whole.data.view(-1))
+        srcs.append(src.contiguous().view(-1))
+        quant[i] = spec
+        rows.append([i, 0, n, start, n, 1, n, i])
+    key = tuple((str(t), tuple(s.shape)) for t, _, s in entries)
+    table = _fp8_tables.get(key)
+    if table is None:
+        if len(_fp8_tables) > 256:
+            _fp8_tables.clear()
+        table = _fp8_tables[key] = ScatterTable.from_rows(np.asarray(rows, dtype=np.int64))
+    try:
+        execute_scatter(dsts, srcs, table, quant=quant)
+    except PieceTableError as e:
+        raise LoaderError(f"FP8 bucket: {e}") from None
 
 
 def post_load_kwargs(hook: Any, touched: Sequence[str]) -> dict | None:
@@ -302,8 +372,9 @@ def load_direct(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]
             run_post_load_hooks(model, sorted(_touched_since_finish))
             _touched_since_finish.clear()
             return
-        plan = plan_copies(_params(model), named_tensors)
-        apply_copies(plan)
+        params = _params(model)
+        plan = plan_copies(params, named_tensors)
+        apply_copies(plan, params)
         _touched_since_finish.update(t.param for t, _, _ in plan)
         _keepalive[:] = [t for _, t in named_tensors[:1]]
     except Exception as e:  # noqa: BLE001 -- raising here would kill the training process (module docstring)

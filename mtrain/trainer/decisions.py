@@ -25,10 +25,12 @@ class RunDecisions:
     sequence_parallel: bool
     use_te: bool
     sync_mode: str  # "pull" | "push"
+    engine_fp8: bool = False  # engine.weight_dtype=fp8: block-FP8 engine weights, quantized by the sync (docs/fp8.md)
 
     def summary(self) -> str:
         return (f"device={self.device} engine={self.engine_kind} sync={self.sync_mode} colocate={self.colocate} "
-                f"offload_train={self.offload_train} sequence_parallel={self.sequence_parallel} te={self.use_te}\n"
+                f"offload_train={self.offload_train} sequence_parallel={self.sequence_parallel} te={self.use_te} "
+                f"fp8_engine={self.engine_fp8}\n"
                 f"{self.groups.describe()}")
 
 
@@ -61,4 +63,4 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
     return RunDecisions(device="cuda" if cuda else "cpu", engine_kind=kind,
                         engine_layout="hf" if kind == "reference" else "sglang", groups=groups,
                         colocate=e.colocate, offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
-                        sync_mode=sync_mode(cfg.sync.mode))
+                        sync_mode=sync_mode(cfg.sync.mode), engine_fp8=e.weight_dtype == "fp8")

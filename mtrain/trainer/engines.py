@@ -21,18 +21,27 @@ def load_tokenizer(hf_dir: Path, hf_config: dict):
 def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     """The engine of this rank's group (call on the group's leader): SGLang or the CPU reference engine, as decided
     once for the run (`mtrain.trainer.decisions`). Weights arrive by the first sync."""
+    fp8 = decisions.engine_fp8  # block-FP8 engine (mtrain/rollout/fp8_engine.py)
     if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        if fp8:
+            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
+            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    if fp8:
+        from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir
+        server_args.update(SERVER_ARGS)
+        hf_dir = fp8_model_dir(str(hf_dir), hf_config)
     if cfg.engine.ep > 1:
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     if cfg.engine.attention_backend:
         server_args["attention_backend"] = cfg.engine.attention_backend
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    placement = decisions.groups.sglang_placement(rank, local_rank=local_rank, dist_init_addr=engine_rendezvous(decisions.groups, rank))
+    placement = decisions.groups.sglang_placement(rank, local_rank=local_rank,
+                                                  dist_init_addr=engine_rendezvous(decisions.groups, rank))
     tp = placement.pop("tp_size")
     base_gpu_id = placement.pop("base_gpu_id")
     server_args.update(placement)  # nnodes / node_rank / dist_init_addr for an engine spanning nodes

@@ -98,7 +98,7 @@ class Trainer:
                                engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
                                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
                                dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
-                               mode=d.sync_mode, device=d.device)
+                               mode=d.sync_mode, device=d.device, engine_fp8=d.engine_fp8)
         self.step = 0
         resumed = self._resume()
         if self.rank == 0:

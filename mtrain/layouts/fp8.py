@@ -1,0 +1,69 @@
+"""SGLang's block-FP8 parameter layout (quantization="fp8", weight_block_size [128, 128]; SGLang 0.5.17).
+
+Which weights are FP8 is a column of the layout tables (`Weight.block_fp8`: every linear layer's weight; the
+embedding, head, norms, biases and routers stay in the model dtype). This module holds the rest of the layout:
+- per rank, a block-FP8 parameter `X` (`...weight`, FusedMoE `w13_weight` / `w2_weight`) is float8_e4m3fn with
+  the shape of its bf16 twin, and `X + "_scale_inv"` is float32 [slots,] ceil(rows/128) x ceil(cols/128)
+  (layers/quantization/fp8.py, create_fp8_weight_ and create_fp8_moe_weight_);
+- the divisibility rules SGLang enforces when it builds the layers (`validate_block_quant_shapes`; FusedMoE:
+  `intermediate_size_per_partition % 128`), checked here at planning time so that a bad engine TP is refused with
+  one clear error naming the weight, before any engine starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtrain.kernels.fp8 import scale_shape
+from mtrain.layouts.rules import Fused, LayoutError, Split
+from mtrain.layouts.table import Part, Weight
+
+BLOCK = (128, 128)  # weight_block_size of DeepSeek-V3's and Qwen3's FP8 releases; the only one SGLang's path takes
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class Fp8Param:
+    """The scale that goes with one block-FP8 destination parameter."""
+
+    scale_name: str
+    scale_shape: tuple[int, ...]
+    block: tuple[int, int] = BLOCK
+
+
+def fp8_param(name: str, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> Fp8Param:
+    if not name.endswith("weight"):
+        raise LayoutError(f"{name}: only weights are block-FP8 in SGLang's layout")
+    return Fp8Param(name + SCALE_SUFFIX, scale_shape(tuple(shape), block), block)
+
+
+def _per_rank_rows(rule: Fused, world: int) -> list[int]:
+    return [(b.units // world if b.units >= world else 1) * b.unit_rows for b in rule.blocks]
+
+
+def check_block_split(w: Weight, part: Part, shard: tuple[int, int], world: int, block: tuple[int, int] = BLOCK) -> None:
+    """Refuse a shard SGLang's FP8 layers refuse. `shard` is the per-rank (rows, cols) of the 2-D weight, `world`
+    the parallel size that splits it (attention TP for linear layers, MoE TP for experts)."""
+    bn, bk = block
+    rule = part.rule
+
+    def need(n: int, b: int, what: str) -> None:
+        if n % b:
+            raise LayoutError(f"{w.key} ({part.name}): block-FP8 needs {what} divisible by {b} per engine rank, got "
+                              f"{n} at parallel size {world} (SGLang refuses it at engine start: "
+                              "layers/quantization/fp8.py); use another engine tp/ep, or engine.weight_dtype=auto")
+
+    if part.slot:  # FusedMoE: intermediate_size_per_partition % block_n always, % block_k too at tp > 1
+        inter = shard[0] // 2 if isinstance(rule, Fused) else shard[1]
+        need(inter, bn, "the expert intermediate size (gate/up rows, down cols)")
+        if world > 1:
+            need(inter, bk, "the expert intermediate size (down cols)")
+        return
+    if isinstance(rule, Fused):  # merged (several parts) always; a single fused part is column parallel
+        if len(rule.blocks) > 1 or world > 1:
+            for n, b in zip(_per_rank_rows(rule, world), rule.blocks):
+                need(n, bn, f"the rows of each fused part ({b.what})")
+    elif isinstance(rule, Split) and world > 1:
+        if rule.dim == 0:
+            need(shard[0], bn, "the output rows (column parallel)")
+        else:
+            need(shard[1], bk, "the input columns (row parallel)")

@@ -1,0 +1,21 @@
+"""benchmarks/bench_fp8_kernel.py --dry-run runs end to end on CPU (interpreter, a tiny Llama shape from the real
+planner: 4 FP8 weights from 8 training-TP2 shards) and its Triton result equals the torch executor's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_fp8_bench_dry_run_writes_json(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_fp8_kernel.py"), "--dry-run"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((tmp_path / "bench_fp8_kernel_tiny.json").read_text())
+    assert r["bit_equal_to_torch"] and r["params"] == 4 and r["sources"] == 8
+    assert r["fp8_ms"] > 0 and r["bf16_ms"] > 0 and r["copy_ms"] > 0
