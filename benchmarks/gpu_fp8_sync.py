@@ -107,6 +107,7 @@ def main() -> int:
     from mtrain.reshard.planner import build_plan
     from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_config
     from mtrain.rollout.sglang_engine import SGLangEngine
+    from mtrain.rollout.groups import EngineGroups
     from mtrain.trainer.sync import WeightSync
 
     cfg = CONFIGS[args.model]
@@ -150,7 +151,7 @@ def main() -> int:
                        server_args={"dtype": "bfloat16", **SERVER_ARGS})
     res["fp8_engine_start_s"] = time.perf_counter() - t0
     if not args.disk:
-        eng._engine.update_weights_from_tensor(named_tensors=ckpt, flush_cache=True)  # SGLang's own loader
+        eng.update_weights_hf_names(ckpt)  # SGLang's own loader
     reference = sha_dump(eng, "ref")
     res["params_checked"] = len(reference)
     res["fp8_params_in_engine"] = sum(v["dtype"] == "float8_e4m3fn" for v in reference.values())
@@ -158,8 +159,8 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     def weight_sync(mode: str, fp8: bool, engine):
-        return WeightSync(layout, chunks, engine, engine_kind="sglang", dtype=torch.bfloat16,
-                          bucket_bytes=args.bucket_mb << 20, backend="triton", device="cuda", mode=mode, engine_fp8=fp8)
+        return WeightSync(layout, chunks, engine, groups=EngineGroups(1, 1, 1), engine_kind="sglang",
+                          dtype=torch.bfloat16, bucket_bytes=args.bucket_mb << 20, backend="triton", device="cuda", mode=mode, engine_fp8=fp8)
 
     version = [0]
 

@@ -148,6 +148,16 @@ class ArithmeticTaskConfig:
 
 
 @dataclass
+class LongtailTaskConfig:
+    """'Count from 1 to N', N log-normal: heavy-tailed response lengths (mtrain/data/longtail.py)."""
+    num_train: int = 1024
+    num_eval: int = 64
+    median_count: int = 20
+    sigma: float = 1.0
+    max_count: int = 400
+
+
+@dataclass
 class DataConfig:
     train_path: str | None = None  # .jsonl / .json / .parquet
     eval_path: str | None = None
@@ -156,8 +166,9 @@ class DataConfig:
     apply_chat_template: bool = True
     system_prompt: str | None = None
     drop_overlong_prompts: bool = False  # False: a prompt longer than rollout.max_prompt_len is an error
-    task: Literal["arithmetic"] | None = None  # a generated task instead of train_path/eval_path
+    task: Literal["arithmetic", "longtail"] | None = None  # a generated task instead of train_path/eval_path
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    longtail: LongtailTaskConfig = field(default_factory=LongtailTaskConfig)
     shuffle: bool = True
     seed: int = 0
 
@@ -260,7 +271,9 @@ def validate(cfg: RunConfig) -> None:
               "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
               "rollout.max_groups_in_flight",
               "data.arithmetic.num_train", "data.arithmetic.max_operand", "train.micro_batch_size",
+              "data.longtail.num_train", "data.longtail.median_count", "data.longtail.max_count",
               "train.eval_samples", "sync.bucket_mb")
+    _at_least(cfg, 0, "data.longtail.num_eval", "data.longtail.sigma")
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
     _at_least(cfg, 1, "parallel.etp", optional=True)
@@ -320,7 +333,8 @@ def validate(cfg: RunConfig) -> None:
     _check(gbs % t.micro_batch_size == 0, "train.micro_batch_size",
            f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
     if t.eval_interval > 0 or t.val_before_train or t.val_only:
-        has_eval = d.eval_path is not None or (d.task is not None and d.arithmetic.num_eval > 0)
+        has_eval = d.eval_path is not None or (d.task == "arithmetic" and d.arithmetic.num_eval > 0) or (
+            d.task == "longtail" and d.longtail.num_eval > 0)
         _check(has_eval, "train.eval_interval",
                "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
                "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")

@@ -22,6 +22,11 @@ def load_datasets(cfg) -> tuple[list[PromptSample], list[PromptSample]]:
         a = d.arithmetic
         return make_arithmetic_splits(a.num_train, a.num_eval, seed=d.seed, max_operand=a.max_operand,
                                       num_operands=a.num_operands, ops=a.ops)
+    if d.task == "longtail":
+        from mtrain.data.longtail import make_longtail_splits
+        t = d.longtail
+        return make_longtail_splits(t.num_train, t.num_eval, seed=d.seed, median_count=t.median_count, sigma=t.sigma,
+                                    max_count=t.max_count)
     train = load_prompts(d.train_path, d.prompt_key, d.answer_key)
     evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else []
     return train, evals

@@ -13,7 +13,7 @@ from mtrain.data.chat import tokenize_prompts
 from mtrain.data.rewards import score_responses
 from mtrain.rollout import partial
 from mtrain.rollout.protocol import SamplingParams
-from mtrain.trainer.rollout_step import RolloutResult, stop_ids
+from mtrain.trainer.rollout_step import RolloutResult, sample_params, stop_ids
 
 
 class PartialRollout:
@@ -76,7 +76,8 @@ class PartialRollout:
         prefix = f"s{step}"
 
         async def run_group(i, client):
-            return await partial.advance(groups[i], client, params, prefix, self._score, bool(a.filter_uniform_groups))
+            own = sample_params(params, self.train_set[groups[i].sample_index])  # a task's per-sample length cap
+            return await partial.advance(groups[i], client, own, prefix, self._score, bool(a.filter_uniform_groups))
 
         run = self.pool.run(len(groups), run_group, rid_prefix=prefix, quota=quota)
         states = [g if got is None else got for g, got in zip(groups, run.results)]

@@ -33,6 +33,13 @@ def stop_ids(tokenizer, extra: list[int]) -> tuple[int, ...]:
     return tuple(sorted(set(ids) | set(extra)))
 
 
+def sample_params(params: SamplingParams, sample) -> SamplingParams:
+    """A task may cap a sample's response length (`metadata["max_new_tokens"]`, e.g. the longtail task): the
+    request's budget is the smaller of that and the step's."""
+    cap = sample.metadata.get("max_new_tokens") if isinstance(sample.metadata, dict) else None
+    return params if cap is None else replace(params, max_new_tokens=max(1, min(params.max_new_tokens, int(cap))))
+
+
 def group_requests(prompt_ids: list[int], index: int, n: int, params: SamplingParams, base_seed: int,
                    rid_prefix: str, width: int) -> list[Request]:
     """The n requests of group `index`: seeds base_seed + index*n + j (as `expand_samples`), so a group samples
@@ -66,7 +73,7 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
     width = len(str(max(len(prompts) - 1, 0)))
 
     async def one_group(i: int, client: EngineClient):
-        reqs = group_requests(prompts[i].ids, i, n, params, seed, rid_prefix, width)
+        reqs = group_requests(prompts[i].ids, i, n, sample_params(params, prompts[i].sample), seed, rid_prefix, width)
         completions = await asyncio.gather(*(client.generate(q) for q in reqs))
         aborted = [c.rid for c in completions if c.finish_reason == "abort"]
         if aborted:  # partial outputs of a stopped engine must never be scored and trained on

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loop_harness import CONFIG, SIGNAL_REWARD, base_overrides
+from loop_harness import CONFIG, TEST_REWARDS, TIME_KEYS, base_overrides
 from mtrain.dist import run_on_ranks
 
 CASES = {  # name -> (arch, overrides)
@@ -114,8 +114,53 @@ def test_offload_train_moves_its_bytes_and_changes_nothing(hf_dirs, tmp_path):
     off = run_on_ranks(_offload_steps, 2, hf_dirs["llama"], tmp_path / "off", "false", timeout=300)
     on = run_on_ranks(_offload_steps, 2, hf_dirs["llama"], tmp_path / "on", "true", timeout=300)
     for (rec_off, _, _), (rec_on, sizes, params) in zip(off, on):
-        strip = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "offload/", "reload/"))} for r in rec_on]
-        assert strip == [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rec_off]
+        strip = [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS + ("offload/", "reload/"))} for r in rec_on]
+        assert strip == [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rec_off]
         assert all(s == 0 for s in sizes)  # really freed during the rollout
         # fp32 model, TP2: gradient buffer (fp32) + Adam's two moments of this rank's parameters, at least
         assert rec_on[1]["offload/bytes"] >= 12 * params and rec_on[1]["reload/bytes"] == rec_on[1]["offload/bytes"]
+
+
+def _partial_steps(rank, world, hf, run_dir):
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    from mtrain.trainer import checkpoint
+    over = {"algo.name": "dapo", "reward.fn": f"{TEST_REWARDS}:odd_answers_only", "rollout.partial": "true",
+            "rollout.over_sample": 2.0, "rollout.max_new_tokens": 24, "train.steps": 2, "train.save_interval": 2,
+            "rollout.max_staleness": 3}
+    cfg = load_config(CONFIG, base_overrides(hf, run_dir, **over))
+    t = Trainer(cfg)
+    out = {"records": [], "groups": []}
+    rollout = t.partial.step
+
+    def seen(*a, **k):  # what every rank trains on: the groups' rewards, in order
+        res = rollout(*a, **k)
+        n = cfg.rollout.samples_per_prompt
+        out["groups"].append([res.rewards[i:i + n] for i in range(0, len(res.rewards), n)])
+        out.setdefault("versions", []).append([c.versions for c in res.completions])
+        return res
+
+    t.partial.step = seen
+    t.run()
+    out["buffer"] = t.partial.state_dict()
+    t.close()
+    # a restart resumes the buffer from the checkpoint, unfinished samples and all
+    t2 = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
+    out["resumed_buffer"] = t2.partial.state_dict()
+    out["resumed_step"] = t2.step
+    out["latest"] = checkpoint.find_latest(run_dir).name
+    t2.close()
+    return out
+
+
+def test_partial_rollout_trains_exactly_the_quota_and_checkpoints_the_buffer(hf_dirs, tmp_path):
+    res = run_on_ranks(_partial_steps, 2, hf_dirs["llama"], tmp_path / "run", timeout=400)
+    for out in res:
+        assert out["resumed_step"] == 2 and out["latest"] == "step_2"
+        assert out["resumed_buffer"] == out["buffer"]  # the buffer survives a restart exactly
+        for step, groups in enumerate(out["groups"]):
+            assert len(groups) == 4  # rollout.prompts_per_step of the config, over-sampled 2x
+            assert all(len(set(g)) > 1 for g in groups)  # DAPO: only groups with a learning signal count
+            for per_sample in out["versions"][step]:
+                assert all(step - 3 <= v <= step for v in per_sample)  # produced by this or a recent version
+    assert res[0]["groups"] == res[1]["groups"] and res[0]["buffer"] == res[1]["buffer"]  # every rank agrees
