@@ -48,7 +48,9 @@ _mt_setup() {
     # SGLang's scheduler processes are spawned: they find mtrain's loader through this PYTHONPATH.
     export PYTHONPATH="$pkg:$site${PYTHONPATH:+:$PYTHONPATH}"
     export MTRAIN_REPO="$repo"
-    "$py" - <<'EOF' || { echo "gpu_setup.sh: import check failed" >&2; return 1; }
+    # From outside the checkout: `python -` puts the working directory first on sys.path, and the checkout's mtrain/
+    # lacks the mtrain.kernels mapping.
+    (cd /tmp && "$py" - <<'EOF') || { echo "gpu_setup.sh: import check failed" >&2; return 1; }
 import importlib, sys
 for m in ("torch", "sglang", "megatron.core", "mtrain.rollout.sglang_loader"):
     mod = importlib.import_module(m)
