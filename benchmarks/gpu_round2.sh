@@ -25,7 +25,7 @@ fi
 if [[ $parts == *" partial "* ]]; then
     work=/tmp/mtrain-partial-hf
     (cd /tmp && python -m mtrain init-tiny --out "$work" --arch llama --set hidden_size=512 head_dim=64 \
-        num_attention_heads=8 num_key_value_heads=2 intermediate_size=1024 vocab_size=4096 >/dev/null)
+        num_attention_heads=8 num_key_value_heads=2 intermediate_size=1024 vocab_size=4096 max_position_embeddings=2048 >/dev/null)
     (cd /tmp && step partial 420 python "$repo/benchmarks/bench_partial_rollout.py" --hf "$work" --steps 6 \
         --prompts 32 --samples 8 --over-sample 2 model.dtype=bfloat16 engine.kind=sglang train.micro_batch_size=32 \
         engine.mem_fraction_static=0.3 rollout.max_new_tokens=1024 data.longtail.median_count=20)
