@@ -23,7 +23,7 @@ if [[ $parts == *" fp8loop "* ]]; then
         > "$out/log_fp8loop_wrapper.txt" 2>&1); echo "== fp8loop: exit $?"; tail -n 8 "$out/log_fp8loop_wrapper.txt"
 fi
 if [[ $parts == *" partial "* ]]; then
-    work=/tmp/mtrain-partial-hf
+    work=/tmp/mtrain-partial-hf && rm -rf "$work"
     (cd /tmp && python -m mtrain init-tiny --out "$work" --arch llama --set hidden_size=512 head_dim=64 \
         num_attention_heads=8 num_key_value_heads=2 intermediate_size=1024 vocab_size=4096 max_position_embeddings=2048 >/dev/null)
     (cd /tmp && step partial 420 python "$repo/benchmarks/bench_partial_rollout.py" --hf "$work" --steps 6 \
