@@ -157,7 +157,10 @@ class RewardConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # samples per padded micro-batch (used when max_tokens_per_micro_batch is unset)
+    # Set: packed micro-batches of at most this many tokens, samples balanced over DP ranks by token count
+    # (docs/design-packing.md); unset: padded micro-batches of micro_batch_size samples.
+    max_tokens_per_micro_batch: int | None = None
     global_batch_size: int | None = None  # samples per optimizer step; None = the whole rollout batch
     seed: int = 1234
     run_dir: str = "runs/default"
@@ -289,8 +292,12 @@ def validate(cfg: RunConfig) -> None:
     _check(gbs >= 1 and cfg.rollout_batch_size % gbs == 0, "train.global_batch_size",
            f"must divide the rollout batch (prompts_per_step*samples_per_prompt = {cfg.rollout_batch_size}), "
            f"got {gbs}")
-    _check(gbs % t.micro_batch_size == 0, "train.micro_batch_size",
+    _check(t.max_tokens_per_micro_batch is not None or gbs % t.micro_batch_size == 0, "train.micro_batch_size",
            f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
+    longest = r.max_prompt_len + r.max_new_tokens
+    _check(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= longest,
+           "train.max_tokens_per_micro_batch", f"must be >= rollout.max_prompt_len + rollout.max_new_tokens = "
+           f"{longest} (the longest sample a rollout can make), got {t.max_tokens_per_micro_batch}")
     if t.eval_interval > 0 or t.val_before_train or t.val_only:
         has_eval = d.eval_path is not None or (d.task is not None and d.arithmetic.num_eval > 0)
         _check(has_eval, "train.eval_interval",

@@ -21,6 +21,7 @@ from mtrain.algorithms.objective import policy_loss
 from mtrain.models import build_model
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
+from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -56,6 +57,11 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
+        if par.cp > 1:
+            # megatron-core's local attention asserts cp == 1, and the trainer does not yet split samples over CP
+            # ranks (TE's THD attention with per-rank cu_seqlens): refuse before building, one clear error.
+            raise ModelConfigError(f"parallel.cp={par.cp}: context parallelism is not implemented in the trainer "
+                                   f"yet (docs/design-packing.md, 'Context parallelism'); use parallel.cp=1")
         uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
                                     ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp, config_overrides=uneven)
@@ -103,51 +109,112 @@ class Actor:
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
     # ---------------------------------------------------------------- forward plumbing
+    @property
+    def packed(self) -> bool:
+        """Token-budget packed micro-batches (train.max_tokens_per_micro_batch set) or padded ones."""
+        return self.cfg.train.max_tokens_per_micro_batch is not None
+
     def _run(self, micro: list[dict], loss_fn, forward_only: bool) -> list:
         def step(data_iter, model):
             mb = next(data_iter)
-            pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
-            out = model(mb["tokens"], pos, None)
+            if "pack" in mb:
+                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"])
+            else:
+                pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
+                out = model(mb["tokens"], pos, None)
             return out, partial(loss_fn, mb)
 
         model = self.chunks if len(self.chunks) > 1 else self.chunks[0]
         iters = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        t, b = micro[0]["tokens"].shape[1], micro[0]["tokens"].shape[0]
-        return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=model,
-                                           num_microbatches=len(micro), seq_length=t, micro_batch_size=b,
-                                           forward_only=forward_only)
+        t = max(m["tokens"].shape[1] for m in micro)
+        b = micro[0]["tokens"].shape[0]
+        # Packed micro-batches differ in length: pipeline stages then exchange each activation's shape first.
+        saved, self.tconfig.variable_seq_lengths = self.tconfig.variable_seq_lengths, self.packed
+        try:
+            return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=model,
+                                               num_microbatches=len(micro), seq_length=t, micro_batch_size=b,
+                                               forward_only=forward_only)
+        finally:
+            self.tconfig.variable_seq_lengths = saved
 
     def _micro(self, batch: RolloutBatch, extra: dict[str, torch.Tensor]) -> list[dict]:
-        mbs = self.cfg.train.micro_batch_size
-        if batch.size % mbs:
-            raise ValueError(f"{batch.size} samples per data-parallel rank do not split into micro batches of "
-                             f"{mbs} (train.micro_batch_size)")
+        """Micro-batches of `batch` (this DP rank's rows). Each holds the model input and, in the row layout
+        [n, T-1], the response mask and every tensor in `extra` (what the loss reads). Packed micro-batches
+        also hold their Pack and every RolloutBatch.PER_TOKEN field packed ("packed/<name>", [S, ...])."""
         dev = self.device
+        if self.packed:
+            groups = [torch.tensor(g, dtype=torch.long)
+                      for g in plan_micro_batches(batch.seq_lens, self.cfg.train.max_tokens_per_micro_batch)]
+        else:
+            mbs = self.cfg.train.micro_batch_size
+            if batch.size % mbs:
+                raise ValueError(f"{batch.size} samples per data-parallel rank do not split into micro batches of "
+                                 f"{mbs} (train.micro_batch_size)")
+            groups = [torch.arange(s, s + mbs) for s in range(0, batch.size, mbs)]
+        sp = self.tconfig.sequence_parallel
         out = []
-        for s in range(0, batch.size, mbs):
-            d = {"tokens": batch.tokens[s:s + mbs], "mask": batch.response_mask[s:s + mbs]}
-            d.update({k: v[s:s + mbs] for k, v in extra.items()})
-            out.append({k: v.to(dev) for k, v in d.items()})
+        for rows in groups:
+            d = {"mask": batch.response_mask[rows], **{k: v[rows] for k, v in extra.items()}}
+            d = {k: v.to(dev) for k, v in d.items()}
+            d["rows"] = rows
+            if self.packed:
+                pk = make_pack(rows, batch.seq_lens[rows],
+                               pad_to_multiple=ps.get_tensor_model_parallel_world_size() if sp else 1)
+                width = batch.tokens.shape[1]
+                for name in RolloutBatch.PER_TOKEN:
+                    d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
+                d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
+                         packed_seq_params=pk.packed_seq_params(dev), width=width)
+            else:
+                d["tokens"] = batch.tokens[rows].to(dev)
+            out.append(d)
         return out
+
+    def _rows(self, mb: dict, packed_values: torch.Tensor) -> torch.Tensor:
+        """A model output per predicting position ([b, s-1]) in the row layout [n, T-1] of mb["mask"]."""
+        if "pack" not in mb:
+            return packed_values
+        return unpack(mb["pack"], packed_values[0], mb["width"] - 1, mb["width"])
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """[B, T-1] logprobs on the last pipeline stage (None elsewhere), no grad."""
         temp = self.cfg.rollout.temperature
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["tokens"], self.vocab, temp)
+            lp = self._rows(mb, token_logprobs(logits, mb["tokens"], self.vocab, temp))
             return torch.zeros((), device=lp.device), {"lp": lp.detach()}
 
         for c in self.chunks:
             c.eval()
+        micro = self._micro(batch, {})
         with torch.no_grad():
-            outs = self._run(self._micro(batch, {}), loss_fn, forward_only=True)
+            outs = self._run(micro, loss_fn, forward_only=True)
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        return torch.cat([o["lp"] for o in outs]).float().cpu()
+        out = torch.zeros(batch.response_mask.shape)
+        for mb, o in zip(micro, outs):
+            out[mb["rows"]] = o["lp"].float().cpu()
+        return out
 
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""
+        outs = self.forward_backward(batch, old_lp, adv, ref_lp, norms)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = {}
+        if outs:
+            for k in outs[0]:
+                metrics[k] = float(torch.stack([o[k] for o in outs]).mean())
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = float(not ok)
+        return metrics
+
+    def forward_backward(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> list[dict]:
+        """Gradients of the policy loss over `batch` in the DDP grad buffers (main_grad), DP-reduced; the
+        per-micro-batch metrics on the last stage. Each micro-batch's loss is its share of the global loss
+        (norms are global counts), so the sum over micro-batches and ranks does not depend on how samples
+        were grouped or packed."""
         algo, temp = self.cfg.algo, self.cfg.rollout.temperature
         dp = ps.get_data_parallel_world_size()
         # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
@@ -156,8 +223,8 @@ class Actor:
         micro = self._micro(batch, extra)
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["tokens"], self.vocab, temp)
-            ent = vocab_parallel_entropy(logits, self.vocab, temp) if algo.entropy_coef else None
+            lp = self._rows(mb, token_logprobs(logits, mb["tokens"], self.vocab, temp))
+            ent = self._rows(mb, vocab_parallel_entropy(logits, self.vocab, temp)) if algo.entropy_coef else None
             loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
                                         entropy=ent, rollout_logprobs=mb["engine"],
                                         norm_len=self.cfg.rollout.max_new_tokens, **norms)
@@ -169,14 +236,4 @@ class Actor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = self._run(micro, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        metrics = {}
-        if outs:
-            for k in outs[0]:
-                metrics[k] = float(torch.stack([o[k] for o in outs]).mean())
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["update_skipped"] = float(not ok)
-        return metrics
+        return self._run(micro, loss_fn, forward_only=False)

@@ -26,7 +26,7 @@ from mtrain.layouts import model_layout
 from mtrain.metrics import MetricsWriter
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
-from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
+from mtrain.trainer.batch import RolloutBatch, build_batch, dp_rows
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.rollout_step import broadcast_result, run_rollout
 from mtrain.trainer.sync import WeightSync
@@ -189,8 +189,9 @@ class Trainer:
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             minibatches = []
             for start in range(0, batch.size, gbs):
-                sl = dp_slice(gbs, dp_rank, dp_size)
-                sl = slice(start + sl.start, start + sl.stop)
+                sl = dp_rows(batch.seq_lens[start:start + gbs], dp_rank, dp_size,
+                             by_tokens=cfg.train.max_tokens_per_micro_batch is not None)
+                sl = slice(start + sl.start, start + sl.stop) if isinstance(sl, slice) else start + sl
                 mb = batch.select(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
                 minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
