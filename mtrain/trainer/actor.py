@@ -128,8 +128,10 @@ class Actor:
         iters = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
         t = max(m["tokens"].shape[1] for m in micro)
         b = micro[0]["tokens"].shape[0]
-        # Packed micro-batches differ in length: pipeline stages then exchange each activation's shape first.
-        saved, self.tconfig.variable_seq_lengths = self.tconfig.variable_seq_lengths, self.packed
+        # Packed micro-batches differ in length: pipeline stages then exchange each activation's shape first
+        # (the interleaved schedule gets equal lengths instead, see _micro).
+        saved = self.tconfig.variable_seq_lengths
+        self.tconfig.variable_seq_lengths = self.packed and len(self.chunks) == 1
         try:
             return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=model,
                                                num_microbatches=len(micro), seq_length=t, micro_batch_size=b,
@@ -143,8 +145,13 @@ class Actor:
         also hold their Pack and every RolloutBatch.PER_TOKEN field packed ("packed/<name>", [S, ...])."""
         dev = self.device
         if self.packed:
-            groups = [torch.tensor(g, dtype=torch.long)
-                      for g in plan_micro_batches(batch.seq_lens, self.cfg.train.max_tokens_per_micro_batch)]
+            vpp = len(self.chunks) > 1  # the interleaved schedule wants a multiple of PP micro-batches
+            plan = plan_micro_batches(batch.seq_lens, self.cfg.train.max_tokens_per_micro_batch,
+                                      count_multiple=ps.get_pipeline_model_parallel_world_size() if vpp else 1)
+            groups = [torch.tensor(g, dtype=torch.long) for g in plan]
+            # With variable lengths the interleaved (VPP) schedule's receives came out mis-sized (gloo: "received
+            # data size doesn't match"): pad every packed micro-batch of this call to the longest one instead.
+            common = max(int(batch.seq_lens[g].sum()) for g in groups) if vpp else 0
         else:
             mbs = self.cfg.train.micro_batch_size
             if batch.size % mbs:
@@ -158,7 +165,7 @@ class Actor:
             d = {k: v.to(dev) for k, v in d.items()}
             d["rows"] = rows
             if self.packed:
-                pk = make_pack(rows, batch.seq_lens[rows],
+                pk = make_pack(rows, batch.seq_lens[rows], min_total=common,
                                pad_to_multiple=ps.get_tensor_model_parallel_world_size() if sp else 1)
                 width = batch.tokens.shape[1]
                 for name in RolloutBatch.PER_TOKEN:

@@ -50,12 +50,13 @@ def balanced_dp_rows(lengths: list[int] | torch.Tensor, dp_rank: int, dp_size: i
     return torch.tensor(_lpt(list(enumerate(lengths)), dp_size)[dp_rank], dtype=torch.long)
 
 
-def plan_micro_batches(lengths: list[int] | torch.Tensor, budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int] | torch.Tensor, budget: int, count_multiple: int = 1) -> list[list[int]]:
     """Group samples (by index into `lengths`) into micro-batches of at most `budget` tokens each.
 
-    Starts from the fewest micro-batches the tokens allow (ceil(total / budget)) and adds one until the greedy
-    balanced split fits; n micro-batches of one sample always fit, so this ends. Refuses a sample longer than
-    the budget with one error naming it."""
+    Starts from the fewest micro-batches the tokens allow (ceil(total / budget), rounded up to a multiple of
+    `count_multiple`: the interleaved (VPP) pipeline schedule wants a multiple of the pipeline size) and adds
+    more until the greedy balanced split fits; n micro-batches of one sample always fit. Refuses a sample
+    longer than the budget with one error naming it."""
     lengths = [int(x) for x in lengths]
     if budget < 1:
         raise PackingError(f"{BUDGET_KEY} must be >= 1, got {budget}")
@@ -65,12 +66,19 @@ def plan_micro_batches(lengths: list[int] | torch.Tensor, budget: int) -> list[l
         if n > budget:
             raise PackingError(f"sample {i} has {n} tokens, more than {BUDGET_KEY}={budget}: raise the budget "
                                f"(or shorten rollout.max_prompt_len + rollout.max_new_tokens)")
-    k = max(1, -(-sum(lengths) // budget))
+    k = -(-max(1, -(-sum(lengths) // budget)) // count_multiple) * count_multiple
     while True:
-        bins = _lpt(list(enumerate(lengths)), min(k, len(lengths)))
+        if k > len(lengths):
+            if count_multiple == 1:
+                k = len(lengths)
+            else:
+                raise PackingError(f"{len(lengths)} samples cannot fill {k} micro-batches (a multiple of "
+                                   f"{count_multiple}, the pipeline size, for the interleaved schedule): give each "
+                                   f"data-parallel rank more samples per step")
+        bins = _lpt(list(enumerate(lengths)), k)
         if all(sum(lengths[i] for i in b) <= budget for b in bins):
-            return [b for b in bins if b]
-        k += 1
+            return bins
+        k += count_multiple
 
 
 @dataclass
@@ -96,9 +104,11 @@ class Pack:
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
-def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int], pad_to_multiple: int = 1) -> Pack:
-    """Rows laid end to end; the stream is padded at the end to a multiple of `pad_to_multiple` (sequence
-    parallelism splits it over TP ranks) with one extra segment of its own, so nothing attends across it."""
+def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int], pad_to_multiple: int = 1,
+              min_total: int = 0) -> Pack:
+    """Rows laid end to end; the stream is padded at the end to at least `min_total` tokens and to a multiple of
+    `pad_to_multiple` (sequence parallelism splits it over TP ranks) with one extra segment of its own, so
+    nothing attends across it."""
     rows = torch.as_tensor(rows, dtype=torch.long)
     lengths = torch.as_tensor(lengths, dtype=torch.long)
     if rows.shape != lengths.shape or rows.dim() != 1 or rows.numel() == 0:
@@ -107,7 +117,7 @@ def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int],
         raise PackingError(f"every packed sequence needs at least one token, got lengths {lengths.tolist()}")
     ends = torch.cumsum(lengths, 0)
     used = int(ends[-1])
-    total = -(-used // pad_to_multiple) * pad_to_multiple
+    total = -(-max(used, min_total) // pad_to_multiple) * pad_to_multiple
     cu = [0] + ends.tolist() + ([total] if total > used else [])
     return Pack(rows=rows, lengths=lengths, offsets=ends - lengths, total=total,
                 cu_seqlens=torch.tensor(cu, dtype=torch.int32),

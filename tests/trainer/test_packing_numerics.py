@@ -18,6 +18,7 @@ LAYOUTS = {  # name: (ranks, parallel sizes, architecture)
     "tp1_qwen3_moe": (1, {}, "qwen3_moe"),
     "tp2_qwen3": (2, {"tp": 2}, "qwen3"),
     "pp2_llama": (2, {"pp": 2}, "llama"),
+    "pp2_vpp2_qwen3_moe": (2, {"pp": 2, "vpp": 2}, "qwen3_moe"),
     "dp2_qwen2": (2, {}, "qwen2"),
     "ep2_qwen3_moe": (2, {"ep": 2}, "qwen3_moe"),
     "tp1_deepseek_v3": (1, {}, "deepseek_v3"),
