@@ -116,3 +116,31 @@ def test_plan_count_multiple_for_the_interleaved_schedule():
     assert len(plan) % 2 == 0 and all(plan) and sorted(i for mb in plan for i in mb) == list(range(7))
     with pytest.raises(PackingError, match="3 samples cannot fill 4 micro-batches"):
         plan_micro_batches([30, 30, 30], 40, count_multiple=4)
+
+
+def test_config_budget_must_hold_the_longest_sample_and_frees_micro_batch_size():
+    from pathlib import Path
+
+    from mtrain.config import ConfigError, load_config
+    yaml = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    # 64 prompt + 8 new tokens: a budget of 71 could meet a sample it cannot hold -> refused at load
+    with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch: must be >= .* = 72"):
+        load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=71"])
+    # packed: train.micro_batch_size no longer has to divide the global batch
+    cfg = load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=72", "train.micro_batch_size=5"])
+    assert cfg.train.max_tokens_per_micro_batch == 72
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        load_config(yaml, ["model.hf_path=x", "train.micro_batch_size=5"])
+
+
+def test_context_parallel_is_refused_before_building():
+    from pathlib import Path
+
+    from mtrain.config import load_config
+    from mtrain.models.hf_config import ModelConfigError
+    from mtrain.tiny_configs import tiny_config
+    from mtrain.trainer.actor import Actor
+    yaml = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    cfg = load_config(yaml, ["model.hf_path=x", "parallel.cp=2"])
+    with pytest.raises(ModelConfigError, match="parallel.cp=2: context parallelism is not implemented"):
+        Actor(cfg, tiny_config("llama"))
