@@ -100,8 +100,11 @@ class Pack:
     def packed_seq_params(self, device):
         from megatron.core.packed_seq_params import PackedSeqParams
         cu = self.cu_seqlens.to(device)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        # read by mtrain.models.packed_attention on the local path: no device-to-host copy in every layer
+        params.mtrain_host_cu_seqlens = self.cu_seqlens.tolist()
+        return params
 
 
 def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int], pad_to_multiple: int = 1,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtrain.models.packed_attention import block_causal_mask
 from mtrain.trainer.packing import (PackingError, balanced_dp_rows, make_pack, pack, plan_micro_batches, unpack)
 
 
@@ -101,13 +100,6 @@ def test_wrong_width_is_named():
     p = make_pack([0], [3])
     with pytest.raises(PackingError, match="'routed_experts' has width 5; expected 9"):
         pack(p, torch.zeros(1, 5), 9, "routed_experts")
-
-
-def test_block_causal_mask_never_crosses_a_sequence():
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    m = block_causal_mask(cu, 6)[0, 0]
-    allowed = (~m).nonzero().tolist()
-    assert allowed == [[0, 0], [1, 0], [1, 1], [2, 2], [3, 2], [3, 3], [4, 2], [4, 3], [4, 4], [5, 5]]
 
 
 def test_plan_count_multiple_for_the_interleaved_schedule():
