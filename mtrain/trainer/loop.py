@@ -148,7 +148,8 @@ class Trainer:
         if kept_rows == 0:
             return None, 0, metrics
         from megatron.core import parallel_state as ps
-        unit = ps.get_data_parallel_world_size() * self.cfg.train.micro_batch_size
+        packed = self.cfg.train.max_tokens_per_micro_batch is not None  # packed: any count per rank will do
+        unit = ps.get_data_parallel_world_size() * (1 if packed else self.cfg.train.micro_batch_size)
         fill = -(-kept_rows // unit) * unit - kept_rows  # <= dropped rows: the full batch splits into units
         idx = torch.cat([keep.nonzero().flatten(), (~keep).nonzero().flatten()[:fill]])
         out = batch.select(idx)
