@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mtrain.algorithms.objective import policy_loss
+from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
@@ -41,7 +42,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, tempe
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
-    lg = _masked_vocab_logits(logits[:, :-1], vocab, temperature)
+    """[b, s-1] entropy of softmax(logits[:, :-1] / T), TP-vocab-parallel."""
+    return position_entropy(logits[:, :-1], vocab, temperature)
+
+
+def position_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """[b, s] entropy at every position."""
+    lg = _masked_vocab_logits(logits, vocab, temperature)
     m = lg.detach().max(dim=-1, keepdim=True).values
     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
     e = torch.exp(lg - m)
@@ -57,11 +64,10 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
-        if par.cp > 1:
-            # megatron-core's local attention asserts cp == 1, and the trainer does not yet split samples over CP
-            # ranks (TE's THD attention with per-rank cu_seqlens): refuse before building, one clear error.
-            raise ModelConfigError(f"parallel.cp={par.cp}: context parallelism is not implemented in the trainer "
-                                   f"yet (docs/design-packing.md, 'Context parallelism'); use parallel.cp=1")
+        if par.cp > 1 and cfg.train.max_tokens_per_micro_batch is None:
+            # CP splits packed sequences (docs/design-packing.md, "Context parallelism"): say so before building.
+            raise ModelConfigError(f"parallel.cp={par.cp} needs packed micro-batches: set "
+                                   f"train.max_tokens_per_micro_batch")
         uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
                                     ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp, config_overrides=uneven)
@@ -159,23 +165,53 @@ class Actor:
                                  f"{mbs} (train.micro_batch_size)")
             groups = [torch.arange(s, s + mbs) for s in range(0, batch.size, mbs)]
         sp = self.tconfig.sequence_parallel
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        if cp > 1 and not self.packed:
+            raise ValueError(f"parallel.cp={cp} needs packed micro-batches (train.max_tokens_per_micro_batch)")
+        align = (ps.get_tensor_model_parallel_world_size() if sp else 1) * (2 * cp if cp > 1 else 1)
         out = []
         for rows in groups:
             d = {"mask": batch.response_mask[rows], **{k: v[rows] for k, v in extra.items()}}
             d = {k: v.to(dev) for k, v in d.items()}
             d["rows"] = rows
             if self.packed:
-                pk = make_pack(rows, batch.seq_lens[rows], min_total=common,
-                               pad_to_multiple=ps.get_tensor_model_parallel_world_size() if sp else 1)
+                pk = make_pack(rows, batch.seq_lens[rows], min_total=common, pad_to_multiple=align,
+                               seq_multiple=2 * cp if cp > 1 else 1)
                 width = batch.tokens.shape[1]
                 for name in RolloutBatch.PER_TOKEN:
                     d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
                 d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
                          packed_seq_params=pk.packed_seq_params(dev), width=width)
+                if cp > 1:  # this rank's positions of the stream, and the token each of them predicts
+                    mine = pk.cp_indices(cp, cp_rank).to(dev)
+                    labels = torch.roll(d["tokens"], -1, dims=1)
+                    d.update(tokens=d["tokens"][:, mine], labels=labels[:, mine], position_ids=d["position_ids"][:, mine],
+                             cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev))
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)
             out.append(d)
         return out
+
+    def _logprobs(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        """Per predicting position: [b, s-1] padded, [1, S-1] along the packed stream."""
+        temp = self.cfg.rollout.temperature
+        if "cp_index" not in mb:
+            return token_logprobs(logits, mb["tokens"], self.vocab, temp)
+        lg = _masked_vocab_logits(logits, self.vocab, temp)  # this CP rank's positions; labels came with them
+        return self._cp_stream(mb, -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), mb["labels"]))
+
+    def _entropy(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        temp = self.cfg.rollout.temperature
+        if "cp_index" not in mb:
+            return vocab_parallel_entropy(logits, self.vocab, temp)
+        return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
+
+    def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
+        """[1, t] values of this CP rank's positions -> [1, S-1] along the whole stream, on every CP rank. Each CP
+        rank then computes the same loss of the whole stream; the gather keeps each rank's own gradient slice."""
+        full = gather_cp(local[0], ps.get_context_parallel_group(), sum_grads=False)
+        stream = full.new_zeros(full.shape).index_copy(0, mb["cp_index"], full)
+        return stream[:-1].unsqueeze(0)
 
     def _rows(self, mb: dict, packed_values: torch.Tensor) -> torch.Tensor:
         """A model output per predicting position ([b, s-1]) in the row layout [n, T-1] of mb["mask"]."""
@@ -185,10 +221,9 @@ class Actor:
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """[B, T-1] logprobs on the last pipeline stage (None elsewhere), no grad."""
-        temp = self.cfg.rollout.temperature
 
         def loss_fn(mb, logits):
-            lp = self._rows(mb, token_logprobs(logits, mb["tokens"], self.vocab, temp))
+            lp = self._rows(mb, self._logprobs(mb, logits))
             return torch.zeros((), device=lp.device), {"lp": lp.detach()}
 
         for c in self.chunks:
@@ -222,7 +257,7 @@ class Actor:
         per-micro-batch metrics on the last stage. Each micro-batch's loss is its share of the global loss
         (norms are global counts), so the sum over micro-batches and ranks does not depend on how samples
         were grouped or packed."""
-        algo, temp = self.cfg.algo, self.cfg.rollout.temperature
+        algo = self.cfg.algo
         dp = ps.get_data_parallel_world_size()
         # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
         extra = {k: v for k, v in {"old": old_lp, "adv": adv, "engine": batch.engine_logprobs, "ref": ref_lp}.items()
@@ -230,13 +265,15 @@ class Actor:
         micro = self._micro(batch, extra)
 
         def loss_fn(mb, logits):
-            lp = self._rows(mb, token_logprobs(logits, mb["tokens"], self.vocab, temp))
-            ent = self._rows(mb, vocab_parallel_entropy(logits, self.vocab, temp)) if algo.entropy_coef else None
+            lp = self._rows(mb, self._logprobs(mb, logits))
+            ent = self._rows(mb, self._entropy(mb, logits)) if algo.entropy_coef else None
             loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
                                         entropy=ent, rollout_logprobs=mb["engine"],
                                         norm_len=self.cfg.rollout.max_new_tokens, **norms)
             # Megatron divides by the number of micro batches and DDP averages over DP: undo both, the
-            # normalisers already cover the whole global batch.
+            # normalisers already cover the whole global batch. (DDP's extra 1/CP is undone by Megatron's own
+            # loss * cp in forward_step; every CP rank computes the whole loss, its gradients covering its own
+            # positions, and DDP sums them.)
             return loss * len(micro) * dp, {k: v.detach().float() for k, v in metrics.items()}
 
         for c in self.chunks:

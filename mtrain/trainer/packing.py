@@ -97,6 +97,16 @@ class Pack:
         starts = torch.repeat_interleave(seg[:-1], seg[1:] - seg[:-1])
         return (torch.arange(self.total) - starts).unsqueeze(0)
 
+    def cp_indices(self, cp: int, rank: int) -> torch.Tensor:
+        """Stream positions context-parallel rank `rank` holds: chunks rank and 2cp-1-rank of every segment."""
+        cu = self.cu_seqlens.tolist()
+        parts = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            m = (b - a) // (2 * cp)
+            parts += [torch.arange(a + rank * m, a + (rank + 1) * m),
+                      torch.arange(a + (2 * cp - 1 - rank) * m, a + (2 * cp - rank) * m)]
+        return torch.cat(parts)
+
     def packed_seq_params(self, device):
         from megatron.core.packed_seq_params import PackedSeqParams
         cu = self.cu_seqlens.to(device)
@@ -108,23 +118,28 @@ class Pack:
 
 
 def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int], pad_to_multiple: int = 1,
-              min_total: int = 0) -> Pack:
+              min_total: int = 0, seq_multiple: int = 1) -> Pack:
     """Rows laid end to end; the stream is padded at the end to at least `min_total` tokens and to a multiple of
     `pad_to_multiple` (sequence parallelism splits it over TP ranks) with one extra segment of its own, so
-    nothing attends across it."""
+    nothing attends across it. seq_multiple > 1 (context parallelism: 2 * cp) pads every sequence's slot to a
+    multiple at its end (causal: nothing before the padding sees it)."""
     rows = torch.as_tensor(rows, dtype=torch.long)
     lengths = torch.as_tensor(lengths, dtype=torch.long)
     if rows.shape != lengths.shape or rows.dim() != 1 or rows.numel() == 0:
         raise PackingError(f"rows {tuple(rows.shape)} and lengths {tuple(lengths.shape)} must be equal, non-empty 1-D")
     if bool((lengths < 1).any()):
         raise PackingError(f"every packed sequence needs at least one token, got lengths {lengths.tolist()}")
-    ends = torch.cumsum(lengths, 0)
+    slots = -(-lengths // seq_multiple) * seq_multiple
+    ends = torch.cumsum(slots, 0)
     used = int(ends[-1])
     total = -(-max(used, min_total) // pad_to_multiple) * pad_to_multiple
+    if (total - used) % seq_multiple:
+        raise PackingError(f"padding of {total - used} tokens is not a multiple of {seq_multiple}: pad_to_multiple "
+                           f"({pad_to_multiple}) must be a multiple of seq_multiple")
     cu = [0] + ends.tolist() + ([total] if total > used else [])
-    return Pack(rows=rows, lengths=lengths, offsets=ends - lengths, total=total,
+    return Pack(rows=rows, lengths=lengths, offsets=ends - slots, total=total,
                 cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-                max_seqlen=int(max(lengths.max().item(), total - used)))
+                max_seqlen=int(max(slots.max().item(), total - used)))
 
 
 def _row_positions(pack: Pack, width: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

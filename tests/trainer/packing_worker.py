@@ -65,7 +65,7 @@ def _grads(actor) -> dict[str, torch.Tensor]:
     return out
 
 
-def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor) -> dict:
+def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor, return_grads: bool = False) -> dict:
     """ref: hf_logprobs(hf_dir, make_batch(vocab)), computed by the caller in a process without Megatron's CPU
     shim (transformers' from_pretrained under the shim leaves RoPE's inv_freq buffer uninitialised)."""
     from megatron.core import parallel_state as ps
@@ -83,21 +83,24 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor) -> 
                  *[f"parallel.{k}={v}" for k, v in layout.items()]]
     cfg = load_config(CONFIG, overrides)
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    actor = Actor(cfg, hf_config, load_weights=weight_loader(cfg, model_layout(hf_config), rank))
+    packed_cfg = copy.deepcopy(cfg)
+    packed_cfg.train.max_tokens_per_micro_batch = BUDGET
+    actor = Actor(packed_cfg if layout.get("cp", 1) > 1 else cfg, hf_config,
+                  load_weights=weight_loader(cfg, model_layout(hf_config), rank))
     batch = make_batch(hf_config["vocab_size"])
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    packed_cfg = copy.deepcopy(cfg)
-    packed_cfg.train.max_tokens_per_micro_batch = BUDGET
 
     def rows(packed: bool):
         sl = dp_rows(batch.seq_lens, dp_rank, dp_size, by_tokens=packed)
         return batch.select(sl), sl
 
+    # context parallelism exists for packed micro-batches only: there the caller compares with a TP1 run
+    modes = (True,) if layout.get("cp", 1) > 1 else (False, True)
     result: dict = {"last": last}
     # ---- logprobs: padded vs packed vs transformers (every real position, not only the response)
     lps = {}
-    for packed in (False, True):
+    for packed in modes:
         actor.cfg = packed_cfg if packed else cfg
         mine, sl = rows(packed)
         lp = actor.logprobs(mine)
@@ -110,9 +113,10 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor) -> 
         for k in lps:
             torch.distributed.all_reduce(lps[k], group=ps.get_data_parallel_group())
         valid = _valid(batch)
-        result["lp_packed_vs_padded"] = float((lps[True] - lps[False]).abs()[valid].max())
         result["lp_packed_vs_hf"] = float((lps[True] - ref).abs()[valid].max())
-        result["lp_padded_vs_hf"] = float((lps[False] - ref).abs()[valid].max())
+        if False in lps:
+            result["lp_packed_vs_padded"] = float((lps[True] - lps[False]).abs()[valid].max())
+            result["lp_padded_vs_hf"] = float((lps[False] - ref).abs()[valid].max())
     # ---- loss and gradients, every algorithm: padded vs packed (old/ref: perturbed copies of the HF logprobs)
     g = torch.Generator().manual_seed(1)
     base = ref
@@ -127,7 +131,7 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor) -> 
     buffers = [(b, b.detach().clone()) for c in actor.chunks for _, b in c.named_buffers()]
     for name, extra in ALGOS:
         out = {}
-        for packed in (False, True):
+        for packed in modes:
             c = copy.deepcopy(packed_cfg if packed else cfg)
             c.algo = type(c.algo)(name=name, **extra)
             resolve_presets(c)
@@ -140,8 +144,13 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor) -> 
             if last:  # sum over every micro-batch of every data-parallel rank
                 torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
             out[packed] = (float(loss), _grads(actor))
-        gd = max(float((out[True][1][k] - out[False][1][k]).abs().max()) for k in out[False][1])
-        gscale = max(float(v.abs().max()) for v in out[False][1].values())
-        result["algos"].append({"algo": f"{name}/{extra['loss_agg']}", "loss_padded": out[False][0],
-                                "loss_packed": out[True][0], "grad_max_abs_diff": gd, "grad_max_abs": gscale})
+        entry = {"algo": f"{name}/{extra['loss_agg']}", "loss_packed": out[True][0],
+                 "grad_max_abs": max(float(v.abs().max()) for v in out[True][1].values())}
+        if False in out:
+            entry["loss_padded"] = out[False][0]
+            entry["grad_max_abs_diff"] = max(float((out[True][1][k] - out[False][1][k]).abs().max())
+                                             for k in out[False][1])
+        if return_grads:
+            entry["grads_packed"] = {k: v.numpy() for k, v in out[True][1].items()}  # tensors would go by fd
+        result["algos"].append(entry)
     return result

@@ -125,14 +125,18 @@ def test_config_budget_must_hold_the_longest_sample_and_frees_micro_batch_size()
         load_config(yaml, ["model.hf_path=x", "train.micro_batch_size=5"])
 
 
-def test_context_parallel_is_refused_before_building():
+def test_context_parallel_without_packing_is_refused_before_building():
+    import copy
     from pathlib import Path
 
-    from mtrain.config import load_config
+    from mtrain.config import ConfigError, load_config
     from mtrain.models.hf_config import ModelConfigError
     from mtrain.tiny_configs import tiny_config
     from mtrain.trainer.actor import Actor
     yaml = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
-    cfg = load_config(yaml, ["model.hf_path=x", "parallel.cp=2"])
-    with pytest.raises(ModelConfigError, match="parallel.cp=2: context parallelism is not implemented"):
+    with pytest.raises(ConfigError, match="parallel.cp: context parallelism splits packed sequences"):
+        load_config(yaml, ["model.hf_path=x", "parallel.cp=2"])
+    cfg = copy.deepcopy(load_config(yaml, ["model.hf_path=x", "parallel.cp=2", "train.max_tokens_per_micro_batch=80"]))
+    cfg.train.max_tokens_per_micro_batch = None  # a caller that skips the config's checks
+    with pytest.raises(ModelConfigError, match="parallel.cp=2 needs packed micro-batches"):
         Actor(cfg, tiny_config("llama"))

@@ -52,3 +52,22 @@ def test_packed_equals_padded_and_hf(tmp_path, case, request):
             assert a["grad_max_abs"] > 0, (name, a)  # a loss that trains something
             assert a["grad_max_abs_diff"] <= GRAD_TOL * max(1.0, a["grad_max_abs"]), (name, a)
     assert checked, "no last pipeline stage reported"
+
+
+def test_context_parallel_cp2_equals_tp1(tmp_path):
+    """CP2 (packed only): logprobs equal transformers', and loss and every gradient equal a TP1 run's."""
+    import json
+
+    from packing_worker import hf_logprobs, make_batch, run
+
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("qwen3", tmp_path / "hf", seed=3)
+    ref = hf_logprobs(str(hf), make_batch(json.loads((hf / "config.json").read_text())["vocab_size"]))
+    base = run_on_ranks(run, 1, str(hf), {}, ref, True, timeout=600)[0]
+    per_rank = run_on_ranks(run, 2, str(hf), {"cp": 2}, ref, True, timeout=600)
+    for rank, res in enumerate(per_rank):
+        assert res["last"] and res["lp_packed_vs_hf"] <= LP_TOL, (rank, res["lp_packed_vs_hf"])
+        for a, b in zip(res["algos"], base["algos"]):
+            assert abs(a["loss_packed"] - b["loss_packed"]) <= 1e-6 * max(1.0, abs(b["loss_packed"])), (rank, a["algo"])
+            diff = max(float(abs(a["grads_packed"][k] - b["grads_packed"][k]).max()) for k in b["grads_packed"])
+            assert diff <= GRAD_TOL * max(1.0, b["grad_max_abs"]), (rank, a["algo"], diff)
