@@ -150,9 +150,15 @@ class Actor:
         [n, T-1], the response mask and every tensor in `extra` (what the loss reads). Packed micro-batches
         also hold their Pack and every RolloutBatch.PER_TOKEN field packed ("packed/<name>", [S, ...])."""
         dev = self.device
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         if self.packed:
             vpp = len(self.chunks) > 1  # the interleaved schedule wants a multiple of PP micro-batches
-            plan = plan_micro_batches(batch.seq_lens, self.cfg.train.max_tokens_per_micro_batch,
+            # The budget is per GPU: with CP a micro-batch's stream holds cp times as many tokens, every sequence
+            # padded to a multiple of 2 * cp (planned with that padding, so no rank exceeds the budget).
+            n = self.cfg.train.max_tokens_per_micro_batch
+            slots = -(-batch.seq_lens // (2 * cp)) * (2 * cp) if cp > 1 else batch.seq_lens
+            plan = plan_micro_batches(slots, n * cp, budget_name=f"train.max_tokens_per_micro_batch={n} x parallel.cp="
+                                      f"{cp}" if cp > 1 else None,
                                       count_multiple=ps.get_pipeline_model_parallel_world_size() if vpp else 1)
             groups = [torch.tensor(g, dtype=torch.long) for g in plan]
             # With variable lengths the interleaved (VPP) schedule's receives came out mis-sized (gloo: "received
@@ -165,7 +171,6 @@ class Actor:
                                  f"{mbs} (train.micro_batch_size)")
             groups = [torch.arange(s, s + mbs) for s in range(0, batch.size, mbs)]
         sp = self.tconfig.sequence_parallel
-        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         if cp > 1 and not self.packed:
             raise ValueError(f"parallel.cp={cp} needs packed micro-batches (train.max_tokens_per_micro_batch)")
         align = (ps.get_tensor_model_parallel_world_size() if sp else 1) * (2 * cp if cp > 1 else 1)

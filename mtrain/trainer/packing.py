@@ -50,21 +50,23 @@ def balanced_dp_rows(lengths: list[int] | torch.Tensor, dp_rank: int, dp_size: i
     return torch.tensor(_lpt(list(enumerate(lengths)), dp_size)[dp_rank], dtype=torch.long)
 
 
-def plan_micro_batches(lengths: list[int] | torch.Tensor, budget: int, count_multiple: int = 1) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int] | torch.Tensor, budget: int, count_multiple: int = 1,
+                       budget_name: str | None = None) -> list[list[int]]:
     """Group samples (by index into `lengths`) into micro-batches of at most `budget` tokens each.
 
     Starts from the fewest micro-batches the tokens allow (ceil(total / budget), rounded up to a multiple of
     `count_multiple`: the interleaved (VPP) pipeline schedule wants a multiple of the pipeline size) and adds
     more until the greedy balanced split fits; n micro-batches of one sample always fit. Refuses a sample
-    longer than the budget with one error naming it."""
+    longer than the budget with one error naming it (budget_name: how the budget came about, for that error)."""
     lengths = [int(x) for x in lengths]
+    budget_name = budget_name or f"{BUDGET_KEY}={budget}"
     if budget < 1:
         raise PackingError(f"{BUDGET_KEY} must be >= 1, got {budget}")
     if not lengths:
         raise PackingError("no samples to pack")
     for i, n in enumerate(lengths):
         if n > budget:
-            raise PackingError(f"sample {i} has {n} tokens, more than {BUDGET_KEY}={budget}: raise the budget "
+            raise PackingError(f"sample {i} has {n} tokens, more than {budget_name}: raise the budget "
                                f"(or shorten rollout.max_prompt_len + rollout.max_new_tokens)")
     k = -(-max(1, -(-sum(lengths) // budget)) // count_multiple) * count_multiple
     while True:

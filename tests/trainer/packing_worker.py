@@ -80,7 +80,8 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor, ret
     init_distributed(**layout)
     overrides = [f"model.hf_path={hf_dir}", "model.dtype=float32", "train.micro_batch_size=2",
                  "optim.use_distributed_optimizer=false",
-                 *[f"parallel.{k}={v}" for k, v in layout.items()]]
+                 *[f"parallel.{k}={v}" for k, v in layout.items()],
+                 *([f"train.max_tokens_per_micro_batch={BUDGET}"] if layout.get("cp", 1) > 1 else [])]
     cfg = load_config(CONFIG, overrides)
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
     packed_cfg = copy.deepcopy(cfg)

@@ -116,8 +116,12 @@ def test_config_budget_must_hold_the_longest_sample_and_frees_micro_batch_size()
     from mtrain.config import ConfigError, load_config
     yaml = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     # 64 prompt + 8 new tokens: a budget of 71 could meet a sample it cannot hold -> refused at load
-    with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch: must be >= .* = 72"):
+    with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch: .* must hold the longest .* = 72"):
         load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=71"])
+    # per GPU: with CP the micro-batch holds cp times the budget (72 padded to a multiple of 4 = 72 <= 2 x 36)
+    load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=36", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 must hold .* = 72 padded to a multiple of 2\*cp, got 35"):
+        load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=35", "parallel.cp=2"])
     # packed: train.micro_batch_size no longer has to divide the global batch
     cfg = load_config(yaml, ["model.hf_path=x", "train.max_tokens_per_micro_batch=72", "train.micro_batch_size=5"])
     assert cfg.train.max_tokens_per_micro_batch == 72
