@@ -2,7 +2,8 @@
 
 The same heavy-tailed rollout batch is scored and trained both ways on one Actor: logprobs must agree with each
 other and with transformers' own unpadded forward (float32), and for every algorithm's loss aggregation the
-global loss and every gradient must agree, at TP1, TP2, PP2, DP2 (token-balanced split) and EP2 (MoE).
+global loss and every gradient must agree, at TP1, TP2, PP2, PP2xVPP2, DP2 (token-balanced split) and EP2 (MoE);
+at CP2 (packed only) logprobs equal transformers' and loss and gradients equal a TP1 run's.
 """
 from __future__ import annotations
 
