@@ -182,7 +182,11 @@ class RewardConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # samples per padded micro-batch (used when max_tokens_per_micro_batch is unset)
+    # Set: packed micro-batches of at most this many tokens per GPU (x parallel.cp per micro-batch), samples
+    # balanced over DP ranks by token count (docs/design-packing.md); unset: padded micro-batches of
+    # micro_batch_size samples.
+    max_tokens_per_micro_batch: int | None = None
     global_batch_size: int | None = None  # samples per optimizer step; None = the whole rollout batch
     seed: int = 1234
     run_dir: str = "runs/default"
@@ -330,8 +334,17 @@ def validate(cfg: RunConfig) -> None:
     _check(gbs >= 1 and cfg.rollout_batch_size % gbs == 0, "train.global_batch_size",
            f"must divide the rollout batch (prompts_per_step*samples_per_prompt = {cfg.rollout_batch_size}), "
            f"got {gbs}")
-    _check(gbs % t.micro_batch_size == 0, "train.micro_batch_size",
+    _check(t.max_tokens_per_micro_batch is not None or gbs % t.micro_batch_size == 0, "train.micro_batch_size",
            f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
+    _check(p.cp == 1 or t.max_tokens_per_micro_batch is not None, "parallel.cp",
+           f"context parallelism splits packed sequences: set train.max_tokens_per_micro_batch (cp={p.cp})")
+    longest = r.max_prompt_len + r.max_new_tokens
+    if p.cp > 1:  # context parallelism pads every sequence to a multiple of 2 * cp
+        longest = -(-longest // (2 * p.cp)) * 2 * p.cp
+    _check(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch * p.cp >= longest,
+           "train.max_tokens_per_micro_batch", f"(tokens per GPU) x parallel.cp={p.cp} must hold the longest sample a "
+           f"rollout can make (rollout.max_prompt_len + rollout.max_new_tokens) = {longest}"
+           f"{' padded to a multiple of 2*cp' if p.cp > 1 else ''}, got {t.max_tokens_per_micro_batch}")
     if t.eval_interval > 0 or t.val_before_train or t.val_only:
         has_eval = d.eval_path is not None or (d.task == "arithmetic" and d.arithmetic.num_eval > 0) or (
             d.task == "longtail" and d.longtail.num_eval > 0)

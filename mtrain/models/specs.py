@@ -1,10 +1,12 @@
 """Layer specs: Transformer-Engine specs when TE imports, Megatron-core's local specs otherwise.
 
-The one local-spec gap is Multi-Latent Attention: ``MLASelfAttention`` builds its core attention with
-``k_channels``/``v_channels`` (query/key heads are ``qk_head_dim + qk_pos_emb_head_dim`` wide, value heads
-``v_head_dim``), which TE's attention accepts and the local ``DotProductAttention`` does not. Instead of
-patching Megatron we hand the spec a subclass, ``MLADotProductAttention``, through the spec's
-``core_attention`` slot (the extension point specs exist for).
+Two local-spec gaps, both filled through the spec's ``core_attention`` slot (the extension point specs
+exist for) instead of patching Megatron:
+- Multi-Latent Attention: ``MLASelfAttention`` builds its core attention with ``k_channels``/``v_channels``
+  (query/key heads are ``qk_head_dim + qk_pos_emb_head_dim`` wide, value heads ``v_head_dim``), which TE's
+  attention accepts and the local ``DotProductAttention`` does not: ``MLADotProductAttention``.
+- Packed (THD) sequences, which the local ``DotProductAttention`` refuses: ``PackedDotProductAttention``
+  (mtrain/models/packed_attention.py), the core attention of every local layer.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtrain.compat.no_te import te_installed
+from mtrain.models.packed_attention import PackedDotProductAttention
 
 
 def te_available() -> bool:
@@ -26,7 +29,7 @@ def te_available() -> bool:
     return te_installed()
 
 
-class MLADotProductAttention(DotProductAttention):
+class MLADotProductAttention(PackedDotProductAttention):
     """Local (non-TE) core attention that accepts MLA's separate key and value head widths.
 
     Scores use query/key heads of ``k_channels``; the output is ``v_channels`` per head. The parent computes
@@ -41,17 +44,19 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
-def _with_local_mla_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Copy of a TransformerLayer spec whose MLA core attention is MLADotProductAttention."""
+def _with_local_core_attention(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Copy of a TransformerLayer spec whose local core attention is ours: MLADotProductAttention under MLA,
+    PackedDotProductAttention otherwise."""
     attn = layer_spec.submodules.self_attention
-    if not (isinstance(attn, ModuleSpec) and attn.module is MLASelfAttention):
+    if not isinstance(attn, ModuleSpec) or not hasattr(attn.submodules, "core_attention"):
         return layer_spec
+    ours = MLADotProductAttention if attn.module is MLASelfAttention else PackedDotProductAttention
     core = attn.submodules.core_attention
     core_module = core.module if isinstance(core, ModuleSpec) else core
     if core_module is not DotProductAttention:
         return layer_spec
     new_attn = dataclasses.replace(
-        attn, submodules=dataclasses.replace(attn.submodules, core_attention=MLADotProductAttention)
+        attn, submodules=dataclasses.replace(attn.submodules, core_attention=ours)
     )
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=new_attn)
@@ -65,8 +70,8 @@ def build_specs(
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
-    if not use_te and config.multi_latent_attention:
-        block = dataclasses.replace(block, layer_specs=[_with_local_mla_attention(s) for s in block.layer_specs])
+    if not use_te:
+        block = dataclasses.replace(block, layer_specs=[_with_local_core_attention(s) for s in block.layer_specs])
     mtp = None
     if config.mtp_num_layers:
         # The MTP layer copies the last decoder layer's spec; give it the full (unsliced) last-layer spec
@@ -74,7 +79,7 @@ def build_specs(
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 
         last = get_gpt_decoder_layer_specs(config, use_te, normalization="RMSNorm")[-1]
-        if not use_te and config.multi_latent_attention:
-            last = _with_local_mla_attention(last)
+        if not use_te:
+            last = _with_local_core_attention(last)
         mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
     return block, mtp

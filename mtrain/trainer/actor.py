@@ -18,9 +18,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mtrain.algorithms.objective import policy_loss
+from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
+from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -40,7 +42,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, tempe
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
-    lg = _masked_vocab_logits(logits[:, :-1], vocab, temperature)
+    """[b, s-1] entropy of softmax(logits[:, :-1] / T), TP-vocab-parallel."""
+    return position_entropy(logits[:, :-1], vocab, temperature)
+
+
+def position_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """[b, s] entropy at every position."""
+    lg = _masked_vocab_logits(logits, vocab, temperature)
     m = lg.detach().max(dim=-1, keepdim=True).values
     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
     e = torch.exp(lg - m)
@@ -57,6 +65,10 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
+        if par.cp > 1 and cfg.train.max_tokens_per_micro_batch is None:
+            # CP splits packed sequences (docs/design-packing.md, "Context parallelism"): say so before building.
+            raise ModelConfigError(f"parallel.cp={par.cp} needs packed micro-batches: set "
+                                   f"train.max_tokens_per_micro_batch")
         uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
                                     ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
@@ -105,73 +117,137 @@ class Actor:
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
     # ---------------------------------------------------------------- forward plumbing
+    @property
+    def packed(self) -> bool:
+        """Token-budget packed micro-batches (train.max_tokens_per_micro_batch set) or padded ones."""
+        return self.cfg.train.max_tokens_per_micro_batch is not None
+
     def _run(self, micro: list[dict], loss_fn, forward_only: bool) -> list:
         def step(data_iter, model):
             mb = next(data_iter)
-            pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
-            out = model(mb["tokens"], pos, None)
+            if "pack" in mb:
+                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"])
+            else:
+                pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
+                out = model(mb["tokens"], pos, None)
             return out, partial(loss_fn, mb)
 
         model = self.chunks if len(self.chunks) > 1 else self.chunks[0]
         iters = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        t, b = micro[0]["tokens"].shape[1], micro[0]["tokens"].shape[0]
-        return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=model,
-                                           num_microbatches=len(micro), seq_length=t, micro_batch_size=b,
-                                           forward_only=forward_only)
+        t = max(m["tokens"].shape[1] for m in micro)
+        b = micro[0]["tokens"].shape[0]
+        # Packed micro-batches differ in length: pipeline stages then exchange each activation's shape first
+        # (the interleaved schedule gets equal lengths instead, see _micro).
+        saved = self.tconfig.variable_seq_lengths
+        self.tconfig.variable_seq_lengths = self.packed and len(self.chunks) == 1
+        try:
+            return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=model,
+                                               num_microbatches=len(micro), seq_length=t, micro_batch_size=b,
+                                               forward_only=forward_only)
+        finally:
+            self.tconfig.variable_seq_lengths = saved
 
     def _micro(self, batch: RolloutBatch, extra: dict[str, torch.Tensor]) -> list[dict]:
-        mbs = self.cfg.train.micro_batch_size
-        if batch.size % mbs:
-            raise ValueError(f"{batch.size} samples per data-parallel rank do not split into micro batches of "
-                             f"{mbs} (train.micro_batch_size)")
+        """Micro-batches of `batch` (this DP rank's rows). Each holds the model input and, in the row layout
+        [n, T-1], the response mask and every tensor in `extra` (what the loss reads). Packed micro-batches
+        also hold their Pack and every RolloutBatch.PER_TOKEN field packed ("packed/<name>", [S, ...])."""
         dev = self.device
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        if self.packed:
+            vpp = len(self.chunks) > 1  # the interleaved schedule wants a multiple of PP micro-batches
+            # The budget is per GPU: with CP a micro-batch's stream holds cp times as many tokens, every sequence
+            # padded to a multiple of 2 * cp (planned with that padding, so no rank exceeds the budget).
+            n = self.cfg.train.max_tokens_per_micro_batch
+            slots = -(-batch.seq_lens // (2 * cp)) * (2 * cp) if cp > 1 else batch.seq_lens
+            plan = plan_micro_batches(slots, n * cp, budget_name=f"train.max_tokens_per_micro_batch={n} x parallel.cp="
+                                      f"{cp}" if cp > 1 else None,
+                                      count_multiple=ps.get_pipeline_model_parallel_world_size() if vpp else 1)
+            groups = [torch.tensor(g, dtype=torch.long) for g in plan]
+            # With variable lengths the interleaved (VPP) schedule's receives came out mis-sized (gloo: "received
+            # data size doesn't match"): pad every packed micro-batch of this call to the longest one instead.
+            common = max(int(batch.seq_lens[g].sum()) for g in groups) if vpp else 0
+        else:
+            mbs = self.cfg.train.micro_batch_size
+            if batch.size % mbs:
+                raise ValueError(f"{batch.size} samples per data-parallel rank do not split into micro batches of "
+                                 f"{mbs} (train.micro_batch_size)")
+            groups = [torch.arange(s, s + mbs) for s in range(0, batch.size, mbs)]
+        sp = self.tconfig.sequence_parallel
+        if cp > 1 and not self.packed:
+            raise ValueError(f"parallel.cp={cp} needs packed micro-batches (train.max_tokens_per_micro_batch)")
+        align = (ps.get_tensor_model_parallel_world_size() if sp else 1) * (2 * cp if cp > 1 else 1)
         out = []
-        for s in range(0, batch.size, mbs):
-            d = {"tokens": batch.tokens[s:s + mbs], "mask": batch.response_mask[s:s + mbs]}
-            d.update({k: v[s:s + mbs] for k, v in extra.items()})
-            out.append({k: v.to(dev) for k, v in d.items()})
+        for rows in groups:
+            d = {"mask": batch.response_mask[rows], **{k: v[rows] for k, v in extra.items()}}
+            d = {k: v.to(dev) for k, v in d.items()}
+            d["rows"] = rows
+            if self.packed:
+                pk = make_pack(rows, batch.seq_lens[rows], min_total=common, pad_to_multiple=align,
+                               seq_multiple=2 * cp if cp > 1 else 1)
+                width = batch.tokens.shape[1]
+                for name in RolloutBatch.PER_TOKEN:
+                    d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
+                d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
+                         packed_seq_params=pk.packed_seq_params(dev), width=width)
+                if cp > 1:  # this rank's positions of the stream, and the token each of them predicts
+                    mine = pk.cp_indices(cp, cp_rank).to(dev)
+                    labels = torch.roll(d["tokens"], -1, dims=1)
+                    d.update(tokens=d["tokens"][:, mine], labels=labels[:, mine], position_ids=d["position_ids"][:, mine],
+                             cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev))
+            else:
+                d["tokens"] = batch.tokens[rows].to(dev)
+            out.append(d)
         return out
+
+    def _logprobs(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        """Per predicting position: [b, s-1] padded, [1, S-1] along the packed stream."""
+        temp = self.cfg.rollout.temperature
+        if "cp_index" not in mb:
+            return token_logprobs(logits, mb["tokens"], self.vocab, temp)
+        lg = _masked_vocab_logits(logits, self.vocab, temp)  # this CP rank's positions; labels came with them
+        return self._cp_stream(mb, -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), mb["labels"]))
+
+    def _entropy(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        temp = self.cfg.rollout.temperature
+        if "cp_index" not in mb:
+            return vocab_parallel_entropy(logits, self.vocab, temp)
+        return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
+
+    def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
+        """[1, t] values of this CP rank's positions -> [1, S-1] along the whole stream, on every CP rank. Each CP
+        rank then computes the same loss of the whole stream; the gather keeps each rank's own gradient slice."""
+        full = gather_cp(local[0], ps.get_context_parallel_group(), sum_grads=False)
+        stream = full.new_zeros(full.shape).index_copy(0, mb["cp_index"], full)
+        return stream[:-1].unsqueeze(0)
+
+    def _rows(self, mb: dict, packed_values: torch.Tensor) -> torch.Tensor:
+        """A model output per predicting position ([b, s-1]) in the row layout [n, T-1] of mb["mask"]."""
+        if "pack" not in mb:
+            return packed_values
+        return unpack(mb["pack"], packed_values[0], mb["width"] - 1, mb["width"])
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """[B, T-1] logprobs on the last pipeline stage (None elsewhere), no grad."""
-        temp = self.cfg.rollout.temperature
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["tokens"], self.vocab, temp)
+            lp = self._rows(mb, self._logprobs(mb, logits))
             return torch.zeros((), device=lp.device), {"lp": lp.detach()}
 
         for c in self.chunks:
             c.eval()
+        micro = self._micro(batch, {})
         with torch.no_grad():
-            outs = self._run(self._micro(batch, {}), loss_fn, forward_only=True)
+            outs = self._run(micro, loss_fn, forward_only=True)
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        return torch.cat([o["lp"] for o in outs]).float().cpu()
+        out = torch.zeros(batch.response_mask.shape)
+        for mb, o in zip(micro, outs):
+            out[mb["rows"]] = o["lp"].float().cpu()
+        return out
 
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""
-        algo, temp = self.cfg.algo, self.cfg.rollout.temperature
-        dp = ps.get_data_parallel_world_size()
-        # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
-        extra = {k: v for k, v in {"old": old_lp, "adv": adv, "engine": batch.engine_logprobs, "ref": ref_lp}.items()
-                 if v is not None}
-        micro = self._micro(batch, extra)
-
-        def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["tokens"], self.vocab, temp)
-            ent = vocab_parallel_entropy(logits, self.vocab, temp) if algo.entropy_coef else None
-            loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
-                                        entropy=ent, rollout_logprobs=mb["engine"],
-                                        norm_len=self.cfg.rollout.max_new_tokens, **norms)
-            # Megatron divides by the number of micro batches and DDP averages over DP: undo both, the
-            # normalisers already cover the whole global batch.
-            return loss * len(micro) * dp, {k: v.detach().float() for k, v in metrics.items()}
-
-        for c in self.chunks:
-            c.train()
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outs = self._run(micro, loss_fn, forward_only=False)
+        outs = self.forward_backward(batch, old_lp, adv, ref_lp, norms)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = {}
@@ -182,3 +258,33 @@ class Actor:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
         return metrics
+
+    def forward_backward(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> list[dict]:
+        """Gradients of the policy loss over `batch` in the DDP grad buffers (main_grad), DP-reduced; the
+        per-micro-batch metrics on the last stage. Each micro-batch's loss is its share of the global loss
+        (norms are global counts), so the sum over micro-batches and ranks does not depend on how samples
+        were grouped or packed."""
+        algo = self.cfg.algo
+        dp = ps.get_data_parallel_world_size()
+        # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
+        extra = {k: v for k, v in {"old": old_lp, "adv": adv, "engine": batch.engine_logprobs, "ref": ref_lp}.items()
+                 if v is not None}
+        micro = self._micro(batch, extra)
+
+        def loss_fn(mb, logits):
+            lp = self._rows(mb, self._logprobs(mb, logits))
+            ent = self._rows(mb, self._entropy(mb, logits)) if algo.entropy_coef else None
+            loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
+                                        entropy=ent, rollout_logprobs=mb["engine"],
+                                        norm_len=self.cfg.rollout.max_new_tokens, **norms)
+            # Megatron divides by the number of micro batches and DDP averages over DP: undo both, the
+            # normalisers already cover the whole global batch. (DDP's extra 1/CP is undone by Megatron's own
+            # loss * cp in forward_step; every CP rank computes the whole loss, its gradients covering its own
+            # positions, and DDP sums them.)
+            return loss * len(micro) * dp, {k: v.detach().float() for k, v in metrics.items()}
+
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._run(micro, loss_fn, forward_only=False)

@@ -3,6 +3,10 @@
 Layout: tokens[b] = prompt + response, right-padded to T. Position t of the model's output predicts token
 t + 1, so every per-token tensor here ([B, T-1]: logprobs, masks, advantages) is indexed by the position of
 the *predicting* token and `response_mask[b, t]` is 1 when token t + 1 is a response token.
+
+`RolloutBatch.PER_TOKEN` names every per-token field (width T: per input token; width T - 1: per predicting
+position); packing (mtrain/trainer/packing.py) carries each of them through, whatever its trailing dims. A new
+per-token field (weight versions, routed experts) is added to the dataclass and to that tuple, nothing else.
 """
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ class RolloutBatch:
     engine_logprobs: torch.Tensor  # [B, T-1] float (0 off the mask)
     rewards: torch.Tensor  # [B]
     response_lens: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] long: prompt + response tokens (the rest of the row is padding)
     versions: torch.Tensor  # [B, T-1] long: the weight version that generated each response token (-1 off the mask)
+
+    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions")
 
     @property
     def size(self) -> int:
@@ -55,7 +62,16 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
             engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
             versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([len(c.output_ids) for c in completions]), versions)
+                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions)
+
+
+def dp_rows(seq_lens: torch.Tensor, dp_rank: int, dp_size: int, by_tokens: bool) -> torch.Tensor | slice:
+    """This data-parallel rank's rows of a minibatch: equal counts (padded micro-batches), or equal token totals
+    (packed micro-batches, train.max_tokens_per_micro_batch set: no rank waits for another's long samples)."""
+    if by_tokens:
+        from mtrain.trainer.packing import balanced_dp_rows
+        return balanced_dp_rows(seq_lens, dp_rank, dp_size)
+    return dp_slice(len(seq_lens), dp_rank, dp_size)
 
 
 def dp_slice(n: int, dp_rank: int, dp_size: int) -> slice:

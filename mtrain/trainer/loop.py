@@ -27,7 +27,7 @@ from mtrain.layouts import model_layout
 from mtrain.metrics import MetricsWriter
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
-from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
+from mtrain.trainer.batch import RolloutBatch, build_batch, dp_rows
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer.decisions import decide
@@ -166,7 +166,8 @@ class Trainer:
         if kept_rows == 0:
             return None, 0, metrics
         from megatron.core import parallel_state as ps
-        unit = ps.get_data_parallel_world_size() * self.cfg.train.micro_batch_size
+        packed = self.cfg.train.max_tokens_per_micro_batch is not None  # packed: any count per rank will do
+        unit = ps.get_data_parallel_world_size() * (1 if packed else self.cfg.train.micro_batch_size)
         fill = -(-kept_rows // unit) * unit - kept_rows  # <= dropped rows: the full batch splits into units
         idx = torch.cat([keep.nonzero().flatten(), (~keep).nonzero().flatten()[:fill]])
         out = batch.select(idx)
@@ -215,8 +216,9 @@ class Trainer:
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             minibatches = []
             for start in range(0, batch.size, gbs):
-                sl = dp_slice(gbs, dp_rank, dp_size)
-                sl = slice(start + sl.start, start + sl.stop)
+                sl = dp_rows(batch.seq_lens[start:start + gbs], dp_rank, dp_size,
+                             by_tokens=cfg.train.max_tokens_per_micro_batch is not None)
+                sl = slice(start + sl.start, start + sl.stop) if isinstance(sl, slice) else start + sl
                 mb = batch.select(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
                 minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,

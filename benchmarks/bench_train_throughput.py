@@ -1,0 +1,215 @@
+"""The trainer's own step (logprob recompute + train forward/backward + optimizer step) on a Llama-shaped model:
+padded vs packed micro-batches on one heavy-tailed RL-like batch, and fixed-length batches as the ceiling, all
+in the same run. Prints tokens/s and model TFLOP/s (useful tokens only), and the ratios.
+
+    # H200 (one GPU, bf16): Llama-3.2-1B shape, lengths up to 4096, the lead's command
+    python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 4096 --mbs 2 --budget 8192 \
+        --fixed-len 2048 --steps 3 --warmup 1 --out docs/gpu-runs/train_throughput_1b.json
+    # CPU smoke (float32)
+    python benchmarks/bench_train_throughput.py --model tiny --samples 32 --max-len 256 --mbs 2 --budget 512 \
+        --fixed-len 128 --steps 2 --warmup 1
+
+Modes (the same Actor, the same weights, one after another in each round):
+  padded   today's path: every row padded to the batch's longest sample, micro-batches of --mbs samples
+  packed   train.max_tokens_per_micro_batch=--budget: samples packed end to end (THD), no padding computed
+  ceiling  samples all exactly --fixed-len tokens, micro-batches of budget // fixed-len samples (no padding)
+
+Model FLOPs (what "TFLOP/s" counts; padding never counts), Llama with SwiGLU and GQA, per sequence of L tokens:
+  linear = 2 * L * [layers * (h*q + 2*h*kv + q*h + 3*h*ffn) + h*vocab]      (q = heads*head_dim, kv = kv_heads*head_dim)
+  attn   = layers * 4 * q * L*(L+1)/2                                        (QK^T and PV, causal: lower triangle)
+  step   = 4 * sum(linear + attn)      (1 forward for the logprob recompute, 3 for the train forward + backward)
+Megatron's own reports count full (non-causal) S^2 attention and recomputation, so its TFLOP/s reads higher for
+the same time; MFU here is TFLOP/s / --peak-tflops (H200 dense bf16: 989).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+             rope_theta=500000.0, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+             bos_token_id=1, eos_token_id=2, initializer_range=0.02, max_position_embeddings=131072)
+MODELS = {  # Llama-3.x shapes (hidden, layers, heads, kv heads, ffn, vocab, tied)
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=768, vocab_size=4096, tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),  # Adam state: > 1 H200
+}
+
+
+def model_flops(hf: dict, lengths: list[int]) -> float:
+    """Model FLOPs of one trainer step over sequences of these lengths (formula in the module docstring)."""
+    h, layers, ffn, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], hf["vocab_size"]
+    d = hf.get("head_dim") or h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d
+    per_token = 2 * (layers * (h * q + 2 * h * kv + q * h + 3 * h * ffn) + h * vocab)
+    fwd = sum(n * per_token + layers * 4 * q * n * (n + 1) / 2 for n in lengths)
+    return 4.0 * fwd
+
+
+def heavy_tailed_lengths(n: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: prompts uniform in [max_len/32, max_len/8], responses max_len * u^4 (most
+    short, a few near the cap; mean about a fifth of the room), like RL rollouts with a length limit."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(max(2, max_len // 32), max(3, max_len // 8), (1,), generator=g))
+        room = max_len - p
+        r = max(1, min(room, int(8 + (room - 8) * float(torch.rand(1, generator=g)) ** 4)))
+        out.append((p, r))
+    return out
+
+
+def make_batch(shapes: list[tuple[int, int]], vocab: int, seed: int):
+    from mtrain.rollout.protocol import Completion
+    from mtrain.trainer.batch import build_batch
+    g = torch.Generator().manual_seed(seed)
+    comps = []
+    for i, (p, r) in enumerate(shapes):
+        ids = torch.randint(3, vocab, (p + r,), generator=g).tolist()
+        comps.append(Completion(rid=str(i), prompt_ids=ids[:p], output_ids=ids[p:], logprobs=[-1.0] * r,
+                                finish_reason="length", weight_version=0))
+    return build_batch(comps, [float(i % 2) for i in range(len(shapes))], pad_id=0)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def one_step(actor, batch) -> float:
+    """Seconds for the trainer's step on this batch: logprob recompute, then one optimizer step."""
+    _sync()
+    t0 = time.perf_counter()
+    old = actor.logprobs(batch)
+    adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
+    norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(batch.size)}
+    actor.train_step(batch, old, adv, None, norms)
+    _sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
+    ap.add_argument("--samples", type=int, default=128, help="samples in the heavy-tailed batch")
+    ap.add_argument("--max-len", type=int, default=4096, help="prompt + response cap")
+    ap.add_argument("--mbs", type=int, default=2, help="padded mode: samples per micro-batch")
+    ap.add_argument("--budget", type=int, default=8192, help="packed mode: tokens per micro-batch")
+    ap.add_argument("--fixed-len", type=int, default=2048, help="ceiling mode: length of every sample")
+    ap.add_argument("--steps", type=int, default=3, help="measured rounds (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="for MFU; default 989 on CUDA (H200 bf16)")
+    ap.add_argument("--out", type=str, default=None, help="write the results as JSON here too")
+    args = ap.parse_args()
+    if args.budget < args.max_len or args.budget % args.fixed_len:
+        raise SystemExit(f"--budget ({args.budget}) must be >= --max-len ({args.max_len}) and a multiple of "
+                         f"--fixed-len ({args.fixed_len})")
+
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    from mtrain.config import load_config
+    from mtrain.dist import init_distributed
+    from mtrain.trainer.actor import Actor
+
+    cuda = torch.cuda.is_available()
+    hf = dict(LLAMA, **MODELS[args.model])
+    init_distributed(seed=args.seed)
+    per_micro_fixed = args.budget // args.fixed_len
+    if args.samples % args.mbs:
+        raise SystemExit(f"--samples ({args.samples}) must be a multiple of --mbs ({args.mbs})")
+    # The Actor reads the micro-batch keys; the rollout keys only have to pass the config's own checks.
+    base = [f"model.hf_path={REPO}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
+            "rollout.max_prompt_len=8", f"rollout.max_new_tokens={args.max_len - 8}", "optim.lr=1e-7",
+            "optim.use_distributed_optimizer=false", "algo.kl_coef=0",
+            f"rollout.prompts_per_step={args.mbs * per_micro_fixed}", "rollout.samples_per_prompt=2"]
+
+    def config(*extra):
+        return load_config(REPO / "mtrain/configs/tiny_llama_grpo.yaml", base + list(extra))
+    cfg_padded = config(f"train.micro_batch_size={args.mbs}")
+    cfg_packed = config(f"train.max_tokens_per_micro_batch={args.budget}")
+    cfg_fixed = config(f"train.micro_batch_size={per_micro_fixed}")
+    actor = Actor(cfg_packed, hf)
+
+    shapes = heavy_tailed_lengths(args.samples, args.max_len, args.seed)
+    batch = make_batch(shapes, hf["vocab_size"], args.seed)
+    useful = int(batch.seq_lens.sum())
+    # the ceiling: about as many tokens, every sample exactly fixed-len, whole micro-batches
+    n_fixed = max(per_micro_fixed, round(useful / args.fixed_len / per_micro_fixed) * per_micro_fixed)
+    fixed = make_batch([(args.fixed_len // 2, args.fixed_len - args.fixed_len // 2)] * n_fixed, hf["vocab_size"],
+                       args.seed + 1)
+    modes = {"padded": (cfg_padded, batch), "packed": (cfg_packed, batch), "ceiling": (cfg_fixed, fixed)}
+    # Numerics on this machine (bf16 flash/SDPA packed vs Megatron's padded local attention on a GPU): the two
+    # paths' logprobs on every real position of the heavy-tailed batch, before any timed step.
+    lp = {}
+    for m in ("padded", "packed"):
+        actor.cfg = modes[m][0]
+        lp[m] = actor.logprobs(batch)
+    valid = torch.arange(batch.tokens.shape[1] - 1)[None, :] < (batch.seq_lens[:, None] - 1)
+    diff = (lp["packed"] - lp["padded"]).abs()[valid]
+    lp_diff = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
+    times = {m: [] for m in modes}
+    for rnd in range(args.warmup + args.steps):
+        for m, (cfg, b) in modes.items():
+            actor.cfg = cfg
+            dt = one_step(actor, b)
+            if rnd >= args.warmup:
+                times[m].append(dt)
+
+    peak = args.peak_tflops or (989.0 if cuda else None)
+    results = {}
+    for m, (cfg, b) in modes.items():
+        lengths = b.seq_lens.tolist()
+        t = statistics.median(times[m])
+        tflops = model_flops(hf, lengths) / t / 1e12
+        results[m] = {"seconds": t, "useful_tokens": int(sum(lengths)), "computed_slots":
+                      int(b.size * b.tokens.shape[1]) if m != "packed" else int(sum(lengths)),
+                      "tokens_per_s": sum(lengths) / t, "tflops": tflops,
+                      "mfu": tflops / peak if peak else None, "all_seconds": times[m]}
+    out = {
+        "machine": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                             f"{torch.get_num_threads()} threads)",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
+        "model": args.model, "dtype": "bfloat16" if cuda else "float32", "results": results,
+        "length_stats": {"mean": useful / len(shapes), "max": int(batch.seq_lens.max()),
+                         "padded_width": int(batch.tokens.shape[1])},
+        "logprob_packed_vs_padded": lp_diff,
+        "packed_over_padded_tokens_per_s": results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"],
+        "packed_over_ceiling_tflops": results["packed"]["tflops"] / results["ceiling"]["tflops"],
+        "packed_over_ceiling_tokens_per_s": results["packed"]["tokens_per_s"] / results["ceiling"]["tokens_per_s"],
+        "padded_over_ceiling_tflops": results["padded"]["tflops"] / results["ceiling"]["tflops"],
+    }
+    for m, r in results.items():
+        print(f"{m:8s} {r['seconds']:8.3f} s  {r['useful_tokens']:8d} useful tokens  {r['tokens_per_s']:10.1f} tok/s  "
+              f"{r['tflops']:8.3f} TFLOP/s" + (f"  MFU {r['mfu']:.3f}" if r["mfu"] else ""))
+    for k in ("packed_over_padded_tokens_per_s", "packed_over_ceiling_tflops", "packed_over_ceiling_tokens_per_s",
+              "padded_over_ceiling_tflops"):
+        print(f"{k}: {out[k]:.3f}")
+    print(f"logprobs packed vs padded: max |diff| {lp_diff['max_abs']:.3g}, mean {lp_diff['mean_abs']:.3g}")
+    print(json.dumps(out))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

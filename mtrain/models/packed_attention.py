@@ -1,0 +1,115 @@
+"""Packed (THD) sequences on megatron-core's local (non-Transformer-Engine) attention.
+
+megatron-core 0.16.1's ``DotProductAttention`` refuses ``packed_seq_params`` ("use TEDotProductAttention").
+Everything around it already handles the THD format on its own: ``SelfAttention`` / ``MLASelfAttention``
+squeeze the dummy batch dim, RoPE restarts at position 0 for every sequence (``_apply_rotary_pos_emb_thd``,
+from ``cu_seqlens``), MoE routes tokens independently. So the only missing piece is the core attention, and
+the spec's ``core_attention`` slot is the extension point for it: ``PackedDotProductAttention`` runs causal
+attention on each sequence of the stream on its own (torch's ``scaled_dot_product_attention``: flash or
+memory-efficient kernels on a GPU), so attention never crosses a boundary and costs sum(L_i^2), not S^2 as a
+block-diagonal mask over the whole stream would. Unpacked calls go to the parent unchanged. With TE installed,
+TE's own THD attention is used instead (specs.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+def host_cu_seqlens(packed_seq_params) -> list[int]:
+    """cu_seqlens as Python ints: the trainer attaches a host copy (no device sync per layer), else read it."""
+    host = getattr(packed_seq_params, "mtrain_host_cu_seqlens", None)
+    return list(host) if host is not None else packed_seq_params.cu_seqlens_q.tolist()
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """Local core attention that also takes THD-packed sequences (``qkv_format='thd'`` with ``cu_seqlens``),
+    with context parallelism: each CP rank holds chunks r and 2cp-1-r of every sequence (the load-balanced split
+    TE uses; RoPE's THD path picks the same positions), gathers every rank's keys and values and attends from its
+    own chunks with the causal offset of their global positions."""
+
+    def __init__(self, config, *args, **kwargs):
+        # The parent asserts context_parallel_size == 1 ("only TEDotProductAttention"); CP is handled here.
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        self._check_packed(packed_seq_params, attention_bias)
+        # THD: [t, heads, dim] (SelfAttention squeezed the dummy batch dim) -> [heads, t, dim]
+        query, key, value = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1 and self.config.context_parallel_size == 1:  # GQA: a key/value head serves `groups` queries
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        cu = host_cu_seqlens(packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            return self._context_parallel(query, key, value, cu, groups)
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            # Scores in float32 like the parent's softmax (attention_softmax_in_fp32); on a GPU in bf16 the
+            # flash kernel keeps its accumulators in float32 as well.
+            outs.append(F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+                                                       scale=self.softmax_scale))
+        ctx = torch.cat(outs, dim=1)  # [heads, t, v_dim]
+        return ctx.transpose(0, 1).reshape(ctx.shape[1], 1, -1)  # [t, 1, heads * v_dim], as SelfAttention expects
+
+    def _context_parallel(self, query, key, value, cu: list[int], groups: int) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        from mtrain.models.cp_comm import gather_cp
+        group = ps.get_context_parallel_group()
+        cp, r = self.config.context_parallel_size, ps.get_context_parallel_rank()
+        t = query.shape[0]
+        k_all = gather_cp(key, group, sum_grads=True)  # [cp * t, groups_kv, dim], rank-major
+        v_all = gather_cp(value, group, sum_grads=True)
+        if groups > 1:
+            k_all = k_all.repeat_interleave(groups, dim=1)
+            v_all = v_all.repeat_interleave(groups, dim=1)
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            if (b - a) % (2 * cp):
+                raise ValueError(f"context parallelism needs every packed sequence padded to a multiple of 2*cp="
+                                 f"{2 * cp}, got a segment of {b - a}")
+            m, la = (b - a) // (2 * cp), a // cp  # chunk length; this segment's start on every rank
+            # the whole sequence in order: chunk c lives on rank c (first half) or 2cp-1-c (second half)
+            chunks = [(c, 0) if c < cp else (2 * cp - 1 - c, m) for c in range(2 * cp)]
+            k_seq = torch.cat([k_all[j * t + la + off: j * t + la + off + m] for j, off in chunks])
+            v_seq = torch.cat([v_all[j * t + la + off: j * t + la + off + m] for j, off in chunks])
+            for c, off in ((r, 0), (2 * cp - 1 - r, m)):
+                q = query[la + off: la + off + m].transpose(0, 1)
+                n_keys = (c + 1) * m  # causal: global positions up to the end of chunk c
+                allowed = (torch.arange(m, device=q.device)[:, None] + c * m
+                           >= torch.arange(n_keys, device=q.device)[None, :])
+                outs.append(F.scaled_dot_product_attention(q, k_seq[:n_keys].transpose(0, 1),
+                                                           v_seq[:n_keys].transpose(0, 1), attn_mask=allowed,
+                                                           scale=self.softmax_scale))
+        ctx = torch.cat(outs, dim=1)
+        return ctx.transpose(0, 1).reshape(t, 1, -1)
+
+    def _check_packed(self, params, attention_bias) -> None:
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences on the local attention need qkv_format='thd', got {params.qkv_format!r}")
+        if params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
+            raise ValueError("packed sequences on the local attention: cu_seqlens_*_padded is not supported "
+                             "(mtrain packs without per-sequence padding)")
+        if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not params.cu_seqlens_q \
+                and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        if attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None:
+            raise ValueError("packed sequences on the local attention: attention bias, softmax offsets (sinks) and "
+                             "sliding windows are not supported")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError("packed sequences on the local attention: attention dropout is not supported")
