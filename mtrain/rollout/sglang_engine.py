@@ -109,9 +109,16 @@ class SGLangEngine(RolloutEngine):
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
                                     deterministic=deterministic, extra=server_args)
+        # A further node's part of an engine spanning nodes (node_rank > 0): its schedulers serve that node's TP ranks
+        # and take every request and weight call from node 0's part by SGLang's own broadcast; this object only
+        # holds them. SGLang would block in the constructor unless told not to (engine.py:1105-1132).
+        self.node_part = int(kwargs.get("node_rank", 0) or 0) > 0
         children_before = _child_pids()
         logging_before = logging_state()
-        with engine_environment(extra={STATUS_DIR_ENV: self._status_dir}):
+        env = {STATUS_DIR_ENV: self._status_dir}
+        if self.node_part:
+            env["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        with engine_environment(extra=env):
             try:
                 self._engine = sglang.Engine(**kwargs)
             except BaseException as e:
@@ -120,6 +127,9 @@ class SGLangEngine(RolloutEngine):
                 raise EngineError(f"sglang.Engine failed to start for {model_path!r} (tp_size={tp_size}): "
                                   f"{type(e).__name__}: {e}") from e
         restore_logging(logging_before)  # SGLang's configure_logger resets the root logger (force=True)
+        if self.node_part:
+            self._dead = "this is a further node's part of an engine: node 0's part takes every call"
+            return
         loop = self._engine.loop
         self._thread = threading.Thread(target=loop.run_forever, name="mtrain-sglang-loop", daemon=True)
         self._thread.start()
@@ -439,6 +449,13 @@ class SGLangEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine. Note: SGLang's shutdown kills EVERY child process of this process
         (engine.py:1230, kill_process_tree(os.getpid(), include_parent=False)), not only its own."""
+        if self._engine is not None and self.node_part:
+            try:
+                self._engine.shutdown()
+            finally:
+                self._engine = None
+                shutil.rmtree(self._status_dir, ignore_errors=True)
+            return
         if self._engine is not None:
             loop = self._engine.loop
             try:

@@ -91,6 +91,9 @@ class Trainer:
                          overrides=arch) if cfg.algo.kl_coef else None
         self.offload = TrainOffload(self.actor, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
+        # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)
+        self.engine_part = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if (
+            self.engine is None and d.groups.starts_engine_part(self.rank)) else None
         self.pool = RolloutPool(d.groups, self.rank, self.engine, max_groups_in_flight=cfg.rollout.max_groups_in_flight)
         self.partial = PartialRollout(cfg, self.pool, self.tokenizer, self.train_set, self.sampler,
                                       self.reward_fn) if cfg.rollout.partial else None
@@ -274,5 +277,6 @@ class Trainer:
     def close(self) -> None:
         if self.metrics:
             self.metrics.close()
-        if self.engine is not None:
-            self.engine.shutdown()
+        for engine in (self.engine, self.engine_part):
+            if engine is not None:
+                engine.shutdown()
