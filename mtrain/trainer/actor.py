@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mtrain.algorithms.objective import policy_loss
 from mtrain.models import build_model
+from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
 
@@ -49,6 +50,29 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float)
     return torch.log(s) + m.squeeze(-1) - pl / s
 
 
+def recompute_overrides(rc) -> dict:
+    """train.recompute as megatron-core TransformerConfig fields (none: no recomputation)."""
+    if rc.granularity == "none":
+        return {}
+    if rc.granularity == "selective":  # Megatron's default module list: core attention
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": rc.method, "recompute_num_layers": rc.num_layers}
+
+
+def cpu_offload_options(on: bool) -> dict:
+    """optim.cpu_offload as megatron-core OptimizerConfig fields: the whole optimizer (fraction 1) on the host
+    (HybridDeviceOptimizer: fp32 master copies + Adam moments in pinned host memory, Adam on the CPU, updated
+    weights copied back). It offloads CUDA parameters only and looks every host copy up by its GPU parameter,
+    so a CPU-only job (whose optimizer state is in host memory anyway) cannot use it: refused here."""
+    if not on:
+        return {}
+    if not torch.cuda.is_available():
+        raise ModelConfigError("optim.cpu_offload=true needs a GPU: megatron-core's HybridDeviceOptimizer moves "
+                               "CUDA parameters to the host (here every tensor is on the host already); set "
+                               "optim.cpu_offload=false on a CPU-only machine")
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+
+
 class Actor:
     def __init__(self, cfg, hf_config: dict, load_weights=None, trainable: bool = True):
         """load_weights(chunks) fills the unwrapped model before the optimizer copies its main params.
@@ -56,9 +80,11 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
-        uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
-                                    ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
-        chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp, config_overrides=uneven)
+        if not cfg.model.mtp:  # RL trains the main model: the MTP layers stay in the converted checkpoint
+            hf_config = dict(hf_config, num_nextn_predict_layers=0)
+        overrides = {**pipeline_split_overrides(par.first_stage_layers, par.last_stage_layers),
+                     **recompute_overrides(cfg.train.recompute)}
+        chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp, config_overrides=overrides)
         c = self.tconfig
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
@@ -91,7 +117,7 @@ class Actor:
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer), self.chunks)
+            use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload)), self.chunks)
         steps = max(cfg.train.steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
