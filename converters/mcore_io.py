@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -135,7 +136,21 @@ def tied_copies(model) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------ parallel layout
 
-def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: int | None = None):
+@dataclass(frozen=True)
+class StageSplit:
+    """An uneven pipeline split: layers on the first and on the last stage (None: even share)."""
+    first: int | None = None
+    last: int | None = None
+
+
+def stage_split_overrides(layout) -> dict[str, int]:
+    """The MegatronLayout's uneven split as megatron-core TransformerConfig fields (for build_model)."""
+    from mtrain.models.builder import pipeline_split_overrides
+    return pipeline_split_overrides(layout.first_stage_layers, layout.last_stage_layers)
+
+
+def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: int | None = None,
+                    split: StageSplit = StageSplit()):
     """The MegatronLayout for these sizes on `world` ranks (default: the smallest data-parallel size that
     makes EP fit), and the HF -> Megatron plan.
 
@@ -152,12 +167,21 @@ def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: in
             raise ParallelSizeError(f"{world} processes cannot hold tp={tp} pp={pp} ep={ep} etp={expert_tp}: the "
                                     f"world must be a multiple of tp*pp and world/pp a multiple of etp*ep")
         dp = world // (tp * pp)
-    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp)
+    if (split.first is not None or split.last is not None) and pp == 1:
+        raise ParallelSizeError(f"--first-stage-layers/--last-stage-layers ({split.first}/{split.last}) need "
+                                "--pp > 1: with one pipeline stage there is nothing to split")
+    for flag, n in (("--first-stage-layers", split.first), ("--last-stage-layers", split.last)):
+        if n is not None and n < 1:
+            raise ParallelSizeError(f"{flag} must be >= 1, got {n}")
+    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, first_stage_layers=split.first,
+                            last_stage_layers=split.last)
     try:
+        layout.stage_layers(model.num_layers)
         plan = build_plan(model, HFLayout(), layout)
     except LayoutError as e:
-        raise ParallelSizeError(f"parallel sizes tp={tp} pp={pp} ep={ep} etp={expert_tp} do not fit the model: "
-                                f"{e}") from e
+        split_text = f" first_stage_layers={split.first} last_stage_layers={split.last}" if layout.uneven else ""
+        raise ParallelSizeError(f"parallel sizes tp={tp} pp={pp} ep={ep} etp={expert_tp}{split_text} do not fit "
+                                f"the model ({model.num_layers} layers): {e}") from e
     return layout, plan
 
 
@@ -245,11 +269,11 @@ def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict,
     return cfg, mtp, dtype
 
 
-def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str):
+def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str, config_overrides: dict | None = None):
     """Inside a live parallel_state: build this rank's chunks and fill them from the dist checkpoint
-    (Megatron reshards on load, so the checkpoint's own layout does not matter)."""
+    (Megatron reshards on load, so the checkpoint's own layout, uneven stages included, does not matter)."""
     from mtrain.models import build_model, load_model_checkpoint
-    chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype)
+    chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype, config_overrides=config_overrides)
     load_model_checkpoint(chunks, mcore_dir)
     return chunks
 
