@@ -256,7 +256,9 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict, bool, torch.dtype]:
     """(HF config, MTP carried?, parameter dtype) of a dist checkpoint written by hf-to-mcore (or by training).
 
-    Without mtrain_meta.json the config decides: MTP when it announces MTP layers.
+    Without mtrain_meta.json (a training run's checkpoint) the checkpoint's own index decides: MTP when it holds
+    `mtp.*` tensors (RL trains without them, model.mtp=false), the dtype of its embedding; the config only when
+    the index cannot be read.
     """
     cfg_dir = hf_config_dir or mcore_dir
     try:
@@ -264,9 +266,24 @@ def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict,
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{cfg_dir / 'config.json'}: unreadable: {e}") from e
     meta = read_meta(mcore_dir)
-    mtp = bool(meta.get("mtp_layers", cfg.get("num_nextn_predict_layers") or 0))
-    dtype = getattr(torch, meta["dtype"]) if "dtype" in meta else config_dtype(cfg)
-    return cfg, mtp, dtype
+    if "mtp_layers" in meta and "dtype" in meta:
+        return cfg, bool(meta["mtp_layers"]), getattr(torch, meta["dtype"])
+    index = _tensor_index(mcore_dir)
+    if index:
+        mtp = any(k.startswith("mtp.") for k in index)
+        emb = index.get("embedding.word_embeddings.weight")
+        dtype = getattr(getattr(emb, "properties", None), "dtype", None) or config_dtype(cfg)
+        return cfg, mtp, dtype
+    return cfg, bool(cfg.get("num_nextn_predict_layers") or 0), config_dtype(cfg)
+
+
+def _tensor_index(mcore_dir: Path) -> dict:
+    """name -> torch.distributed.checkpoint tensor metadata of a torch_dist checkpoint ({} when unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        return dict(FileSystemReader(str(mcore_dir)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - check_dist_checkpoint reports a damaged index; here only a fallback
+        return {}
 
 
 def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str, config_overrides: dict | None = None):
