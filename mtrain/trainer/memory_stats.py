@@ -45,4 +45,6 @@ def memory_metrics(actor, pp_rank: int) -> dict[str, float]:
     out = {f"mem/stage{pp_rank}/{k}_bytes_max": float(v) for k, v in b.items()}
     out[f"mem/stage{pp_rank}/state_bytes_max"] = float(sum(b.values()))
     out[f"mem/stage{pp_rank}/peak_rss_bytes_max"] = float(peak_rss_bytes())
+    if torch.cuda.is_available():  # the GPU's own peak (weights, grads, optimizer, activations, allocator)
+        out[f"mem/stage{pp_rank}/cuda_peak_bytes_max"] = float(torch.cuda.max_memory_allocated())
     return out

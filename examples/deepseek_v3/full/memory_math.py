@@ -129,6 +129,10 @@ def compare(rows: list[dict], metrics_file: Path) -> None:
             got = rec.get(f"mem/stage{r['stage']}/{kind}_bytes_max")
             if got is not None:
                 print(f" {r['stage']:5d}  {kind:6s} {pred:12,.0f} {got:12,.0f}   {got / pred:.3f}")
+        cuda = rec.get(f"mem/stage{r['stage']}/cuda_peak_bytes_max")
+        if cuda is not None:
+            print(f" {r['stage']:5d}  GPU peak allocated {cuda / 2**20:,.0f} MiB (activations and engine buffers "
+                  "included)")
         rss = rec.get(f"mem/stage{r['stage']}/peak_rss_bytes_max")
         if rss is not None:
             print(f" {r['stage']:5d}  peak RSS of the process {rss / 2**20:,.0f} MiB (runtime, libraries, engine "
