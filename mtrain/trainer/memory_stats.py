@@ -40,7 +40,22 @@ def peak_rss_bytes() -> int:
 
 
 def memory_metrics(actor, pp_rank: int) -> dict[str, float]:
-    """Per pipeline stage (the loop reduces '*max*' keys with max over ranks): bytes of each kind of state."""
+    """Per pipeline stage, max over the stage's ranks: bytes of each kind of state. Gathered from every rank
+    (one small collective per step), so the rank that reports training metrics (the last stage) has them all."""
+    import torch.distributed as dist
+    mine = _local_metrics(actor, pp_rank)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    out: dict[str, float] = {}
+    for g in gathered:
+        for k, v in g.items():
+            out[k] = max(out.get(k, v), v)
+    return out
+
+
+def _local_metrics(actor, pp_rank: int) -> dict[str, float]:
     b = state_bytes(actor)
     out = {f"mem/stage{pp_rank}/{k}_bytes_max": float(v) for k, v in b.items()}
     out[f"mem/stage{pp_rank}/state_bytes_max"] = float(sum(b.values()))

@@ -167,7 +167,11 @@ def main() -> None:
         f"{rows[0]['layers']} | {rows[1]['layers']} ... | {rows[-1]['layers']}"
     print(f"{a.nodes} nodes x {a.gpus_per_node} GPUs, TP1 PP{a.pp} ({split} layers) EP{a.ep}, "
           f"DP {rows[0]['dp']}, expert DP {rows[0]['edp']}; {a.dtype}; micro-batch {a.seq} tokens; GPU {a.gpu_gb} GB")
-    print(" stage params(B) weights grads optim(sharded) act(recompute) | train peak | gen: train w + engine w + KV")
+    small = max(r["params"] for r in rows) < 1e8  # the scaled-down run: MB instead of GB
+    unit, pu = (1e6, "M") if small else (GB, "B")
+    uname = "MB" if small else "GB"
+    print(f" stage params({pu}) weights grads optim(sharded) act(recompute) | train peak | gen: train w + engine w + KV"
+          f"   [{uname}]")
     free_kv = []
     for r in rows:
         optim = 0.0 if a.cpu_offload else r["optim"]
@@ -176,13 +180,14 @@ def main() -> None:
         # activations are gone; the training weights stay.
         kv = a.gpu_gb * GB - r["weights"] - e["per_gpu_bytes"] - a.overhead_gb * GB
         free_kv.append(kv)
-        print(f" {r['stage']:5d} {r['params'] / 1e9:9.2f} {r['weights'] / GB:7.1f} {r['grads'] / GB:5.1f} "
-              f"{optim / GB:14.1f} {r['act'] / GB:14.1f} | {train_peak / GB:10.1f} | "
-              f"{r['weights'] / GB:.1f} + {e['per_gpu_bytes'] / GB:.1f} + {kv / GB:.1f}")
+        print(f" {r['stage']:5d} {r['params'] / 1e9 * GB / unit:9.2f} {r['weights'] / unit:7.1f} {r['grads'] / unit:5.1f} "
+              f"{optim / unit:14.1f} {r['act'] / unit:14.1f} | {train_peak / unit:10.1f} | "
+              f"{r['weights'] / unit:.1f} + {e['per_gpu_bytes'] / unit:.1f} + {kv / unit:.1f}")
     kv = min(free_kv)
     tokens = kv / e["kv_per_token"]
     wdt = "FP8" if e["fp8"] else "bf16"
-    print(f"engine TP{e['tp']} x EP{e['tp']}: {e['total'] / 1e9:.1f}B params, {e['per_gpu_bytes'] / GB:.1f} GB {wdt} per GPU;"
+    print(f"engine TP{e['tp']} x EP{e['tp']}: {e['total'] / 1e9 * GB / unit:.1f}{pu} params, "
+          f"{e['per_gpu_bytes'] / unit:.1f} {uname} {wdt} per GPU;"
           f" MLA latent {e['kv_per_token']} B/token ({c['kv_lora_rank']}+{c['qk_rope_head_dim']}) x "
           f"{c['num_hidden_layers']} x 2; worst-stage KV room {kv / GB:.1f} GB = {tokens / 1e3:.0f}k tokens per engine")
     if a.measured is not None:
