@@ -6,8 +6,10 @@
    layer included, 128x128 blocks, 1 GiB shards): sized by --experts/--hidden/--layers, ~2.3 GB by default;
 2. converts it with `mtrain-convert hf-to-mcore --dtype bfloat16` (one rank by default) while sampling, every
    0.1 s, the resident memory of the whole process tree (parent + spawned ranks);
-3. prints the input size, the output size, the peak of the tree's summed RSS, and the same conversion's
-   peak divided by the bf16 output (the model one rank must hold to save it: the floor of this design).
+3. prints the input size, the output size and the peaks of the tree's summed Pss (proportional set size: shared
+   pages divided among the processes that map them, so the sum counts each page once) and of its anonymous part
+   (allocated memory, without the file pages of the memory-mapped input), each also divided by the bf16 output
+   (the model one rank must hold to save it: the floor of this design).
 
 The FP8 weights are read one tensor at a time (memory-mapped) and dequantised into the rank's Megatron
 parameters, so the peak should be about the bf16 model + the runtime, not input + output. Everything is
@@ -29,33 +31,50 @@ def dir_bytes(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def tree_rss(pid: int) -> int:
+def _rollup(pid: int) -> dict[str, int]:
+    """Pss (shared pages divided among their users: sums over processes without double counting) and
+    Pss_Anon (anonymous memory: what the process allocated, not file pages of the memory-mapped input), bytes."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Pss", "Pss_Anon", "Rss"):
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def tree_memory(pid: int) -> dict[str, int]:
+    """Summed Pss and Pss_Anon of the process tree, and the largest single process's Rss."""
     import psutil
     try:
         p = psutil.Process(pid)
         procs = [p] + p.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return {}
+    total = {"Pss": 0, "Pss_Anon": 0, "max_rss": 0}
     for q in procs:
-        try:
-            total += q.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
+        r = _rollup(q.pid)
+        total["Pss"] += r.get("Pss", 0)
+        total["Pss_Anon"] += r.get("Pss_Anon", 0)
+        total["max_rss"] = max(total["max_rss"], r.get("Rss", 0))
     return total
 
 
-def run_sampled(cmd: list[str], env: dict) -> tuple[int, int, float]:
-    """(return code, peak summed RSS of the tree in bytes, seconds)."""
+def run_sampled(cmd: list[str], env: dict, log: Path) -> tuple[int, dict, float]:
+    """(return code, peaks of tree_memory's values in bytes, seconds); output to `log` (a pipe left unread
+    would stall the child once full)."""
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = 0
-    while p.poll() is None:
-        peak = max(peak, tree_rss(p.pid))
-        time.sleep(0.1)
-    out = p.stdout.read()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        peak: dict[str, int] = {}
+        while p.poll() is None:
+            for k, v in tree_memory(p.pid).items():
+                peak[k] = max(peak.get(k, 0), v)
+            time.sleep(0.2)
     if p.returncode != 0:
-        print(out[-4000:], file=sys.stderr)
+        print(log.read_text()[-4000:], file=sys.stderr)
     return p.returncode, peak, time.monotonic() - t0
 
 
@@ -84,20 +103,23 @@ def main() -> int:
     try:
         conv = [sys.executable, "-m", "mtrain.converters"]
         rc, gen_peak, gen_s = run_sampled(conv + ["make-fp8", "--config", str(cfg_file), "--out", str(release),
-                                                  "--force"], env)
+                                                  "--force"], env, a.workdir.parent / "fp8mem-make.log")
         if rc:
             return rc
         par = ["--ep", "2"] if a.ranks == "ep2" else []
         rc, peak, secs = run_sampled(conv + ["hf-to-mcore", "--hf", str(release), "--out", str(out), "--dtype",
-                                             "bfloat16", "--force", *par], env)
+                                             "bfloat16", "--force", *par], env, a.workdir.parent / "fp8mem-convert.log")
         if rc:
             return rc
         fp8_bytes, out_bytes = dir_bytes(release), dir_bytes(out)
-        print(f"FP8 checkpoint: {fp8_bytes / 2**30:.2f} GiB ({len(list(release.glob('*.safetensors')))} shards), "
-              f"written in {gen_s:.0f} s with peak RSS {gen_peak / 2**30:.2f} GiB")
-        print(f"hf-to-mcore ({a.ranks} rank(s), bf16): {secs:.0f} s, output {out_bytes / 2**30:.2f} GiB, "
-              f"peak RSS of the process tree {peak / 2**30:.2f} GiB = {peak / fp8_bytes:.2f} x input, "
-              f"{peak / out_bytes:.2f} x output")
+        gib = 2 ** 30
+        print(f"FP8 checkpoint: {fp8_bytes / gib:.2f} GiB ({len(list(release.glob('*.safetensors')))} shards), "
+              f"written in {gen_s:.0f} s; peak Pss {gen_peak.get('Pss', 0) / gib:.2f} GiB")
+        print(f"hf-to-mcore ({a.ranks} rank(s), bf16): {secs:.0f} s, output {out_bytes / gib:.2f} GiB; peaks over "
+              f"the process tree: Pss {peak.get('Pss', 0) / gib:.2f} GiB ({peak.get('Pss', 0) / out_bytes:.2f} x "
+              f"output), anonymous {peak.get('Pss_Anon', 0) / gib:.2f} GiB "
+              f"({peak.get('Pss_Anon', 0) / out_bytes:.2f} x output), largest process Rss "
+              f"{peak.get('max_rss', 0) / gib:.2f} GiB")
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
