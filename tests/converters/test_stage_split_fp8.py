@@ -197,3 +197,41 @@ def test_make_fp8_bad_input(fp8_dir, tmp_path, capsys):
     assert main(["make-fp8", "--config", str(fp8_dir / "config.json"), "--out", str(fp8_dir)]) == 2
     _one_error_line(capsys, "already holds a checkpoint")
     assert leftovers(tmp_path, "again") == [] and leftovers(tmp_path, "x") == []
+
+
+def test_killed_conversion_leaves_nothing_that_looks_complete(fp8_dir, tmp_path):
+    """SIGKILL to the whole conversion (parent and ranks, no handler runs) once the ranks are converting."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mtrain.converters", "hf-to-mcore", "--hf", str(fp8_dir), "--out", str(out),
+           "--pp", "2", "--first-stage-layers", "1", "--last-stage-layers", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(psutil.Process(p.pid).children(recursive=True)) < 2:  # the spawned ranks are up
+            assert p.poll() is None and time.monotonic() < deadline, "conversion ended before it could be killed"
+            time.sleep(0.1)
+        time.sleep(2.0)
+        assert p.poll() is None
+    finally:
+        procs = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
+        os.killpg(p.pid, signal.SIGKILL)
+        for q in procs:
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
+        p.wait()
+        psutil.wait_procs(procs, timeout=30)
+    assert not out.exists()
+    left = leftovers(tmp_path, "out")
+    assert all(".tmp-" in n for n in left), left  # staging only: never taken for a checkpoint
+    from mtrain.converters.output_dir import checkpoint_marker
+    assert checkpoint_marker(out) is None
