@@ -23,6 +23,7 @@ from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.memory_stats import memory_metrics
+from mtrain.trainer.train_options import cpu_offload_options, recompute_overrides
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -49,29 +50,6 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float)
     s = tensor_parallel.reduce_from_tensor_model_parallel_region(e.sum(-1))
     pl = tensor_parallel.reduce_from_tensor_model_parallel_region((e * torch.nan_to_num(lg, neginf=0.0)).sum(-1))
     return torch.log(s) + m.squeeze(-1) - pl / s
-
-
-def recompute_overrides(rc) -> dict:
-    """train.recompute as megatron-core TransformerConfig fields (none: no recomputation)."""
-    if rc.granularity == "none":
-        return {}
-    if rc.granularity == "selective":  # Megatron's default module list: core attention
-        return {"recompute_granularity": "selective"}
-    return {"recompute_granularity": "full", "recompute_method": rc.method, "recompute_num_layers": rc.num_layers}
-
-
-def cpu_offload_options(on: bool) -> dict:
-    """optim.cpu_offload as megatron-core OptimizerConfig fields: the whole optimizer (fraction 1) on the host
-    (HybridDeviceOptimizer: fp32 master copies + Adam moments in pinned host memory, Adam on the CPU, updated
-    weights copied back). It offloads CUDA parameters only and looks every host copy up by its GPU parameter,
-    so a CPU-only job (whose optimizer state is in host memory anyway) cannot use it: refused here."""
-    if not on:
-        return {}
-    if not torch.cuda.is_available():
-        raise ModelConfigError("optim.cpu_offload=true needs a GPU: megatron-core's HybridDeviceOptimizer moves "
-                               "CUDA parameters to the host (here every tensor is on the host already); set "
-                               "optim.cpu_offload=false on a CPU-only machine")
-    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
 
 
 class Actor:

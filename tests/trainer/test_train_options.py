@@ -106,7 +106,7 @@ def test_mtp_off_builds_the_policy_without_the_mtp_layer(results, tmp_path):
 
 def test_cpu_offload_is_refused_where_megatron_cannot_do_it(tmp_path, monkeypatch):
     from mtrain.models.hf_config import ModelConfigError
-    from mtrain.trainer.actor import cpu_offload_options
+    from mtrain.trainer.train_options import cpu_offload_options
     with pytest.raises(ConfigError, match="optim.cpu_offload.*bfloat16"):
         _cfg(str(tmp_path), "optim.cpu_offload=true")
     with pytest.raises(ConfigError, match="optim.cpu_offload.*distributed"):
