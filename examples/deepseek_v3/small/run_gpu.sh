@@ -29,4 +29,5 @@ step=$(ls -d run/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
 python -m mtrain.converters mcore-to-hf --mcore "$step/mcore" --hf-config release --out export --force
 python -m mtrain.converters verify --hf export --mcore "$step/mcore" --pp 2 --first-stage-layers 3 --last-stage-layers 4
 python "$repo/examples/deepseek_v3/full/memory_math.py" --config config.json --nodes 1 --gpus-per-node 2 --pp 2 --ep 1 \
-    --first-stage-layers 3 --last-stage-layers 4 --dtype bf16 --seq 512 --engine-tp 2 --measured run/metrics.jsonl
+    --first-stage-layers 3 --last-stage-layers 4 --dtype bf16 --seq 512 --engine-tp 2 --cpu-offload \
+    --measured run/metrics.jsonl
