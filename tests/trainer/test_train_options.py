@@ -5,7 +5,8 @@
 - model.mtp=false: a DeepSeek-V3 config with an MTP layer builds a policy without it; true is refused up front;
 - optim.cpu_offload: refused clearly where megatron-core cannot do it (CPU-only box, float32, no distributed
   optimizer); on a GPU its options are ones megatron-core's OptimizerConfig accepts;
-- parallel.first_stage_layers/last_stage_layers: build_model refuses a split that does not add up.
+- parallel.first_stage_layers/last_stage_layers: build_model refuses a split that does not add up;
+- the memory metrics train_step logs count the state a float32 run holds (4 B weights, 4 B main_grad, 8 B Adam).
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def _train_once(cfg, hf_config: dict) -> dict:
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 11).contiguous()
     m = actor.train_step(batch, old, adv, None, {"num_tokens": float(batch.response_mask.sum()), "num_seqs": 4.0})
     t = actor.tconfig
-    return dict(calls=calls[0], grad_norm=m["grad_norm"], loss=m["loss/total"],
+    n_params = sum(p.numel() for c in actor.chunks for p in c.module.parameters())
+    return dict(calls=calls[0], grad_norm=m["grad_norm"], loss=m["loss/total"], n_params=n_params,
+                mem={k: v for k, v in m.items() if k.startswith("mem/")},
                 fields=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
                 mtp=t.mtp_num_layers, has_mtp=any(getattr(c.module, "mtp", None) is not None
                                                   for c in actor.chunks))
@@ -154,3 +157,14 @@ def test_build_model_takes_an_uneven_split_and_refuses_a_wrong_one():
     assert (a, b, a1, b1) == (2, 1, 3, 4)
     for e in (bad, bad1):
         assert e.startswith("error: uneven pipeline split") and "5 layers" in e, e
+
+
+def test_memory_metrics_count_the_training_state(results):
+    r = results[0]["plain"]
+    mem, n = r["mem"], r["n_params"]
+    assert mem["mem/stage0/params_bytes_max"] == 4 * n
+    assert mem["mem/stage0/optim_bytes_max"] == 8 * n  # Adam m, v; fp32 parameters are their own master copy
+    assert 4 * n <= mem["mem/stage0/grads_bytes_max"] < 4 * n * 1.01  # DDP pads its buffers a little
+    assert mem["mem/stage0/state_bytes_max"] == sum(mem[f"mem/stage0/{k}_bytes_max"] for k in ("params", "grads",
+                                                                                                  "optim"))
+    assert mem["mem/stage0/peak_rss_bytes_max"] > mem["mem/stage0/state_bytes_max"]
