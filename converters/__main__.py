@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "gguf-to-hf": "gguf_to_hf",
     "verify": "verify",
     "mcore-to-sglang": "mcore_to_sglang",
+    "make-fp8": "fp8_release",
 }
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -54,6 +55,15 @@ def _add_parallel(p: argparse.ArgumentParser, etp: bool = False) -> None:
         p.add_argument("--etp", type=_positive_int, default=None, help="expert tensor-parallel size (default: tp)")
 
 
+def _add_stage_split(p: argparse.ArgumentParser) -> None:
+    # Only where a pipeline layout is built: mcore-to-hf / mcore-to-sglang load at TP1/PP1 (Megatron reshards
+    # on load, layer numbers in a dist checkpoint are global), so a stage split does not concern them.
+    p.add_argument("--first-stage-layers", type=_positive_int, default=None, metavar="N",
+                   help="layers on the first pipeline stage (uneven split; parallel.first_stage_layers)")
+    p.add_argument("--last-stage-layers", type=_positive_int, default=None, metavar="M",
+                   help="layers on the last pipeline stage (uneven split; parallel.last_stage_layers)")
+
+
 def _add_force(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace an output directory that already holds a checkpoint")
 
@@ -66,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
     p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
     _add_parallel(p, etp=True)
+    _add_stage_split(p)
     p.add_argument("--dtype", type=parse_dtype, default=None, help="parameter dtype (default: as in the HF config)")
     _add_force(p)
 
@@ -86,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
     p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")
     _add_parallel(p)
+    _add_stage_split(p)
     p.add_argument("--tol", type=float, default=None, help="tolerance for logits (default: the verifier's)")
 
     p = sub.add_parser("mcore-to-sglang", help="Megatron checkpoint -> SGLang engine-rank shards")
@@ -93,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-tp", required=True, type=_positive_int, help="SGLang tensor-parallel size")
     p.add_argument("--engine-ep", type=_positive_int, default=1, help="SGLang expert-parallel size")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    _add_force(p)
+
+    p = sub.add_parser("make-fp8", help="write a DeepSeek-V3-release-style FP8 checkpoint (block-scaled)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="HF checkpoint to quantise")
+    src.add_argument("--config", metavar="FILE", help="config.json: random weights for every tensor, MTP included")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed (with --config)")
+    p.add_argument("--block", type=_positive_int, default=128, help="FP8 block size (the release: 128)")
+    p.add_argument("--shard-gb", type=float, default=1.0, help="size cap of one safetensors shard, GiB")
     _add_force(p)
     return parser
 

@@ -95,6 +95,33 @@ def dequantized_view(getters: Mapping[str, Getter], *, block: int | tuple[int, i
     return out
 
 
+def check_fp8_headers(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
+                      block: int | tuple[int, int] = 128) -> int:
+    """Every FP8 pairing checked from the headers alone, before any tensor is read or any rank starts: each
+    `*_scale_inv` has its weight, is float32-like and has the shape the block size implies; each float8 weight
+    has its scales. Returns the number of block-scaled weights."""
+    br, bc = _blocks(block)
+    scaled = 0
+    for name, shape in shapes.items():
+        if name.endswith(SCALE_SUFFIX):
+            w = name[: -len(SCALE_SUFFIX)]
+            if w not in shapes:
+                raise CheckpointError(f"{name}: block scales without a weight named {w}")
+            if not dtypes[name].is_floating_point or dtypes[name] in FP8_DTYPES:
+                raise TensorMismatchError(f"{name}: expected float32 scales, got {dtypes[name]}")
+            ws = shapes[w]
+            if len(ws) != 2:
+                raise TensorMismatchError(f"{w}: an FP8 block-scaled weight must be 2-D, got shape {tuple(ws)}")
+            want = (-(-ws[0] // br), -(-ws[1] // bc))
+            if tuple(shape) != want:
+                raise TensorMismatchError(f"{name}: shape {tuple(shape)} does not match weight {w} of shape "
+                                          f"{tuple(ws)} with {br}x{bc} blocks (expected {want})")
+            scaled += 1
+        elif dtypes[name] in FP8_DTYPES and name + SCALE_SUFFIX not in shapes:
+            raise CheckpointError(f"{name}: float8 weight without {name}{SCALE_SUFFIX}: cannot dequantise it")
+    return scaled
+
+
 def _dequant_getter(name: str, get_w: Getter, get_s: Getter, block, out_dtype) -> Getter:
     def get() -> torch.Tensor:
         return dequant_fp8_blockwise(get_w(), get_s(), block, out_dtype=out_dtype, name=name)

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .fp8 import dequantized_view, is_fp8_checkpoint, weight_block_size
-from .mcore_io import (check_against_table, config_dtype, copy_side_files, dtype_name, hf_has_mtp, layout_for,
-                       megatron_layout, model_config, rank_error, run_ranks, tied_copies, write_meta)
+from .fp8 import check_fp8_headers, dequantized_view, is_fp8_checkpoint, weight_block_size
+from .mcore_io import (StageSplit, check_against_table, config_dtype, copy_side_files, dtype_name, hf_has_mtp, layout_for,
+                       megatron_layout, model_config, rank_error, run_ranks, stage_split_overrides, tied_copies,
+                       write_meta)
 from .output_dir import AtomicDir
 from .safetensors_io import HFCheckpoint
 
@@ -41,15 +42,21 @@ def hf_getters(ckpt: HFCheckpoint, out_dtype: torch.dtype) -> dict:
     return getters
 
 
-def check_input(hf_dir: Path, tp: int, pp: int, ep: int, etp: int | None):
+def check_input(hf_dir: Path, tp: int, pp: int, ep: int, etp: int | None, split: StageSplit = StageSplit()):
     """All checks that need no Megatron process. Returns (checkpoint, config, mtp, model table, layout)."""
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(hf_dir)  # every header read: a truncated shard fails here
     cfg = ckpt.config
+    if is_fp8_checkpoint(ckpt.names()):
+        try:
+            check_fp8_headers({n: ckpt.shape(n) for n in ckpt.names()}, {n: ckpt.dtype(n) for n in ckpt.names()},
+                              weight_block_size(cfg))
+        except ValueError as e:  # a malformed quantization_config.weight_block_size
+            raise CheckpointError(f"{hf_dir}: {e}") from e
     names = [n for n in hf_getters(ckpt, torch.float32)]  # the FP8 view's names (no *_scale_inv)
     mtp = hf_has_mtp(cfg, names)
     model = layout_for(cfg, mtp)
     check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names}, str(hf_dir))
-    layout, _ = megatron_layout(model, tp, pp, ep, etp)
+    layout, _ = megatron_layout(model, tp, pp, ep, etp, split=split)
     getters = hf_getters(ckpt, torch.float32)
     for copy, original in tied_copies(model):
         # Megatron keeps one embedding (and head) shared with the MTP layers: differing copies would be lost.
@@ -78,7 +85,8 @@ def convert_rank(rank: int, world: int, job: dict) -> int:
     ckpt = HFCheckpoint(job["hf"])
     getters = hf_getters(ckpt, dtype)
     model = layout_for(ckpt.config, job["mtp"])
-    chunks, _ = build_model(model_config(ckpt.config, job["mtp"]), params_dtype=dtype)
+    chunks, _ = build_model(model_config(ckpt.config, job["mtp"]), params_dtype=dtype,
+                            config_overrides=stage_split_overrides(layout))
 
     plan = build_plan(model, HFLayout(), layout)
     # the HF tensors this rank reads: sources of the pieces it writes (for the progress bar's total)
@@ -103,7 +111,8 @@ def _finish(staging: AtomicDir, hf_dir: Path, ckpt: HFCheckpoint, model, layout,
     copy_side_files(hf_dir, staging.path)
     write_meta(staging.path, source=str(hf_dir.resolve()), format="torch_dist", dtype=dtype_name(dtype),
                mtp_layers=model.mtp_layers, arch=model.arch, hf_bytes=ckpt.total_bytes(), rank_bytes_read=read,
-               layout=dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, dp=layout.dp))
+               layout=dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, dp=layout.dp,
+                           first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers))
 
 
 def under_torchrun() -> bool:
@@ -111,13 +120,18 @@ def under_torchrun() -> bool:
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                etp: int | None = None, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+                etp: int | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
+                first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> Path:
+    """first/last_stage_layers: the uneven pipeline split (parallel.first_stage_layers/last_stage_layers), e.g.
+    DeepSeek-V3's 61 layers on pp=16 as 3 | 4 x 14 | 2. The checkpoint itself holds global layer numbers: any
+    later layout (training's, verify's, the exporters' TP1) loads it."""
     hf_dir = Path(hf_dir)
+    split = StageSplit(first_stage_layers, last_stage_layers)
     if under_torchrun():
-        return _hf_to_mcore_torchrun(hf_dir, Path(out_dir), tp, pp, ep, etp, dtype, overwrite)
+        return _hf_to_mcore_torchrun(hf_dir, Path(out_dir), tp, pp, ep, etp, dtype, overwrite, split)
     staging = AtomicDir(out_dir, overwrite)  # refuses an existing checkpoint before any slow work
     try:
-        ckpt, cfg, mtp, model, layout = check_input(hf_dir, tp, pp, ep, etp)
+        ckpt, cfg, mtp, model, layout = check_input(hf_dir, tp, pp, ep, etp, split)
         dtype = dtype or config_dtype(cfg)
         job = dict(hf=str(hf_dir), out=str(staging.path), layout=layout, dtype=dtype_name(dtype), mtp=mtp)
         read = run_ranks(convert_rank, layout.world, job)
@@ -128,7 +142,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: in
     return staging.commit()
 
 
-def _hf_to_mcore_torchrun(hf_dir: Path, out_dir: Path, tp, pp, ep, etp, dtype, overwrite) -> Path:
+def _hf_to_mcore_torchrun(hf_dir: Path, out_dir: Path, tp, pp, ep, etp, dtype, overwrite, split) -> Path:
     """This process is one of torchrun's: every rank checks the input (same answer everywhere, no collective
     needed to fail together), rank 0 owns the temp dir, all ranks save into it, rank 0 publishes it."""
     import torch.distributed as dist
@@ -139,8 +153,8 @@ def _hf_to_mcore_torchrun(hf_dir: Path, out_dir: Path, tp, pp, ep, etp, dtype, o
     from .output_dir import check_output_dir
 
     check_output_dir(out_dir, overwrite)
-    ckpt, cfg, mtp, model, _ = check_input(hf_dir, tp, pp, ep, etp)
-    layout, _ = megatron_layout(model, tp, pp, ep, etp, world=int(os.environ["WORLD_SIZE"]))
+    ckpt, cfg, mtp, model, _ = check_input(hf_dir, tp, pp, ep, etp, split)
+    layout, _ = megatron_layout(model, tp, pp, ep, etp, world=int(os.environ["WORLD_SIZE"]), split=split)
     dtype = dtype or config_dtype(cfg)
     info = init_distributed(tp=tp, pp=pp, ep=ep, etp=etp)
     staging = AtomicDir(out_dir, overwrite) if info.rank == 0 else None
@@ -167,7 +181,8 @@ def _hf_to_mcore_torchrun(hf_dir: Path, out_dir: Path, tp, pp, ep, etp, dtype, o
 
 def run(args: argparse.Namespace) -> int:
     out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
-                      overwrite=args.force)
+                      overwrite=args.force, first_stage_layers=args.first_stage_layers,
+                      last_stage_layers=args.last_stage_layers)
     if os.environ.get("RANK", "0") == "0":
         print(f"wrote Megatron dist checkpoint {out}")
     return 0

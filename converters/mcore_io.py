@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -135,7 +136,21 @@ def tied_copies(model) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------ parallel layout
 
-def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: int | None = None):
+@dataclass(frozen=True)
+class StageSplit:
+    """An uneven pipeline split: layers on the first and on the last stage (None: even share)."""
+    first: int | None = None
+    last: int | None = None
+
+
+def stage_split_overrides(layout) -> dict[str, int]:
+    """The MegatronLayout's uneven split as megatron-core TransformerConfig fields (for build_model)."""
+    from mtrain.models.builder import pipeline_split_overrides
+    return pipeline_split_overrides(layout.first_stage_layers, layout.last_stage_layers)
+
+
+def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: int | None = None,
+                    split: StageSplit = StageSplit()):
     """The MegatronLayout for these sizes on `world` ranks (default: the smallest data-parallel size that
     makes EP fit), and the HF -> Megatron plan.
 
@@ -152,12 +167,21 @@ def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: in
             raise ParallelSizeError(f"{world} processes cannot hold tp={tp} pp={pp} ep={ep} etp={expert_tp}: the "
                                     f"world must be a multiple of tp*pp and world/pp a multiple of etp*ep")
         dp = world // (tp * pp)
-    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp)
+    if (split.first is not None or split.last is not None) and pp == 1:
+        raise ParallelSizeError(f"--first-stage-layers/--last-stage-layers ({split.first}/{split.last}) need "
+                                "--pp > 1: with one pipeline stage there is nothing to split")
+    for flag, n in (("--first-stage-layers", split.first), ("--last-stage-layers", split.last)):
+        if n is not None and n < 1:
+            raise ParallelSizeError(f"{flag} must be >= 1, got {n}")
+    layout = MegatronLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, first_stage_layers=split.first,
+                            last_stage_layers=split.last)
     try:
+        layout.stage_layers(model.num_layers)
         plan = build_plan(model, HFLayout(), layout)
     except LayoutError as e:
-        raise ParallelSizeError(f"parallel sizes tp={tp} pp={pp} ep={ep} etp={expert_tp} do not fit the model: "
-                                f"{e}") from e
+        split_text = f" first_stage_layers={split.first} last_stage_layers={split.last}" if layout.uneven else ""
+        raise ParallelSizeError(f"parallel sizes tp={tp} pp={pp} ep={ep} etp={expert_tp}{split_text} do not fit "
+                                f"the model ({model.num_layers} layers): {e}") from e
     return layout, plan
 
 
@@ -232,7 +256,9 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict, bool, torch.dtype]:
     """(HF config, MTP carried?, parameter dtype) of a dist checkpoint written by hf-to-mcore (or by training).
 
-    Without mtrain_meta.json the config decides: MTP when it announces MTP layers.
+    Without mtrain_meta.json (a training run's checkpoint) the checkpoint's own index decides: MTP when it holds
+    `mtp.*` tensors (RL trains without them, model.mtp=false), the dtype of its embedding; the config only when
+    the index cannot be read.
     """
     cfg_dir = hf_config_dir or mcore_dir
     try:
@@ -240,18 +266,50 @@ def checkpoint_facts(mcore_dir: Path, hf_config_dir: Path | None) -> tuple[dict,
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{cfg_dir / 'config.json'}: unreadable: {e}") from e
     meta = read_meta(mcore_dir)
-    mtp = bool(meta.get("mtp_layers", cfg.get("num_nextn_predict_layers") or 0))
-    dtype = getattr(torch, meta["dtype"]) if "dtype" in meta else config_dtype(cfg)
-    return cfg, mtp, dtype
+    if "mtp_layers" in meta and "dtype" in meta:
+        return cfg, bool(meta["mtp_layers"]), getattr(torch, meta["dtype"])
+    index = _tensor_index(mcore_dir)
+    if index:
+        mtp = any(k.startswith("mtp.") for k in index)
+        emb = index.get("embedding.word_embeddings.weight")
+        dtype = getattr(getattr(emb, "properties", None), "dtype", None) or config_dtype(cfg)
+        return cfg, mtp, dtype
+    return cfg, bool(cfg.get("num_nextn_predict_layers") or 0), config_dtype(cfg)
 
 
-def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str):
+def _tensor_index(mcore_dir: Path) -> dict:
+    """name -> torch.distributed.checkpoint tensor metadata of a torch_dist checkpoint ({} when unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        return dict(FileSystemReader(str(mcore_dir)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - check_dist_checkpoint reports a damaged index; here only a fallback
+        return {}
+
+
+def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str, config_overrides: dict | None = None):
     """Inside a live parallel_state: build this rank's chunks and fill them from the dist checkpoint
-    (Megatron reshards on load, so the checkpoint's own layout does not matter)."""
+    (Megatron reshards on load, so the checkpoint's own layout, uneven stages included, does not matter)."""
     from mtrain.models import build_model, load_model_checkpoint
-    chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype)
+    chunks, _ = build_model(model_config(cfg, mtp), params_dtype=dtype, config_overrides=config_overrides)
     load_model_checkpoint(chunks, mcore_dir)
     return chunks
+
+
+def return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the OS in this process.
+
+    glibc raises its mmap threshold to the size of any mmap-ed block that is freed (up to 32 MiB), after which
+    such blocks come from the heap, and a converter's freed per-tensor temporaries (FP8 dequantisation, bucket
+    buffers) stay resident: converting a 2.1 B-parameter FP8 checkpoint to bf16 held 2.2x the model. A fixed
+    threshold (1 MiB) switches that adjustment off (measured: docs/results.md, FP8 conversion memory). No-op
+    where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def rank_error(fn):
@@ -261,6 +319,7 @@ def rank_error(fn):
     def wrapped(rank: int, world: int, *args):
         from mtrain.layouts import LayoutError
         from mtrain.models import ModelConfigError
+        return_freed_memory()
         try:
             return {"ok": fn(rank, world, *args)}
         except (ConvertError, LayoutError, ModelConfigError) as e:

@@ -55,13 +55,16 @@ def export_rank(rank: int, world: int, job: dict) -> int:
 
 
 def set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
-    """The written tensors' dtype in config.json (hf-to-mcore --dtype may have changed it from the source's)."""
+    """The written tensors' dtype in config.json (hf-to-mcore --dtype may have changed it from the source's),
+    and no quantization_config: the tensors written are plain (an FP8 release was dequantised on the way in),
+    and transformers would otherwise try to load them as FP8."""
     if not config_file.is_file():
         return
     cfg = json.loads(config_file.read_text())
-    if config_dtype(cfg) != dtype:
+    if config_dtype(cfg) != dtype or "quantization_config" in cfg:
         keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
         cfg.update({k: dtype_name(dtype) for k in keys})
+        cfg.pop("quantization_config", None)
         config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .errors import CheckpointError
 from .mcore_io import build_and_load, check_dist_checkpoint, checkpoint_facts, megatron_layout, layout_for
-from .mcore_io import rank_error, run_ranks
+from .mcore_io import StageSplit, rank_error, run_ranks, stage_split_overrides
 
 DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
@@ -58,7 +58,8 @@ def megatron_logits_rank(rank: int, world: int, job: dict):
 
     lay = job["layout"]
     init_distributed(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
-    chunks = build_and_load(job["cfg"], job["mtp"], getattr(torch, job["dtype"]), job["mcore"])
+    chunks = build_and_load(job["cfg"], job["mtp"], getattr(torch, job["dtype"]), job["mcore"],
+                            config_overrides=stage_split_overrides(lay))
     for c in chunks:
         c.eval()
     out = forward_logits(chunks, job["tokens"])
@@ -68,9 +69,9 @@ def megatron_logits_rank(rank: int, world: int, job: dict):
 
 
 def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
-                    hf_config_dir: Path | None = None) -> torch.Tensor:
+                    hf_config_dir: Path | None = None, split: StageSplit = StageSplit()) -> torch.Tensor:
     cfg, mtp, dtype = checkpoint_facts(mcore_dir, hf_config_dir)
-    layout, _ = megatron_layout(layout_for(cfg, mtp), tp, pp, ep, None)
+    layout, _ = megatron_layout(layout_for(cfg, mtp), tp, pp, ep, None, split=split)
     job = dict(cfg=cfg, mtp=mtp, dtype=str(dtype).removeprefix("torch."), mcore=str(mcore_dir), tokens=tokens,
                layout=layout)
     outs = [o for o in run_ranks(megatron_logits_rank, layout.world, job) if o is not None]
@@ -78,12 +79,14 @@ def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int 
 
 
 def verify(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
-           tol: float | None = None, tokens: torch.Tensor | None = None) -> VerifyResult:
+           tol: float | None = None, tokens: torch.Tensor | None = None, first_stage_layers: int | None = None,
+           last_stage_layers: int | None = None) -> VerifyResult:
     hf_dir, mcore_dir = Path(hf_dir), Path(mcore_dir)
     check_dist_checkpoint(mcore_dir, need_config=False)
     cfg, _, dtype = checkpoint_facts(mcore_dir, hf_dir)
     tokens = make_tokens(cfg["vocab_size"]) if tokens is None else tokens
-    got = megatron_logits(mcore_dir, tokens, tp, pp, ep, hf_config_dir=hf_dir)
+    got = megatron_logits(mcore_dir, tokens, tp, pp, ep, hf_config_dir=hf_dir,
+                          split=StageSplit(first_stage_layers, last_stage_layers))
     want = hf_logits(hf_dir, tokens)
     if got.shape != want.shape:
         raise CheckpointError(f"logit shapes differ: Megatron {tuple(got.shape)}, transformers {tuple(want.shape)}")
@@ -93,8 +96,11 @@ def verify(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, tp: int =
 
 
 def run(args: argparse.Namespace) -> int:
-    r = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, tol=args.tol)
+    r = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, tol=args.tol,
+               first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
     verdict = "OK" if r.ok else "FAIL"
     print(f"{verdict}: logits {list(r.shape)}: max |diff| {r.max_abs:.3e}, relative {r.max_rel:.3e} "
-          f"(tolerance {r.tol:.1e}, tp={args.tp} pp={args.pp} ep={args.ep})")
+          f"(tolerance {r.tol:.1e}, tp={args.tp} pp={args.pp} ep={args.ep}"
+          + (f" stages {args.first_stage_layers}/.../{args.last_stage_layers}"
+             if args.first_stage_layers or args.last_stage_layers else "") + ")")
     return 0 if r.ok else 1

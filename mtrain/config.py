@@ -32,6 +32,9 @@ class ModelConfig:
     hf_path: str = ""  # HF model dir with config.json (and tokenizer files unless a tiny tokenizer is used)
     mcore_ckpt: str | None = None  # Megatron dist checkpoint to start from instead of the HF weights
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # Build the policy with the checkpoint's multi-token-prediction layers (DeepSeek-V3). RL trains the main
+    # model only (as verl's recipe): false drops them from the trained model; the converted checkpoint keeps them.
+    mtp: bool = False
 
 
 @dataclass
@@ -136,6 +139,9 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0  # 0 = no clipping
     use_distributed_optimizer: bool = True
+    # megatron-core optimizer_cpu_offload: fp32 master weights + Adam moments live on the host and the Adam step
+    # runs on the CPU (HybridDeviceOptimizer, offload fraction 1); needs use_distributed_optimizer.
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -180,6 +186,14 @@ class RewardConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """megatron-core activation recomputation (TransformerConfig recompute_granularity/method/num_layers)."""
+    granularity: Literal["none", "full", "selective"] = "none"  # selective: core attention only (Megatron's default)
+    method: Literal["uniform", "block"] = "uniform"  # full only: uniform chunks, or the first num_layers per stage
+    num_layers: int = 1  # full only: layers per recomputed chunk (uniform) or recomputed layers per stage (block)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 4  # samples per padded micro-batch (used when max_tokens_per_micro_batch is unset)
@@ -197,6 +211,7 @@ class TrainConfig:
     val_only: bool = False
     resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
     log_tensorboard: bool = True
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
 @dataclass
@@ -351,6 +366,18 @@ def validate(cfg: RunConfig) -> None:
         _check(has_eval, "train.eval_interval",
                "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
                "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
+    _check(not cfg.model.mtp, "model.mtp",
+           "training the MTP layers is not supported: the RL loss trains the main model only (set model.mtp=false; "
+           "the converted checkpoint keeps the MTP weights)")
+    _check(not o.cpu_offload or o.use_distributed_optimizer, "optim.cpu_offload",
+           "megatron-core offloads the optimizer only with the distributed optimizer: set "
+           "optim.use_distributed_optimizer=true")
+    # megatron-core 0.16.1 builds float32 parameters' optimizer shards as views (non-leaf tensors), which its
+    # HybridDeviceOptimizer refuses ("can't optimize a non-leaf Tensor"): offload is for bf16 training.
+    _check(not o.cpu_offload or cfg.model.dtype == "bfloat16", "optim.cpu_offload",
+           f"needs model.dtype=bfloat16 (megatron-core offloads the fp32 master copies of bf16 weights), got "
+           f"{cfg.model.dtype}")
+    _at_least(cfg, 1, "train.recompute.num_layers")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
 

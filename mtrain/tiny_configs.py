@@ -40,6 +40,33 @@ TINY = {
 # DeepSeek-style MLA without q-LoRA (DeepSeek-V2-Lite's attention) on the V3 code path.
 TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)
 
+# The scaled-down DeepSeek-V3 of examples/deepseek_v3/small: the 671B release's config.json with only sizes
+# changed (tests/test_tiny_configs.py checks that against examples/deepseek_v3/full/config.json). 7 layers =
+# 3 dense (first_k_dense_replace, as the release) + 4 MoE: on PP2 they split unevenly 3 | 4 like the release's
+# 61 on PP16 (3 | 4 x 14 | 2); 16 routed experts on EP2 leave 8 per rank, as 256 on EP32 do; one MTP layer;
+# FP8 blocks 128x128 (most matrices here are one partial block). Per-head sizes are small for the CPU; the GPU
+# variant (deepseek_v3_small_gpu) keeps the release's per-head and LoRA sizes, which SGLang's MLA kernels need.
+_DSV3_RELEASE = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False, attention_dropout=0.0,
+    aux_loss_alpha=0.001, hidden_act="silu", initializer_range=0.02, moe_layer_freq=1, n_shared_experts=1,
+    norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid",
+    seq_aux=True, tie_word_embeddings=False, topk_method="noaux_tc", num_nextn_predict_layers=1,
+    first_k_dense_replace=3, torch_dtype="bfloat16", use_cache=True, bos_token_id=0, eos_token_id=1,
+    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", weight_block_size=[128, 128]))
+TINY["deepseek_v3_small"] = dict(
+    _DSV3_RELEASE, vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+    num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_group=4, topk_group=2,
+    num_experts_per_tok=4, max_position_embeddings=1024,
+    rope_scaling=dict(type="yarn", factor=4, original_max_position_embeddings=256, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0))
+TINY["deepseek_v3_small_gpu"] = dict(
+    TINY["deepseek_v3_small"], vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    max_position_embeddings=4096,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0))
+
 
 def tiny_config(name: str, **overrides) -> dict:
     cfg = copy.deepcopy(TINY[name])

@@ -213,6 +213,18 @@ def _redirect_factories_in_backward() -> None:
     for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
         setattr(torch.Tensor, name, _cpu_device_kwarg(getattr(torch.Tensor, name)))
 
+    # Activation recomputation (train.recompute) runs whole layers' forward inside backward: the MoE router moves
+    # its weight with Tensor.to(device=torch.cuda.current_device()) there, so Tensor.to maps CUDA devices too.
+    _to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = (_CPU, *args[1:])
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        return _to(self, *args, **kwargs)
+    torch.Tensor.to = to
+
     # The same backward all-to-all passes its split sizes as tensors (see _CudaToCpuMode): list them here too.
     def all_to_all_single(*args, **kwargs):
         for key in ("output_split_sizes", "input_split_sizes"):

@@ -41,12 +41,39 @@ def _parallel_sizes(vpp: Optional[int]) -> dict[str, Any]:
     )
 
 
-def _validate(cfg: dict[str, Any], par: dict[str, Any]) -> None:
+def pipeline_split_overrides(first_stage_layers: Optional[int], last_stage_layers: Optional[int]) -> dict[str, int]:
+    """Our uneven pipeline split (parallel.first_stage_layers/last_stage_layers, the converters'
+    --first-stage-layers/--last-stage-layers) as megatron-core TransformerConfig fields."""
+    return {k: v for k, v in (("num_layers_in_first_pipeline_stage", first_stage_layers),
+                              ("num_layers_in_last_pipeline_stage", last_stage_layers)) if v is not None}
+
+
+def _check_stage_split(num_layers: int, pp: int, vpp: int, overrides: dict[str, Any]) -> None:
+    """Layers per stage: even (num_layers % pp*vpp == 0) or the uneven split, checked by the same rule the
+    planner uses (MegatronLayout.stage_layers), so the model and the weight plan never disagree."""
+    first = overrides.get("num_layers_in_first_pipeline_stage")
+    last = overrides.get("num_layers_in_last_pipeline_stage")
+    if first is None and last is None:
+        _check_divisible("num_hidden_layers", num_layers, "pipeline_model_parallel_size*vpp", pp * vpp)
+        return
+    from mtrain.layouts import LayoutError
+    from mtrain.reshard.placement import MegatronLayout
+    try:
+        MegatronLayout(pp=pp, vpp=vpp if vpp > 1 else None, first_stage_layers=first,
+                       last_stage_layers=last).stage_layers(num_layers)
+    except LayoutError as e:
+        raise ModelConfigError(f"uneven pipeline split: {e}") from None
+    if pp == 1:
+        raise ModelConfigError(f"first/last pipeline stage layers ({first}/{last}) given with "
+                               "pipeline_model_parallel_size=1")
+
+
+def _validate(cfg: dict[str, Any], par: dict[str, Any], overrides: Optional[dict[str, Any]] = None) -> None:
     tp, pp = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]
     vpp = par["virtual_pipeline_model_parallel_size"] or 1
     _check_divisible("num_attention_heads", cfg["num_attention_heads"], "tensor_model_parallel_size", tp)
     _check_divisible("num_key_value_heads", cfg["num_query_groups"], "tensor_model_parallel_size", tp)
-    _check_divisible("num_hidden_layers", cfg["num_layers"], "pipeline_model_parallel_size*vpp", pp * vpp)
+    _check_stage_split(cfg["num_layers"], pp, vpp, overrides or {})
     if cfg.get("num_moe_experts"):
         ep, etp = par["expert_model_parallel_size"], par["expert_tensor_parallel_size"]
         _check_divisible("num_experts", cfg["num_moe_experts"], "expert_model_parallel_size", ep)
@@ -69,7 +96,7 @@ def make_transformer_config(
     """The TransformerConfig (MLATransformerConfig for deepseek_v3) for the live parallel layout."""
     mapped = map_hf_config(hf_config)
     par = _parallel_sizes(vpp)
-    _validate(mapped.config_kwargs, par)
+    _validate(mapped.config_kwargs, par, config_overrides)
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(mapped.config_kwargs)
     kwargs.update(par)

@@ -141,6 +141,11 @@ class MegatronLayout:
                 name = part.name.format(layer=local) if local is not None else part.name
                 for r, c in self._by_stage.get(pp_rank, []):
                     out.append(Holder(r, chunk, pi, name, None, c["tp"], self.tp))
+                if w.key == "embed" and model.mtp_layers and self.pp > 1:
+                    # MTP on the last stage needs the embedding: megatron-core keeps a copy there (tied to the
+                    # first stage's in its checkpoints), which must be filled too.
+                    for r, c in self._by_stage.get(self.pp - 1, []):
+                        out.append(Holder(r, (self.vpp or 1) - 1, pi, name, None, c["tp"], self.tp))
         return out
 
 

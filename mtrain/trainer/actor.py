@@ -20,9 +20,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mtrain.algorithms.objective import policy_loss
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model
+from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
+from mtrain.trainer.memory_stats import memory_metrics
+from mtrain.trainer.train_options import cpu_offload_options, recompute_overrides
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -69,10 +72,12 @@ class Actor:
             # CP splits packed sequences (docs/design-packing.md, "Context parallelism"): say so before building.
             raise ModelConfigError(f"parallel.cp={par.cp} needs packed micro-batches: set "
                                    f"train.max_tokens_per_micro_batch")
-        uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", par.first_stage_layers),
-                                    ("num_layers_in_last_pipeline_stage", par.last_stage_layers)) if v is not None}
+        if not cfg.model.mtp:  # RL trains the main model: the MTP layers stay in the converted checkpoint
+            hf_config = dict(hf_config, num_nextn_predict_layers=0)
+        split = {**pipeline_split_overrides(par.first_stage_layers, par.last_stage_layers),
+                 **recompute_overrides(cfg.train.recompute)}
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
-                                           config_overrides={**uneven, **(overrides or {})})
+                                           config_overrides={**split, **(overrides or {})})
         c = self.tconfig
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
@@ -105,7 +110,7 @@ class Actor:
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer), self.chunks)
+            use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload)), self.chunks)
         steps = max(cfg.train.steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -257,6 +262,7 @@ class Actor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
+        metrics.update(memory_metrics(self, ps.get_pipeline_model_parallel_rank()))  # after the step: Adam state exists
         return metrics
 
     def forward_backward(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> list[dict]:

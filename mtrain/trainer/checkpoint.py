@@ -50,8 +50,8 @@ def _sharded(actor, is_loading: bool) -> dict:
     # dp_reshardable keeps Adam's per-parameter `step` with the moments; Megatron 0.16.1's fully_reshardable
     # format drops it on save but expects it on load whenever torch's Adam (no Apex/TE) is the inner optimizer,
     # so that format cannot be resumed here. The cost: resume needs the same DP/TP/PP layout.
-    opt = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading,
-                                             metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    opt = _checkpointed_optimizer(actor.optimizer).sharded_state_dict(
+        flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return {**model_sd, "optimizer": opt}
 
 
@@ -93,6 +93,28 @@ def find_latest(run_dir: str | Path) -> Path | None:
         return None
     complete = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file()]
     return max(complete, key=lambda p: int(p.name[5:])) if complete else None
+
+
+def _checkpointed_optimizer(optimizer):
+    """The optimizer whose state a checkpoint holds: without the chained sub-optimizers that own no parameters.
+
+    megatron-core 0.16.1 builds an expert-parallel optimizer with no parameters on a pipeline stage without MoE
+    layers (DeepSeek-V3's first stage: dense layers only), and without Apex/TE its state_dict asserts on the
+    empty Adam state (`assert len(steps) == 1`). It has nothing to save; leaving it out on save and on load
+    keeps the save working; its ranks' optimizer state is complete. Resuming from such a checkpoint is refused
+    by load(): rank 0's common (non-sharded) optimizer state then has another structure than the MoE stages'.
+    With Apex/TE megatron-core takes another branch and nothing is left out."""
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if not subs or HAVE_APEX_OR_TE:
+        return optimizer
+    keep = [s for s in subs if _owns_params(s)]
+    return optimizer if len(keep) == len(subs) else ChainedOptimizer(keep)
+
+
+def _owns_params(sub) -> bool:
+    return any(len(g["params"]) for g in getattr(sub, "optimizer", sub).param_groups)
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -139,6 +161,20 @@ def _set_adam_steps(actor, steps: list[float]) -> None:
             st["step"] = torch.tensor(step, dtype=torch.float32)  # one tensor per parameter
 
 
+def _refuse_partial_optimizer(actor) -> None:
+    """One clear error (on every rank) instead of megatron's 'Expected 2 entries in state dict' when a
+    stage's optimizer was saved without its empty expert optimizer (_checkpointed_optimizer)."""
+    opt = actor.optimizer
+    left_out = torch.tensor(float(_checkpointed_optimizer(opt) is not opt))
+    dist.all_reduce(left_out, op=dist.ReduceOp.MAX)
+    if left_out.item():
+        raise CheckpointError("resuming needs the same optimizer structure on every pipeline stage, but a stage "
+                              "without MoE layers has an empty expert optimizer, which megatron-core (without "
+                              "Apex/Transformer Engine) cannot checkpoint; the checkpoint's model weights export "
+                              "fine (mtrain-convert mcore-to-hf); to resume, put an MoE layer on every stage "
+                              "(parallel.first_stage_layers) or install Apex/Transformer Engine")
+
+
 @torch.no_grad()  # optimizer state is copied into main params that are views of trainable leaves
 def load(path: str | Path, actor) -> dict:
     """Restore model, optimizer, scheduler and RNG from a complete checkpoint; return the trainer state."""
@@ -147,11 +183,12 @@ def load(path: str | Path, actor) -> dict:
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
+    _refuse_partial_optimizer(actor)
     _allocate_optimizer_state(actor)
     state = dist_checkpointing.load(_sharded(actor, is_loading=True), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
-    actor.optimizer.load_state_dict(state["optimizer"])
+    _checkpointed_optimizer(actor.optimizer).load_state_dict(state["optimizer"])
     trainer = torch.load(path / "trainer_state.pt", weights_only=False)
     actor.scheduler.load_state_dict(trainer.pop("scheduler"))
     _set_adam_steps(actor, trainer.pop("adam_steps"))

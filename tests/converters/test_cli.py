@@ -77,7 +77,15 @@ def test_parser_covers_every_subcommand():
     assert (args.tp, args.pp, args.ep, args.tol) == (1, 2, 1, 1e-5)
     args = parser.parse_args(["mcore-to-sglang", "--mcore", "m", "--engine-tp", "4", "--out", "o"])
     assert (args.engine_tp, args.engine_ep) == (4, 1)
-    assert set(cli.SUBCOMMANDS) == {"hf-to-mcore", "mcore-to-hf", "gguf-to-hf", "verify", "mcore-to-sglang"}
+    args = parser.parse_args(["hf-to-mcore", "--hf", "h", "--out", "o", "--pp", "16", "--first-stage-layers", "3",
+                              "--last-stage-layers", "2"])
+    assert (args.pp, args.first_stage_layers, args.last_stage_layers) == (16, 3, 2)
+    args = parser.parse_args(["verify", "--hf", "h", "--mcore", "m", "--pp", "2", "--first-stage-layers", "1"])
+    assert (args.first_stage_layers, args.last_stage_layers) == (1, None)
+    args = parser.parse_args(["make-fp8", "--config", "c.json", "--out", "o", "--block", "64"])
+    assert (args.config, args.hf, args.block, args.seed, args.shard_gb) == ("c.json", None, 64, 0, 1.0)
+    assert set(cli.SUBCOMMANDS) == {"hf-to-mcore", "mcore-to-hf", "gguf-to-hf", "verify", "mcore-to-sglang",
+                                    "make-fp8"}
 
 
 def test_python_dash_m_entry(tmp_path):

@@ -79,7 +79,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def without_time(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.startswith(TIME_KEYS)}
+    """A step's record without what depends on the machine's moment: times and measured process peaks
+    (mem/*/peak_*: RSS, CUDA); the state byte counts stay (they are deterministic)."""
+    return {k: v for k, v in rec.items() if not k.startswith(TIME_KEYS) and not (k.startswith("mem/") and "/peak_" in k)}
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
