@@ -30,7 +30,9 @@ def _batch(vocab: int):
     mask = torch.zeros(4, 11)
     mask[:, 5:] = 1.0
     lp = -torch.rand(4, 11, generator=g) * mask
-    return RolloutBatch(tokens, mask, lp, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.full((4,), 6)), lp
+    versions = torch.where(mask.bool(), 0, -1)  # every response token from version 0
+    return RolloutBatch(tokens, mask, lp, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.full((4,), 6),
+                        torch.full((4,), 12), versions), lp
 
 
 def _train_once(cfg, hf_config: dict) -> dict:
