@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from mtrain.fileperm import chmod_umask
+
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the dotted key."""
@@ -167,7 +169,10 @@ class TrainConfig:
     val_before_train: bool = False
     val_only: bool = False
     resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
-    log_tensorboard: bool = True
+    # Bound on any one collective (every rank waits in one while the leader generates, so it must exceed the
+    # longest rollout or eval): a dead or hung rank then ends the job with an error instead of a silent hang.
+    collective_timeout_s: float = 1800.0
+    log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
 
 
 @dataclass
@@ -210,6 +215,7 @@ class RunConfig:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file
             with os.fdopen(fd, "w") as f:
                 f.write(self.format_config())
             os.replace(tmp, path)
@@ -248,6 +254,7 @@ def validate(cfg: RunConfig) -> None:
               "train.eval_samples", "sync.bucket_mb")
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
+    _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
     _at_least(cfg, 1, "parallel.etp", optional=True)
     _at_least(cfg, 2, "parallel.vpp", optional=True)
     _at_least(cfg, 2, "data.arithmetic.num_operands")

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from mtrain.fileperm import chmod_umask
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
@@ -73,6 +74,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
     os.close(fd)
+    chmod_umask(tmp)  # mkstemp makes 0600; the plot is for anyone the umask allows
     try:
         fig.savefig(tmp, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays as documented
         os.replace(tmp, out)

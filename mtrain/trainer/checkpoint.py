@@ -85,14 +85,47 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
     return final
 
 
-def find_latest(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None. Directories are scanned rather than trusting
-    `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind."""
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be resumed from (one sentence), or None when it is complete and intact: the COMPLETE
+    marker, the trainer state, every rank's RNG file, and the dist checkpoint with every shard present at the size
+    its index needs (the converters' check, `check_dist_checkpoint`)."""
+    from mtrain.converters.errors import ConvertError
+    from mtrain.converters.mcore_io import check_dist_checkpoint
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} is not a checkpoint directory"
+    if not (path / "COMPLETE").is_file():
+        return f"{path} has no COMPLETE marker (a save that did not finish)"
+    if not (path / "trainer_state.pt").is_file():
+        return f"{path}: trainer_state.pt is missing"
+    if not (path / "rng_rank0.pt").is_file():
+        return f"{path}: rng_rank0.pt is missing"
+    try:
+        check_dist_checkpoint(path / "mcore", need_config=False)
+    except ConvertError as e:
+        return str(e)
+    return None
+
+
+def find_latest(run_dir: str | Path, report=print) -> Path | None:
+    """The intact checkpoint with the highest step, or None. Directories are scanned rather than trusting
+    `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind. A newer
+    checkpoint that is damaged (a shard deleted or cut short, a half-written save) is skipped, and `report`
+    says which and why, so that resume falls back to the newest one that can be loaded."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None
-    complete = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file()]
-    return max(complete, key=lambda p: int(p.name[5:])) if complete else None
+    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
+    if report is not None:
+        for p in sorted(root.glob(".partial_step_*")):
+            report(f"resume: ignoring {p.name}: a save that was interrupted (removed by the next save of that step)")
+    for p in steps:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p
+        if report is not None:
+            report(f"resume: skipping {p.name}: {problem}")
+    return None
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -24,6 +24,7 @@ from mtrain.data.sampler import PromptSampler
 from mtrain.dist import init_distributed
 from mtrain.layouts import model_layout
 from mtrain.metrics import MetricsWriter
+from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
@@ -60,7 +61,8 @@ def _logprob_diff(old_lp, batch) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg):
         p = cfg.parallel
-        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed)
+        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
+                         timeout_s=cfg.train.collective_timeout_s)
         self.cfg, self.rank = cfg, dist.get_rank()
         self.run_dir = Path(cfg.train.run_dir)
         hf_dir = Path(cfg.model.hf_path)
@@ -92,7 +94,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump_yaml(self.run_dir / "config.yaml")
-            print(cfg.format_config(), flush=True)
+            print(run_summary(cfg, self.hf_config, dist.get_world_size()), flush=True)  # full: config.yaml
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
                                      total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard
@@ -101,7 +103,8 @@ class Trainer:
 
     def _resume(self) -> bool:
         r = self.cfg.train.resume
-        path = None if r == "never" else (checkpoint.find_latest(self.run_dir) if r == "auto" else Path(r))
+        report = print if self.rank == 0 else None  # why a newer checkpoint is skipped, said once
+        path = None if r == "never" else (checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r))
         if path is None:
             return False
         state = checkpoint.load(path, self.actor)

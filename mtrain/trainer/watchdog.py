@@ -1,0 +1,40 @@
+"""Workers stop when their launcher dies.
+
+torchrun starts each worker in a session of its own, so a SIGKILL to torchrun (an OOM killer, `kill -9`, a lost
+node agent) reaches no worker: they would keep training and writing checkpoints with nobody to collect them, and
+a relaunch would race them. A daemon thread compares the parent pid with the one seen at start (Linux gives an
+orphan a new parent) and ends the process at once. os._exit rather than an exception: the main thread may be
+inside a collective that never returns. A checkpoint being written at that moment stays a `.partial_step_N`
+directory, which is never loaded (mtrain.trainer.checkpoint renames a save into place only once complete).
+
+prctl(PR_SET_PDEATHSIG) was not used: it fires when the parent *thread* that forked us exits, not the process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+EXIT_PARENT_DIED = 143  # as if terminated by SIGTERM (128 + 15): the launcher's death ended this worker
+
+
+def stop_with_parent(poll_s: float = 0.5) -> threading.Thread | None:
+    """Start the watch (idempotent enough: call once per process). Returns the thread, or None when there is no
+    parent to watch (pid 1: already orphaned, or run directly as a container's init)."""
+    parent = os.getppid()
+    if parent == 1:
+        return None
+    rank = os.environ.get("RANK", "0")
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                sys.stderr.write(f"mtrain: rank {rank}: the launcher (pid {parent}) is gone: stopping this worker\n")
+                sys.stderr.flush()
+                os._exit(EXIT_PARENT_DIED)
+
+    t = threading.Thread(target=watch, name="mtrain-parent-watch", daemon=True)
+    t.start()
+    return t
