@@ -11,12 +11,26 @@ prctl(PR_SET_PDEATHSIG) was not used: it fires when the parent *thread* that for
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
 
+# Exit status when the worker is not its group's leader (else the group's SIGKILL ends it first).
 EXIT_PARENT_DIED = 143  # as if terminated by SIGTERM (128 + 15): the launcher's death ended this worker
+
+
+def _end_own_children() -> None:
+    """Processes this worker started (Megatron's checkpoint writers, multiprocessing's resource tracker) go too.
+
+    Under torchrun a worker leads a process group of its own (start_new_session), so one killpg reaches every
+    descendant; started any other way (a shell, pytest), only multiprocessing's children are ours to end."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # this process included: it was about to exit anyway
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def stop_with_parent(poll_s: float = 0.5) -> threading.Thread | None:
@@ -33,7 +47,10 @@ def stop_with_parent(poll_s: float = 0.5) -> threading.Thread | None:
             if os.getppid() != parent:
                 sys.stderr.write(f"mtrain: rank {rank}: the launcher (pid {parent}) is gone: stopping this worker\n")
                 sys.stderr.flush()
-                os._exit(EXIT_PARENT_DIED)
+                try:
+                    _end_own_children()
+                finally:
+                    os._exit(EXIT_PARENT_DIED)
 
     t = threading.Thread(target=watch, name="mtrain-parent-watch", daemon=True)
     t.start()
