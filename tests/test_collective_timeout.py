@@ -1,0 +1,45 @@
+"""A stalled or dead rank ends the job with an error within the configured collective timeout (issue 19, point 5).
+
+The real launcher and the real gloo backend: `torchrun --nproc-per-node 2 benchmarks/collective_timeout.py`, the
+same script the GPU machine runs with NCCL (the command is in its docstring). The stalled all-reduce runs in
+Megatron's TP group, so the bound is shown for Megatron's subgroups, not only the default group.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 5.0
+
+
+def run(fault: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "collective_timeout.py"), "--fault", fault, "--timeout-s", str(TIMEOUT_S)]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t0
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1, p.stdout + p.stderr[-3000:]
+    return p, lines[0], wall
+
+
+def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
+    p, rec, wall = run("hang", tmp_path)
+    assert p.returncode != 0
+    assert "Timed out" in rec["outcome"], rec
+    assert TIMEOUT_S - 0.5 <= rec["waited_s"] <= TIMEOUT_S + 10, rec
+    assert wall < 120  # start-up, the timeout, torchrun stopping the stalled rank: no hang
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_job_at_once(tmp_path):
+    p, rec, wall = run("die", tmp_path)
+    assert p.returncode != 0
+    assert rec["waited_s"] < TIMEOUT_S, rec  # a closed connection is seen at once, no timeout needed
+    assert wall < 120
