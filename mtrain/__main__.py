@@ -90,11 +90,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from mtrain.data.rewards import RewardError
     from mtrain.dist import ParallelLayoutError
     from mtrain.layouts import LayoutError
+    from mtrain.metrics import MetricsError
     from mtrain.models.hf_config import ModelConfigError
     from mtrain.rollout.protocol import EngineError
     from mtrain.trainer.checkpoint import CheckpointError
     return (ConfigError, PromptError, DatasetError, RewardError, ParallelLayoutError, LayoutError, ModelConfigError,
-            EngineError, CheckpointError, FileExistsError)
+            EngineError, CheckpointError, FileExistsError, MetricsError)
 
 
 if __name__ == "__main__":
