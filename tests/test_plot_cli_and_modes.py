@@ -56,3 +56,9 @@ def test_config_metrics_and_plot_follow_the_umask(tmp_path, umask_027):
     assert mode(tmp_path / "metrics.jsonl") == umask_027
     assert main(["plot", str(tmp_path)]) == 0
     assert mode(tmp_path / "metrics.png") == umask_027
+
+
+def test_init_tiny_follows_the_umask(tmp_path, umask_027):
+    from mtrain.tiny_hf import write_tiny_hf
+    out = write_tiny_hf("llama", tmp_path / "hf")
+    assert {f.name: mode(f) for f in out.iterdir()} == {f.name: umask_027 for f in out.iterdir()}
