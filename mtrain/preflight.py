@@ -114,6 +114,16 @@ def check_resume(cfg: RunConfig) -> None:
         raise _fail("train.resume", problem)
 
 
+def check_data(cfg: RunConfig) -> None:
+    """Prompt files parse and hold the configured keys (read again by the trainer: they are small next to a model)."""
+    from mtrain.data import load_datasets
+    from mtrain.data.datasets import DatasetError
+    try:
+        load_datasets(cfg)
+    except DatasetError as e:
+        raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
+
+
 def check_logging(cfg: RunConfig) -> None:
     if cfg.train.log_tensorboard:
         import importlib.util
@@ -132,6 +142,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_model(cfg, hf_config, world)
     check_batch(cfg, dp)
     check_weights(cfg)
+    check_data(cfg)
     check_resume(cfg)
     check_logging(cfg)
     return hf_config
