@@ -87,6 +87,7 @@ def test_converter_block_runs_as_written(tmp_path):
         assert target is None or any(target.iterdir()), line
 
 
+@pytest.mark.slow  # the same torchrun command shape runs by default in tests/trainer/test_loop_torchrun.py
 def test_tiny_run_block_runs_as_written(tmp_path):
     (block,) = [b for b in readme_blocks() if any(x.startswith("torchrun") for x in b)]
     for rel in {m for line in block for m in re.findall(r"mtrain/configs/\S+", line)}:
