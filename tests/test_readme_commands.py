@@ -37,8 +37,21 @@ def readme_blocks() -> list[list[str]]:
     return blocks
 
 
+def scripts_dir(cwd: Path) -> str:
+    """PATH entries where `mtrain`, `mtrain-convert` and `torchrun` run this interpreter (a venv that shares the
+    system's torch has no torchrun script of its own: one is written next to the scratch directory)."""
+    own = Path(sys.executable).parent
+    if (own / "torchrun").exists():
+        return str(own)
+    shim = cwd / ".bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "torchrun").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+    (shim / "torchrun").chmod(0o755)
+    return f"{shim}{os.pathsep}{own}"
+
+
 def shell(line: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    env = dict(os.environ, PATH=f"{scripts_dir(cwd)}{os.pathsep}{os.environ['PATH']}",
                OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
     p = subprocess.run(line, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -88,14 +101,19 @@ def test_converter_block_runs_as_written(tmp_path):
 
 
 @pytest.mark.slow  # the same torchrun command shape runs by default in tests/trainer/test_loop_torchrun.py
-def test_tiny_run_block_runs_as_written(tmp_path):
-    (block,) = [b for b in readme_blocks() if any(x.startswith("torchrun") for x in b)]
-    for rel in {m for line in block for m in re.findall(r"mtrain/configs/\S+", line)}:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / rel, tmp_path / rel)
-    for line in block:
-        p = shell(line, tmp_path)
-    assert p.stdout.strip().endswith(".png") and (tmp_path / p.stdout.strip()).is_file()
+def test_run_blocks_run_as_written(tmp_path):
+    """The tiny run (init-tiny, torchrun, plot), then the own-data command, which reuses its model."""
+    blocks = [b for b in readme_blocks() if any(x.startswith("torchrun") for x in b)]
+    assert blocks[0][0].startswith("mtrain init-tiny"), blocks
+    for block in blocks:
+        for rel in {m for line in block for m in re.findall(r"(?:mtrain/configs|examples)/\S+", line)}:
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / rel, tmp_path / rel)
+        for line in block:
+            p = shell(line, tmp_path)
+            if line.startswith("mtrain plot"):
+                assert p.stdout.strip().endswith(".png") and (tmp_path / p.stdout.strip()).is_file()
+    assert len(blocks) == 2 and "data.train_path=" in blocks[1][0]
 
 
 if __name__ == "__main__":
