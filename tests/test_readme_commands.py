@@ -30,6 +30,7 @@ def readme_blocks() -> list[list[str]]:
     text = (REPO / "README.md").read_text()
     blocks = []
     for body in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        body = re.sub(r"\\\n\s*", " ", body)  # shell line continuations
         lines = [re.sub(r"\s+#.*$", "", x).strip() for x in body.splitlines()]
         lines = [x for x in lines if x and not x.startswith("#")]
         if lines and all(x.split()[0] in ("mtrain", "mtrain-convert", "torchrun") for x in lines):

@@ -25,9 +25,10 @@ def digest(paths) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
-def script_env(**extra) -> dict[str, str]:
+def script_env(tmp_path: Path, **extra) -> dict[str, str]:
+    from test_readme_commands import scripts_dir  # this interpreter's python, mtrain and torchrun first on PATH
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false", **extra)
-    env["PATH"] = f"{Path(os.sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PATH"] = f"{scripts_dir(tmp_path)}{os.pathsep}{env['PATH']}"
     env.pop("PYTHONPATH", None)
     return env
 
@@ -38,7 +39,7 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
     run = tmp_path / "run"
     before = digest(TRACKED)
     p = subprocess.run(["bash", str(REPO / "examples" / "smollm2" / "run.sh"), *TINY], cwd=tmp_path,
-                       env=script_env(HF_DIR=str(hf), RUN_DIR=str(run), NPROC="1"), capture_output=True, text=True,
+                       env=script_env(tmp_path, HF_DIR=str(hf), RUN_DIR=str(run), NPROC="1"), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert digest(TRACKED) == before  # the user's run left the committed figures alone
@@ -48,6 +49,6 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
     assert "update_docs.sh" in p.stdout
     # The explicit command refuses a directory without results, and changes nothing then.
     bad = subprocess.run(["bash", str(REPO / "examples" / "smollm2" / "update_docs.sh"), str(tmp_path / "hf")],
-                         env=script_env(), capture_output=True, text=True, timeout=60)
+                         env=script_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "summary.json missing" in bad.stderr
     assert digest(TRACKED) == before

@@ -28,6 +28,7 @@ from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_slice
+from mtrain.trainer.evaluation import evaluate_in_chunks
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.rollout_step import broadcast_result, run_rollout
 from mtrain.trainer.sync import WeightSync
@@ -127,16 +128,17 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if not self.eval_set:
             return {}
-        res = self._rollout(self.eval_set, n=self.cfg.train.eval_samples, seed=10**9, prefix="eval", greedy=True)
+        n = self.cfg.train.eval_samples
+        mean, rows = evaluate_in_chunks(
+            lambda part, prefix: self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True),
+            self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
-                n = self.cfg.train.eval_samples
-                for i, (text, r) in enumerate(list(zip(res.responses, res.rewards))[:8 * n]):
-                    sample = self.eval_set[i // n]
+                for sample, text, r in rows[:8 * n]:
                     f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
                                         "response": text, "reward": r}) + "\n")
-        return {"eval/reward_mean": sum(res.rewards) / len(res.rewards)}
+        return {"eval/reward_mean": mean}
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
         """DAPO dynamic sampling: leave out groups whose rewards are all equal (no learning signal).

@@ -5,6 +5,7 @@ its output and files are checked as they are, then copies of its checkpoints are
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -29,7 +30,8 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(tiny_llama, tmp_path_factory):
     run = tmp_path_factory.mktemp("first") / "run"
-    p = launch(base_overrides(tiny_llama, run, **{"train.steps": 2, "train.save_interval": 1}), cwd=run.parent)
+    p = launch(base_overrides(tiny_llama, run, **{"train.steps": 2, "train.save_interval": 1,
+                                              "train.val_before_train": "true"}), cwd=run.parent)
     return run, p
 
 
@@ -43,6 +45,17 @@ def test_output_is_short_and_warnings_appear_once(first_run):
     assert len(summary) == 4 and "tp=2" in summary[1] and "config.yaml" in summary[3], p.stdout
     assert "hf_path:" not in p.stdout  # the full config is in the run dir, not on screen
     assert "hf_path:" in (run / "config.yaml").read_text()
+
+
+def test_eval_shows_progress_and_prints_its_score(first_run):
+    run, p = first_run
+    # the 16 eval prompts go in chunks: the bar moves while they generate (it was one frozen call)
+    import re
+    counts = {int(c) for c in re.findall(r"eval at step 0: .*?\| *(\d+)/16", p.stderr)}
+    assert len(counts - {0, 16}) >= 1, p.stderr  # at least one count between start and end was shown
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("eval at step 0: eval/reward_mean")]
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][0]
+    assert logged["step"] == 0 and f"{logged['eval/reward_mean']:.4f} over 16 prompts x 1 sample(s)" in line
 
 
 def test_files_follow_the_umask(first_run):
