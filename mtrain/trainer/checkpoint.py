@@ -22,6 +22,9 @@ class CheckpointError(RuntimeError):
     pass
 
 
+SHARDING_TYPE = "fully_reshardable"  # Megatron's distributed-optimizer format (docs/design-trainer.md)
+
+
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -47,11 +50,11 @@ def _sharded(actor, is_loading: bool) -> dict:
     flat = {}
     for sd in model_sd.values():
         flat.update(sd)
-    # dp_reshardable keeps Adam's per-parameter `step` with the moments; Megatron 0.16.1's fully_reshardable
-    # format drops it on save but expects it on load whenever torch's Adam (no Apex/TE) is the inner optimizer,
-    # so that format cannot be resumed here. The cost: resume needs the same DP/TP/PP layout.
+    # fully_reshardable: Adam's moments and main params are saved in model space (each parameter's full logical
+    # shape, sharded like the parameter itself), so a resume may use another TP/PP/DP layout. Adam's step count
+    # is not part of that format's tensors; trainer_state.pt carries it (`adam_steps`, restored after the load).
     opt = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading,
-                                             metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+                                             metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
     return {**model_sd, "optimizer": opt}
 
 
@@ -72,7 +75,7 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
     dist.barrier()
     if rank == 0:
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
-                    "adam_steps": _adam_steps(actor)},
+                    "adam_steps": _adam_steps(actor), "layout": current_layout()},
                    part / "trainer_state.pt")
         (part / "COMPLETE").write_text(str(step))
         if final.exists():  # an older save of this step (a run resumed from before it): replace it
@@ -184,9 +187,51 @@ def load(path: str | Path, actor) -> dict:
     state = dist_checkpointing.load(_sharded(actor, is_loading=True), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
-    actor.optimizer.load_state_dict(state["optimizer"])
+    _load_optimizer(actor.optimizer, state["optimizer"])
     trainer = torch.load(path / "trainer_state.pt", weights_only=False)
     actor.scheduler.load_state_dict(trainer.pop("scheduler"))
     _set_adam_steps(actor, trainer.pop("adam_steps"))
-    _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    saved, now = trainer.pop("layout", None), current_layout()
+    if saved is None or saved == now:
+        _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    elif dist.get_rank() == 0:
+        # Another layout: model and optimizer were resharded on load. Per-rank RNG streams belong to the old
+        # ranks' places; they restart from train.seed (rollout sampling seeds come from the step, not from them).
+        change = ", ".join(f"{k} {saved.get(k)}->{v}" for k, v in now.items() if saved.get(k) != v)
+        print(f"resume: checkpoint written at another parallel layout ({change}): model and optimizer state "
+              "resharded; RNG streams restart from train.seed", flush=True)
     return trainer
+
+
+def current_layout() -> dict[str, int]:
+    """The parallel layout a checkpoint was written at (saved with it; a resume compares)."""
+    from megatron.core import parallel_state as ps
+    return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+
+
+def _load_optimizer(optimizer, state) -> None:
+    """Megatron's optimizer load, with the fully_reshardable parameter state loaded in a second call.
+
+    Megatron 0.16.1 copies a fully_reshardable state into every key of the inner optimizer's per-parameter state,
+    which for torch's Adam (no Apex/TE) includes `step`, a key that format does not carry: KeyError. So: load the
+    common part (param groups, which allocates the state), drop `step` from the per-parameter state, load the
+    parameter state through the same public method Megatron would call, and let `_set_adam_steps` put the saved
+    counts back. Formats without that gap load in one call as before."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is None or len(subs) == 1:
+        pairs = [((subs or [optimizer])[0], state)]
+    else:
+        parts = [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state)
+        pairs = list(zip(subs, parts))
+    for sub, st in pairs:
+        if not (isinstance(st, dict) and st.get("param_state_sharding_type") == "fully_reshardable"):
+            sub.load_state_dict(st)
+            continue
+        param_state = st.pop("param_state")
+        st.pop("param_state_sharding_type")
+        sub.load_state_dict(st)
+        for per_param in sub.optimizer.state.values():
+            per_param.pop("step", None)
+        sub.load_parameter_state_from_fully_reshardable(param_state)
