@@ -63,17 +63,27 @@ def check_batch(cfg: RunConfig, dp: int) -> None:
                     + (f" ({per_rank} samples per rank)" if gbs % dp == 0 else ""))
 
 
-def check_model(cfg: RunConfig, hf_config: dict, world: int) -> None:
-    """The model's config.json is one we build, and its heads/groups/layers/experts fit the parallel sizes."""
+def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
+    """The model's config.json is one we build, and its heads/groups/layers/experts fit the parallel sizes
+    (the layout the trainer will build: vpp and an uneven pipeline split included), planned as the sync plans it."""
     from mtrain.converters.errors import ConvertError
-    from mtrain.converters.mcore_io import layout_for, megatron_layout
+    from mtrain.converters.mcore_io import layout_for
+    from mtrain.layouts import LayoutError
     from mtrain.models.hf_config import ModelConfigError
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
+    from mtrain.reshard.planner import build_plan
     p = cfg.parallel
     try:
         model = layout_for(hf_config, mtp=False)
-        megatron_layout(model, p.tp, p.pp, p.ep, p.etp, world=world)
     except (ConvertError, ModelConfigError) as e:
-        raise _fail("parallel" if "parallel sizes" in str(e) else "model.hf_path", str(e)) from None
+        raise _fail("model.hf_path", str(e)) from None
+    layout = MegatronLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, dp=dp,
+                            first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+    try:
+        build_plan(model, HFLayout(), layout)
+    except LayoutError as e:
+        raise _fail("parallel", f"tp={p.tp} pp={p.pp} ep={p.ep} etp={layout.expert_tp} cp={p.cp} (dp={dp}) do "
+                                f"not fit the model: {e}") from None
     max_pos = hf_config.get("max_position_embeddings")
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
@@ -139,7 +149,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
     dp = data_parallel_size(cfg, world)
-    check_model(cfg, hf_config, world)
+    check_model(cfg, hf_config, dp)
     check_batch(cfg, dp)
     check_weights(cfg)
     check_data(cfg)

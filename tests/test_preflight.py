@@ -43,6 +43,9 @@ def fails(cfg, match: str, world: int = 1) -> str:
 def test_a_good_config_passes(hf, tmp_path):
     assert preflight(cfg_for(hf, tmp_path), world=1)["model_type"] == "llama"
     assert preflight(cfg_for(hf, tmp_path, "parallel.tp=2"), world=2)["model_type"] == "llama"
+    # an uneven pipeline split (4 layers as 2 | 1 | 1) is the trainer's layout, not an error
+    assert preflight(cfg_for(hf, tmp_path, "parallel.pp=3", "parallel.first_stage_layers=2",
+                             "rollout.prompts_per_step=3"), world=3)
 
 
 def test_missing_hf_path_is_one_line_exit_2_in_seconds(tmp_path):
@@ -66,7 +69,8 @@ def test_missing_hf_path_is_one_line_exit_2_in_seconds(tmp_path):
     (4, ["train.global_batch_size=8", "train.micro_batch_size=4"], r"train\.global_batch_size = 8 .* 4 "
                                                                      r"data-parallel .* multiple of 16"),
     (3, ["parallel.tp=2"], r"parallel: world_size=3 is not divisible by tp\*pp\*cp"),
-    (3, ["parallel.tp=3"], r"parallel: parallel sizes tp=3 .* do not fit the model"),
+    (3, ["parallel.tp=3"], r"parallel: tp=3 pp=1 .* do not fit the model: .*query groups"),
+    (3, ["parallel.pp=3", "rollout.prompts_per_step=3"], r"parallel: .* num layers \(4\) is not divisible by pp"),
     (1, ["rollout.max_new_tokens=4096"], r"rollout\.max_new_tokens: 4096 leaves no room"),
     (1, ["train.log_tensorboard=true"], r"train\.log_tensorboard: true, but TensorBoard is not installed"),
 ])
