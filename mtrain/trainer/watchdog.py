@@ -34,10 +34,11 @@ def _end_own_children() -> None:
 
 
 def stop_with_parent(poll_s: float = 0.5) -> threading.Thread | None:
-    """Start the watch (idempotent enough: call once per process). Returns the thread, or None when there is no
-    parent to watch (pid 1: already orphaned, or run directly as a container's init)."""
+    """Start the watch (call once per process). Returns the thread, or None when not a torchrun worker or there is
+    no parent to watch (pid 1: already orphaned)."""
     parent = os.getppid()
-    if parent == 1:
+    # Only torchrun's workers: a single `mtrain train` started with nohup must outlive the shell that started it.
+    if parent == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     rank = os.environ.get("RANK", "0")
 
