@@ -48,5 +48,6 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
 def test_a_dead_rank_ends_the_job_at_once(tmp_path):
     p, rec, wall = run("die", tmp_path)
     assert p.returncode != 0
-    assert rec is None or rec["waited_s"] < (TIMEOUT_S + 10 if GPU else TIMEOUT_S), rec  # a closed connection is seen at once, no timeout needed
+    # gloo sees a closed connection at once; NCCL may wait for its timeout unless torchrun ends the job first
+    assert rec is None or rec["waited_s"] < (TIMEOUT_S + 10 if GPU else TIMEOUT_S), rec
     assert wall < 120
