@@ -84,10 +84,22 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     except LayoutError as e:
         raise _fail("parallel", f"tp={p.tp} pp={p.pp} ep={p.ep} etp={layout.expert_tp} cp={p.cp} (dp={dp}) do "
                                 f"not fit the model: {e}") from None
+    e = cfg.engine
+    if e.kind == "sglang" or (e.kind == "auto" and _cuda()):  # SGLang's own sharding of heads, experts, vocab
+        from mtrain.reshard.placement import SGLangLayout
+        try:
+            build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
+        except LayoutError as err:
+            raise _fail("engine.tp", f"engine tp={e.tp} ep={e.ep} does not fit the model: {err}") from None
     max_pos = hf_config.get("max_position_embeddings")
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                                               f"model's context (max_position_embeddings={max_pos})")
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def check_weights(cfg: RunConfig) -> None:

@@ -72,6 +72,8 @@ def test_missing_hf_path_is_one_line_exit_2_in_seconds(tmp_path):
     (3, ["parallel.tp=3"], r"parallel: tp=3 pp=1 .* do not fit the model: .*query groups"),
     (3, ["parallel.pp=3", "rollout.prompts_per_step=3"], r"parallel: .* num layers \(4\) is not divisible by pp"),
     (1, ["rollout.max_new_tokens=4096"], r"rollout\.max_new_tokens: 4096 leaves no room"),
+    (1, ["engine.kind=sglang", "engine.tp=3", "sync.mode=push"], r"engine\.tp: engine tp=3 ep=1 does not fit the "
+                                                                  r"model: .*not divisible"),
     (1, ["train.log_tensorboard=true"], r"train\.log_tensorboard: true, but TensorBoard is not installed"),
 ])
 def test_settings_that_cannot_run(hf, tmp_path, world, over, match):
