@@ -174,6 +174,10 @@ class TrainConfig:
     # Bound on any one collective (every rank waits in one while the leader generates, so it must exceed the
     # longest rollout or eval): a dead or hung rank then ends the job with an error instead of a silent hang.
     collective_timeout_s: float = 1800.0
+    # Megatron's distributed-optimizer checkpoint format. fully_reshardable: resume at any TP/PP/DP layout; saving
+    # gathers each data-parallel group's optimizer state in host memory. dp_reshardable: no gather, resume at the
+    # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
+    optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
     log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
 
 

@@ -22,7 +22,6 @@ class CheckpointError(RuntimeError):
     pass
 
 
-SHARDING_TYPE = "fully_reshardable"  # Megatron's distributed-optimizer format (docs/design-trainer.md)
 
 
 def _rng_state() -> dict:
@@ -39,7 +38,7 @@ def _set_rng_state(s: dict) -> None:
     get_cuda_rng_tracker().set_states(s["tracker"])
 
 
-def _sharded(actor, is_loading: bool) -> dict:
+def _sharded(actor, is_loading: bool, optimizer_format: str) -> dict:
     from megatron.core.utils import unwrap_model
     # The bare GPTModel's keys (as Megatron's own checkpointing does): the DDP wrapper would prefix every key
     # with "module." and then refuse its own state on load; bare keys also make a run's checkpoint usable
@@ -50,11 +49,12 @@ def _sharded(actor, is_loading: bool) -> dict:
     flat = {}
     for sd in model_sd.values():
         flat.update(sd)
-    # fully_reshardable: Adam's moments and main params are saved in model space (each parameter's full logical
-    # shape, sharded like the parameter itself), so a resume may use another TP/PP/DP layout. Adam's step count
-    # is not part of that format's tensors; trainer_state.pt carries it (`adam_steps`, restored after the load).
+    # fully_reshardable (train.optimizer_checkpoint's default): Adam's moments and main params are saved in model
+    # space (each parameter's logical shape, sharded like the parameter), so a resume may use another TP/PP/DP
+    # layout; saving gathers each data-parallel group's state in host memory. dp_reshardable: each rank's flat
+    # shard, no gather, same TP/PP layout only. Adam's step count travels in trainer_state.pt either way.
     opt = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading,
-                                             metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+                                             metadata={"distrib_optim_sharding_type": optimizer_format})
     return {**model_sd, "optimizer": opt}
 
 
@@ -70,12 +70,13 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
             shutil.rmtree(part)
         (part / "mcore").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(actor, is_loading=False), str(part / "mcore"))
+    fmt = actor.cfg.train.optimizer_checkpoint
+    dist_checkpointing.save(_sharded(actor, is_loading=False, optimizer_format=fmt), str(part / "mcore"))
     torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
-                    "adam_steps": _adam_steps(actor), "layout": current_layout()},
+                    "adam_steps": _adam_steps(actor), "layout": current_layout(), "optimizer_format": fmt},
                    part / "trainer_state.pt")
         (part / "COMPLETE").write_text(str(step))
         if final.exists():  # an older save of this step (a run resumed from before it): replace it
@@ -183,15 +184,21 @@ def load(path: str | Path, actor) -> dict:
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
+    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+    fmt = trainer.pop("optimizer_format", "dp_reshardable")  # checkpoints from before the format was recorded
+    saved, now = trainer.pop("layout", None), current_layout()
+    if fmt == "dp_reshardable" and saved is not None and saved != now:
+        raise CheckpointError(
+            f"{path}: optimizer state saved as dp_reshardable at {_layout_text(saved)} cannot be loaded at "
+            f"{_layout_text(now)}: resume with that layout, or start from its weights with "
+            f"model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
     _allocate_optimizer_state(actor)
-    state = dist_checkpointing.load(_sharded(actor, is_loading=True), str(path / "mcore"))
+    state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
     _load_optimizer(actor.optimizer, state["optimizer"])
-    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
     actor.scheduler.load_state_dict(trainer.pop("scheduler"))
     _set_adam_steps(actor, trainer.pop("adam_steps"))
-    saved, now = trainer.pop("layout", None), current_layout()
     if saved is None or saved == now:
         _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     elif dist.get_rank() == 0:
@@ -201,6 +208,10 @@ def load(path: str | Path, actor) -> dict:
         print(f"resume: checkpoint written at another parallel layout ({change}): model and optimizer state "
               "resharded; RNG streams restart from train.seed", flush=True)
     return trainer
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
 
 
 def current_layout() -> dict[str, int]:

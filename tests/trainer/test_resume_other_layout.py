@@ -55,3 +55,18 @@ def test_resume_at_another_layout_continues_the_same_optimization(tiny_llama, tm
             assert math.isclose(got[step][k], want[step][k], rel_tol=1e-4, abs_tol=1e-9), (step, k, got[step][k],
                                                                                            want[step][k])
     assert got[4]["kl/mean"] > 0  # the policy moved: the comparison is about a real update
+
+
+def test_same_layout_format_at_another_layout_is_one_line_saying_what_to_do(tiny_llama, tmp_path):
+    """train.optimizer_checkpoint=dp_reshardable (no gather at save) resumes only at its own layout: elsewhere the
+    run stops before loading anything, with the two ways forward."""
+    ref = tmp_path / "ref"
+    run(tiny_llama, ref, 2, "parallel.tp=2", "train.optimizer_checkpoint=dp_reshardable", "train.steps=2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "mtrain",
+           "train", str(CONFIG), f"model.hf_path={tiny_llama}", f"train.run_dir={ref}", "train.steps=4"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    errors = [x for x in p.stderr.splitlines() if x.startswith("mtrain: error")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert "saved as dp_reshardable at world=2 tp=2" in errors[0] and "cannot be loaded at world=1 tp=1" in errors[0]
+    assert f"model.mcore_ckpt={ref / 'checkpoints' / 'step_2' / 'mcore'} train.resume=never" in errors[0]
