@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -256,7 +257,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, resu
     torch.set_num_threads(1)
     try:
         value = fn(rank, world, *args)
-        results.put((rank, True, value))
+        # Plain pickle (tensors by value): the queue's own pickler shares tensor storage through a file
+        # descriptor that the parent fetches from this process when it unpickles, which fails once we have exited.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -310,6 +313,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                value = pickle.loads(value) if ok else value
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 reported = set(values) | {r for r, _ in failures}
