@@ -192,6 +192,12 @@ def load(path: str | Path, actor) -> dict:
             f"{path}: optimizer state saved as dp_reshardable at {_layout_text(saved)} cannot be loaded at "
             f"{_layout_text(now)}: resume with that layout, or start from its weights with "
             f"model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
+    n_saved, n_now = len(trainer["adam_steps"]), len(_inner_optimizers(actor.optimizer))
+    if n_saved != n_now:  # e.g. a MoE model whose expert parameters get an optimizer of their own at one layout
+        raise CheckpointError(
+            f"{path}: optimizer state saved for {n_saved} optimizer(s) at {_layout_text(saved or {})} but this run "
+            f"builds {n_now} at {_layout_text(now)} (not supported yet): resume with that layout, or start from its "
+            f"weights with model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
     _allocate_optimizer_state(actor)
     state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
