@@ -36,6 +36,7 @@ setup(
         "cpu": ["torch==2.13.0", "triton>=3.3"],
         "test": ["pytest>=8", "pyarrow>=15", "matplotlib>=3.8"],
         "gpu": ["sglang==0.5.17"],
+        "tensorboard": ["tensorboard>=2.14"],  # metrics also to TensorBoard (train.log_tensorboard; jsonl always)
     },
     entry_points={
         "console_scripts": [

@@ -7,12 +7,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _train(args) -> int:
-    from mtrain.config import load_config
-    cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
+    from mtrain.config import ConfigError, load_config
+    from mtrain.preflight import preflight
+    from mtrain.run_output import quiet_known_warnings
+    from mtrain.trainer.watchdog import stop_with_parent
+    stop_with_parent()  # a SIGKILLed torchrun must not leave its workers training
+    quiet_known_warnings()  # before megatron is imported: most of its warnings come at import
+    try:
+        cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
+        preflight(cfg)  # files, model vs layout, batch splits: one line, exit 2, no process group
+    except ConfigError as e:
+        e.same_on_every_rank = True
+        raise
     from mtrain.trainer.loop import Trainer
     trainer = Trainer(cfg)
     try:
@@ -64,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         # The other error classes are imported only now (megatron and all): a config error must not wait for them.
         if not isinstance(e, ConfigError) and not isinstance(e, _user_errors()):
             raise
-        print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)  # a wrong setting or input: one line
+        # A wrong setting or input: one line. Errors found before the process group starts are the same on every
+        # rank, so only rank 0 prints them.
+        if os.environ.get("RANK", "0") == "0" or not getattr(e, "same_on_every_rank", False):
+            print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 
@@ -76,11 +90,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from mtrain.data.rewards import RewardError
     from mtrain.dist import ParallelLayoutError
     from mtrain.layouts import LayoutError
+    from mtrain.metrics import MetricsError
     from mtrain.models.hf_config import ModelConfigError
     from mtrain.rollout.protocol import EngineError
     from mtrain.trainer.checkpoint import CheckpointError
     return (ConfigError, PromptError, DatasetError, RewardError, ParallelLayoutError, LayoutError, ModelConfigError,
-            EngineError, CheckpointError, FileExistsError)
+            EngineError, CheckpointError, FileExistsError, MetricsError)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ Algorithm knobs left unset (None) are filled from the preset of `algo.name` (ALG
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
+import sys
 import tempfile
 import types
 import typing
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from mtrain.fileperm import chmod_umask
 
 
 class ConfigError(ValueError):
@@ -210,7 +214,14 @@ class TrainConfig:
     val_before_train: bool = False
     val_only: bool = False
     resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
-    log_tensorboard: bool = True
+    # Bound on any one collective (every rank waits in one while the leader generates, so it must exceed the
+    # longest rollout or eval): a dead or hung rank then ends the job with an error instead of a silent hang.
+    collective_timeout_s: float = 1800.0
+    # Megatron's distributed-optimizer checkpoint format. fully_reshardable: resume at any TP/PP/DP layout; saving
+    # gathers each data-parallel group's optimizer state in host memory. dp_reshardable: no gather, resume at the
+    # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
+    optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
@@ -254,6 +265,7 @@ class RunConfig:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file
             with os.fdopen(fd, "w") as f:
                 f.write(self.format_config())
             os.replace(tmp, path)
@@ -295,6 +307,7 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 0, "data.longtail.num_eval", "data.longtail.sigma")
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
+    _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
     _at_least(cfg, 1, "parallel.etp", optional=True)
     _at_least(cfg, 2, "parallel.vpp", optional=True)
     _at_least(cfg, 2, "data.arithmetic.num_operands")
@@ -526,6 +539,35 @@ def _apply_override(tree: dict, override: str) -> None:
             node[part] = yaml.safe_load(raw) if raw else None
 
 
+def switch_data_source(file_tree: dict, tree: dict, overrides) -> list[str]:
+    """`data.train_path=FILE` on the command line replaces the config file's generated task (and `data.task=X`
+    replaces the file's train/eval files): the two are alternatives, so the override says which one this run
+    uses, and one override is enough to train on your own data. The task's eval set goes with it: evaluation
+    settings from the file are turned off unless `data.eval_path` is given too. Returns notes saying what was
+    replaced. Both sources set in the same place (file, or overrides) stay an error."""
+    given = {o.lstrip("-").split("=", 1)[0].strip() for o in overrides if "=" in o}
+    data, file_data = tree.get("data") or {}, file_tree.get("data") or {}
+    notes = []
+    if ("data.train_path" in given and data.get("train_path") is not None and "data.task" not in given
+            and file_data.get("task") is not None):
+        notes.append(f"data.train_path replaces the config file's data.task={data.pop('task')!r}")
+        if data.get("eval_path") is None:
+            train, file_train = tree.setdefault("train", {}), file_tree.get("train") or {}
+            off = [k for k in ("eval_interval", "val_before_train") if file_train.get(k) and f"train.{k}" not in given]
+            for k in off:
+                train[k] = 0 if k == "eval_interval" else False
+            if off:
+                notes.append(f"no data.eval_path: evaluation ({', '.join('train.' + k for k in off)} from the file) is "
+                             "off; add data.eval_path=FILE to evaluate")
+    if ("data.task" in given and data.get("task") is not None and "data.train_path" not in given
+            and file_data.get("train_path") is not None):
+        dropped = [k for k in ("train_path", "eval_path") if data.get(k) is not None and f"data.{k}" not in given]
+        for k in dropped:
+            data.pop(k)
+        notes.append(f"data.task={data['task']!r} replaces the config file's {', '.join('data.' + k for k in dropped)}")
+    return notes
+
+
 def resolve_presets(cfg: RunConfig) -> RunConfig:
     """Fill the algorithm knobs left at None from ALGO_PRESETS[cfg.algo.name] (in place)."""
     for k, v in ALGO_PRESETS[cfg.algo.name].items():
@@ -552,8 +594,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
+    file_tree = copy.deepcopy(tree)
     for o in overrides:
         _apply_override(tree, o)
+    for note in switch_data_source(file_tree, tree, overrides):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mtrain: note: {note}", file=sys.stderr)
     cfg = _build(RunConfig, tree, "", f"{source} + overrides" if overrides else source)
     resolve_presets(cfg)
     validate(cfg)

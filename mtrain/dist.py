@@ -134,12 +134,17 @@ def init_distributed(
     etp: Optional[int] = None,
     cp: int = 1,
     seed: int = 1234,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
+    timeout_s: Optional[float] = None,
 ) -> ParallelInfo:
     """Initialise torch.distributed from torchrun's env, then Megatron's parallel_state and RNG.
 
     A single process without torchrun variables runs as world size 1 (MASTER_ADDR/PORT defaulted).
+    timeout_s (overrides timeout_minutes) bounds every collective: a rank that waits longer for a dead or hung
+    peer raises (gloo) or is torn down by NCCL's watchdog, so the job ends with an error instead of hanging.
     """
+    if timeout_s is not None:
+        timeout_minutes = timeout_s / 60
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -156,6 +161,9 @@ def init_distributed(
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
         torch.cuda.set_device(local_rank)
+        # A timed-out NCCL collective must end the process (3 = tear down without cleanup, torch's default
+        # since 2.3); stated here so that a torch with another default cannot turn a dead peer into a silent hang.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         cpu_shim.apply()
     no_te.apply()
@@ -305,6 +313,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                value = pickle.loads(value) if ok else value
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 reported = set(values) | {r for r, _ in failures}

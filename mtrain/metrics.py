@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from mtrain.fileperm import chmod_umask
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -64,17 +66,18 @@ def _plain(key: str, value: Any) -> Any:
 
 class MetricsWriter:
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
-                 total_steps: int | None = None, tensorboard: bool = True, progress: bool = True,
+                 total_steps: int | None = None, tensorboard: bool | None = None, progress: bool = True,
                  progress_keys: tuple[str, ...] = ("reward/mean", "kl/mean")):
         """resume_step: the last step the resumed checkpoint completed (None = a fresh run: any previous
-        metrics file in run_dir is replaced)."""
+        metrics file in run_dir is replaced). tensorboard: None = when installed (silently off otherwise),
+        True = wanted (a warning when not installed; `mtrain train` refuses to start then), False = off."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._rewrite_kept_lines(resume_step)
         self._file = self.path.open("a", encoding="utf-8")
         self.last_step = resume_step if resume_step is not None else -1
-        self._tb = self._open_tensorboard(resume_step) if tensorboard else None
+        self._tb = self._open_tensorboard(resume_step, tensorboard) if tensorboard is not False else None
         self._progress_keys = progress_keys
         self._bar = None
         if progress:
@@ -91,14 +94,17 @@ class MetricsWriter:
             log.info("fresh run: replacing %s", self.path)
         # temp + rename: a crash here leaves either the old file or the new one, never half of one.
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=f".{METRICS_FILE}.", suffix=".tmp")
+        chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(line + "\n" for line in kept)
         os.replace(tmp, self.path)
 
-    def _open_tensorboard(self, resume_step: int | None) -> Any:
+    def _open_tensorboard(self, resume_step: int | None, wanted: bool | None) -> Any:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
+            if not wanted:  # None: TensorBoard is optional; metrics.jsonl has everything
+                return None
             log.warning("TensorBoard is not installed (pip install tensorboard); logging to %s only", self.path)
             return None
         # purge_step hides the events past the checkpoint that an interrupted run had written.

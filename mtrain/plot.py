@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from mtrain.fileperm import chmod_umask
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
@@ -39,7 +40,8 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     try:
         records = read_metrics(run_dir)
     except MetricsError as e:
-        raise PlotError(str(e)) from None
+        hint = "" if run_dir.is_dir() else " (not a directory: give a run's train.run_dir)"
+        raise PlotError(f"{e}{hint}") from None
     if not records:
         raise PlotError(f"{run_dir / METRICS_FILE} has no records yet")
     series = {k: _series(records, k) for k in keys}
@@ -70,9 +72,13 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = Path(out_png) if out_png is not None else run_dir / "metrics.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    except OSError as e:
+        raise PlotError(f"cannot write {out}: {e.strerror or e}") from None
     os.close(fd)
+    chmod_umask(tmp)  # mkstemp makes 0600; the plot is for anyone the umask allows
     try:
         fig.savefig(tmp, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays as documented
         os.replace(tmp, out)

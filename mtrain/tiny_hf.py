@@ -24,6 +24,9 @@ def write_tiny_hf(arch: str | None, out: str | Path, *, seed: int = 0, overrides
     torch.manual_seed(seed)
     hf_cfg = AutoConfig.for_model(**dict(cfg, num_nextn_predict_layers=0) if "num_nextn_predict_layers" in cfg
                                   else cfg)
-    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.save_pretrained(str(out))
+    from mtrain.fileperm import chmod_umask
+    for f in out.iterdir():  # transformers writes model.safetensors with mode 0600 through a temp file
+        chmod_umask(f)
     return out

@@ -1,7 +1,8 @@
-"""Turn a finished demo run into docs/smollm2_demo.json (measured numbers) and docs/smollm2_demo.png.
+"""Turn a finished demo run into RUN_DIR/summary.json (measured numbers) and RUN_DIR/summary.png.
 
-    python examples/smollm2/summarize.py RUN_DIR --wall-s 1234 --command "bash examples/smollm2/run.sh" \
-        --json docs/smollm2_demo.json --png docs/smollm2_demo.png
+    python examples/smollm2/summarize.py RUN_DIR --wall-s 1234 --command "bash examples/smollm2/run.sh"
+
+The committed docs/smollm2_demo.{json,png} change only by the explicit `bash examples/smollm2/update_docs.sh RUN_DIR`.
 
 Every number comes from RUN_DIR/metrics.jsonl as the trainer wrote it; nothing here is typed in by hand.
 """
@@ -15,6 +16,7 @@ import platform
 import tempfile
 from pathlib import Path
 
+from mtrain.fileperm import chmod_umask
 from mtrain.metrics import read_metrics
 from mtrain.plot import plot_run
 
@@ -71,6 +73,7 @@ def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    chmod_umask(tmp)  # mkstemp makes 0600
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -81,9 +84,11 @@ def main() -> None:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--wall-s", type=float, required=True)
     p.add_argument("--command", required=True)
-    p.add_argument("--json", type=Path, default=Path("docs/smollm2_demo.json"))
-    p.add_argument("--png", type=Path, default=Path("docs/smollm2_demo.png"))
+    p.add_argument("--json", type=Path, default=None, help="default RUN_DIR/summary.json")
+    p.add_argument("--png", type=Path, default=None, help="default RUN_DIR/summary.png")
     args = p.parse_args()
+    args.json = args.json or args.run_dir / "summary.json"
+    args.png = args.png or args.run_dir / "summary.png"
     summary = summarize(args.run_dir, args.wall_s, args.command)
     _write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     plot_run(args.run_dir, args.png, keys=PLOT_KEYS)

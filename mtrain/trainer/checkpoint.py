@@ -22,6 +22,8 @@ class CheckpointError(RuntimeError):
     pass
 
 
+
+
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -36,7 +38,7 @@ def _set_rng_state(s: dict) -> None:
     get_cuda_rng_tracker().set_states(s["tracker"])
 
 
-def _sharded(actor, is_loading: bool) -> dict:
+def _sharded(actor, is_loading: bool, optimizer_format: str) -> dict:
     from megatron.core.utils import unwrap_model
     # The bare GPTModel's keys (as Megatron's own checkpointing does): the DDP wrapper would prefix every key
     # with "module." and then refuse its own state on load; bare keys also make a run's checkpoint usable
@@ -47,11 +49,12 @@ def _sharded(actor, is_loading: bool) -> dict:
     flat = {}
     for sd in model_sd.values():
         flat.update(sd)
-    # dp_reshardable keeps Adam's per-parameter `step` with the moments; Megatron 0.16.1's fully_reshardable
-    # format drops it on save but expects it on load whenever torch's Adam (no Apex/TE) is the inner optimizer,
-    # so that format cannot be resumed here. The cost: resume needs the same DP/TP/PP layout.
+    # fully_reshardable (train.optimizer_checkpoint's default): Adam's moments and main params are saved in model
+    # space (each parameter's logical shape, sharded like the parameter), so a resume may use another TP/PP/DP
+    # layout; saving gathers each data-parallel group's state in host memory. dp_reshardable: each rank's flat
+    # shard, no gather, same TP/PP layout only. Adam's step count travels in trainer_state.pt either way.
     opt = _checkpointed_optimizer(actor.optimizer).sharded_state_dict(
-        flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
     return {**model_sd, "optimizer": opt}
 
 
@@ -67,12 +70,13 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
             shutil.rmtree(part)
         (part / "mcore").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(actor, is_loading=False), str(part / "mcore"))
+    fmt = actor.cfg.train.optimizer_checkpoint
+    dist_checkpointing.save(_sharded(actor, is_loading=False, optimizer_format=fmt), str(part / "mcore"))
     torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
-                    "adam_steps": _adam_steps(actor)},
+                    "adam_steps": _adam_steps(actor), "layout": current_layout(), "optimizer_format": fmt},
                    part / "trainer_state.pt")
         (part / "COMPLETE").write_text(str(step))
         if final.exists():  # an older save of this step (a run resumed from before it): replace it
@@ -85,14 +89,47 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
     return final
 
 
-def find_latest(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None. Directories are scanned rather than trusting
-    `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind."""
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be resumed from (one sentence), or None when it is complete and intact: the COMPLETE
+    marker, the trainer state, every rank's RNG file, and the dist checkpoint with every shard present at the size
+    its index needs (the converters' check, `check_dist_checkpoint`)."""
+    from mtrain.converters.errors import ConvertError
+    from mtrain.converters.mcore_io import check_dist_checkpoint
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} is not a checkpoint directory"
+    if not (path / "COMPLETE").is_file():
+        return f"{path} has no COMPLETE marker (a save that did not finish)"
+    if not (path / "trainer_state.pt").is_file():
+        return f"{path}: trainer_state.pt is missing"
+    if not (path / "rng_rank0.pt").is_file():
+        return f"{path}: rng_rank0.pt is missing"
+    try:
+        check_dist_checkpoint(path / "mcore", need_config=False)
+    except ConvertError as e:
+        return str(e)
+    return None
+
+
+def find_latest(run_dir: str | Path, report=print) -> Path | None:
+    """The intact checkpoint with the highest step, or None. Directories are scanned rather than trusting
+    `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind. A newer
+    checkpoint that is damaged (a shard deleted or cut short, a half-written save) is skipped, and `report`
+    says which and why, so that resume falls back to the newest one that can be loaded."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None
-    complete = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file()]
-    return max(complete, key=lambda p: int(p.name[5:])) if complete else None
+    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
+    if report is not None:
+        for p in sorted(root.glob(".partial_step_*")):
+            report(f"resume: ignoring {p.name}: a save that was interrupted (removed by the next save of that step)")
+    for p in steps:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p
+        if report is not None:
+            report(f"resume: skipping {p.name}: {problem}")
+    return None
 
 
 def _checkpointed_optimizer(optimizer):
@@ -184,13 +221,71 @@ def load(path: str | Path, actor) -> dict:
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
     _refuse_partial_optimizer(actor)
+    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+    fmt = trainer.pop("optimizer_format", "dp_reshardable")  # checkpoints from before the format was recorded
+    saved, now = trainer.pop("layout", None), current_layout()
+    if fmt == "dp_reshardable" and saved is not None and saved != now:
+        raise CheckpointError(
+            f"{path}: optimizer state saved as dp_reshardable at {_layout_text(saved)} cannot be loaded at "
+            f"{_layout_text(now)}: resume with that layout, or start from its weights with "
+            f"model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
+    n_saved, n_now = len(trainer["adam_steps"]), len(_inner_optimizers(actor.optimizer))
+    if n_saved != n_now:  # e.g. a MoE model whose expert parameters get an optimizer of their own at one layout
+        raise CheckpointError(
+            f"{path}: optimizer state saved for {n_saved} optimizer(s) at {_layout_text(saved or {})} but this run "
+            f"builds {n_now} at {_layout_text(now)} (not supported yet): resume with that layout, or start from its "
+            f"weights with model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
     _allocate_optimizer_state(actor)
-    state = dist_checkpointing.load(_sharded(actor, is_loading=True), str(path / "mcore"))
+    state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
-    _checkpointed_optimizer(actor.optimizer).load_state_dict(state["optimizer"])
-    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+    _load_optimizer(_checkpointed_optimizer(actor.optimizer), state["optimizer"])
     actor.scheduler.load_state_dict(trainer.pop("scheduler"))
     _set_adam_steps(actor, trainer.pop("adam_steps"))
-    _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    if saved is None or saved == now:
+        _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    elif dist.get_rank() == 0:
+        # Another layout: model and optimizer were resharded on load. Per-rank RNG streams belong to the old
+        # ranks' places; they restart from train.seed (rollout sampling seeds come from the step, not from them).
+        change = ", ".join(f"{k} {saved.get(k)}->{v}" for k, v in now.items() if saved.get(k) != v)
+        print(f"resume: checkpoint written at another parallel layout ({change}): model and optimizer state "
+              "resharded; RNG streams restart from train.seed", flush=True)
     return trainer
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
+
+
+def current_layout() -> dict[str, int]:
+    """The parallel layout a checkpoint was written at (saved with it; a resume compares)."""
+    from megatron.core import parallel_state as ps
+    return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+
+
+def _load_optimizer(optimizer, state) -> None:
+    """Megatron's optimizer load, with the fully_reshardable parameter state loaded in a second call.
+
+    Megatron 0.16.1 copies a fully_reshardable state into every key of the inner optimizer's per-parameter state,
+    which for torch's Adam (no Apex/TE) includes `step`, a key that format does not carry: KeyError. So: load the
+    common part (param groups, which allocates the state), drop `step` from the per-parameter state, load the
+    parameter state through the same public method Megatron would call, and let `_set_adam_steps` put the saved
+    counts back. Formats without that gap load in one call as before."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is None or len(subs) == 1:
+        pairs = [((subs or [optimizer])[0], state)]
+    else:
+        parts = [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state)
+        pairs = list(zip(subs, parts))
+    for sub, st in pairs:
+        if not (isinstance(st, dict) and st.get("param_state_sharding_type") == "fully_reshardable"):
+            sub.load_state_dict(st)
+            continue
+        param_state = st.pop("param_state")
+        st.pop("param_state_sharding_type")
+        sub.load_state_dict(st)
+        for per_param in sub.optimizer.state.values():
+            per_param.pop("step", None)
+        sub.load_parameter_state_from_fully_reshardable(param_state)

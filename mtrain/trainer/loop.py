@@ -25,12 +25,14 @@ from mtrain.data.sampler import PromptSampler
 from mtrain.dist import init_distributed
 from mtrain.layouts import model_layout
 from mtrain.metrics import MetricsWriter
+from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_rows
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer.decisions import decide
+from mtrain.trainer.evaluation import evaluate_in_chunks
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.offload import TrainOffload
 from mtrain.trainer.partial_step import PartialRollout
@@ -65,7 +67,8 @@ def _logprob_diff(old_lp, batch) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg):
         p = cfg.parallel
-        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed)
+        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
+                         timeout_s=cfg.train.collective_timeout_s)
         self.cfg, self.rank = cfg, dist.get_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
@@ -107,7 +110,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump_yaml(self.run_dir / "config.yaml")
-            print(cfg.format_config(), flush=True)
+            print(run_summary(cfg, self.hf_config, dist.get_world_size()), flush=True)  # full: config.yaml
             print(d.summary(), flush=True)
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
@@ -117,7 +120,8 @@ class Trainer:
 
     def _resume(self) -> bool:
         r = self.cfg.train.resume
-        path = None if r == "never" else (checkpoint.find_latest(self.run_dir) if r == "auto" else Path(r))
+        report = print if self.rank == 0 else None  # why a newer checkpoint is skipped, said once
+        path = None if r == "never" else (checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r))
         if path is None:
             return False
         state = checkpoint.load(path, self.actor)
@@ -145,16 +149,17 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if not self.eval_set:
             return {}
-        res = self._rollout(self.eval_set, n=self.cfg.train.eval_samples, seed=10**9, prefix="eval", greedy=True)
+        n = self.cfg.train.eval_samples
+        mean, rows = evaluate_in_chunks(
+            lambda part, prefix: self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True),
+            self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
-                n = self.cfg.train.eval_samples
-                for i, (text, r) in enumerate(list(zip(res.responses, res.rewards))[:8 * n]):
-                    sample = self.eval_set[i // n]
+                for sample, text, r in rows[:8 * n]:
                     f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
                                         "response": text, "reward": r}) + "\n")
-        return {"eval/reward_mean": sum(res.rewards) / len(res.rewards)}
+        return {"eval/reward_mean": mean}
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
         """DAPO dynamic sampling: leave out groups whose rewards are all equal (no learning signal).

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Replace the committed demo results (docs/smollm2_demo.json, docs/smollm2_demo.png) with a finished run's
+# summary (written by run.sh into RUN_DIR). Explicit on purpose: a user's run never touches tracked files.
+#   bash examples/smollm2/update_docs.sh RUN_DIR
+set -euo pipefail
+RUN_DIR=${1:?usage: bash examples/smollm2/update_docs.sh RUN_DIR}
+for f in summary.json summary.png; do
+    [ -f "$RUN_DIR/$f" ] || { echo "update_docs: $RUN_DIR/$f missing (run examples/smollm2/run.sh first)" >&2; exit 2; }
+done
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
+cd "$(dirname "$0")/../.."
+cp "$RUN_DIR/summary.json" docs/smollm2_demo.json
+cp "$RUN_DIR/summary.png" docs/smollm2_demo.png
+echo "updated docs/smollm2_demo.json and docs/smollm2_demo.png from $RUN_DIR"

@@ -1,0 +1,170 @@
+"""Checks before any process group starts: everything knowable from the config, the world size and the files.
+
+`mtrain train` calls `preflight(cfg)` on every rank before `init_distributed`, so a wrong path, a model that does
+not fit the parallel layout, a batch that does not split over the data-parallel ranks and micro batches, or a
+damaged checkpoint is one line and exit 2 within a second or two — not a traceback per rank after the first
+rollout. The weight checks are the converters' own (`mtrain.converters.mcore_io`): what `mtrain-convert` rejects,
+`mtrain train` rejects too, with the same words.
+
+Every failure is a ConfigError whose message starts with the config key to change.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mtrain.config import ConfigError, RunConfig, check_paths
+
+
+def _fail(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{key}: {msg}")
+
+
+def read_hf_config(cfg: RunConfig) -> dict:
+    path = Path(cfg.model.hf_path) / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _fail("model.hf_path", f"{path} is unreadable: {e}") from None
+    if not isinstance(out, dict):
+        raise _fail("model.hf_path", f"{path} must hold a JSON object")
+    return out
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 without torchrun, as init_distributed assumes)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size(cfg: RunConfig, world: int) -> int:
+    from mtrain.dist import ParallelLayoutError, _sizes
+    p = cfg.parallel
+    try:
+        dp, _, _ = _sizes(world, p.tp, p.pp, p.ep, p.etp, p.cp)
+    except ParallelLayoutError as e:
+        raise _fail("parallel", f"{e} (torchrun --nproc-per-node x nodes = {world})") from None
+    return dp
+
+
+def check_batch(cfg: RunConfig, dp: int) -> None:
+    """Each optimizer step's samples split evenly over the data-parallel ranks, then into micro batches."""
+    t = cfg.train
+    rollout = cfg.rollout_batch_size
+    gbs = t.global_batch_size or rollout
+    per_rank, unit = gbs // dp, dp * t.micro_batch_size
+    what = ("rollout.prompts_per_step x rollout.samples_per_prompt = "
+            f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} = {rollout}"
+            if t.global_batch_size is None else f"train.global_batch_size = {gbs}")
+    if gbs % unit:
+        raise _fail("train.micro_batch_size",
+                    f"{what} samples per optimizer step do not split over {dp} data-parallel rank(s) x micro batches "
+                    f"of {t.micro_batch_size}: it must be a multiple of {unit}"
+                    + (f" ({per_rank} samples per rank)" if gbs % dp == 0 else ""))
+
+
+def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
+    """The model's config.json is one we build, and its heads/groups/layers/experts fit the parallel sizes
+    (the layout the trainer will build: vpp and an uneven pipeline split included), planned as the sync plans it."""
+    from mtrain.converters.errors import ConvertError
+    from mtrain.converters.mcore_io import layout_for
+    from mtrain.layouts import LayoutError
+    from mtrain.models.hf_config import ModelConfigError
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
+    from mtrain.reshard.planner import build_plan
+    p = cfg.parallel
+    try:
+        model = layout_for(hf_config, mtp=False)
+    except (ConvertError, ModelConfigError) as e:
+        raise _fail("model.hf_path", str(e)) from None
+    layout = MegatronLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, dp=dp,
+                            first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+    try:
+        build_plan(model, HFLayout(), layout)
+    except LayoutError as e:
+        raise _fail("parallel", f"tp={p.tp} pp={p.pp} ep={p.ep} etp={layout.expert_tp} cp={p.cp} (dp={dp}) do "
+                                f"not fit the model: {e}") from None
+    e = cfg.engine
+    if e.kind == "sglang" or (e.kind == "auto" and _cuda()):  # SGLang's own sharding of heads, experts, vocab
+        from mtrain.reshard.placement import SGLangLayout
+        try:
+            build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
+        except LayoutError as err:
+            raise _fail("engine.tp", f"engine tp={e.tp} ep={e.ep} does not fit the model: {err}") from None
+    max_pos = hf_config.get("max_position_embeddings")
+    if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
+        raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                                              f"model's context (max_position_embeddings={max_pos})")
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def check_weights(cfg: RunConfig) -> None:
+    """The weights the run starts from are complete: the same checks the converters make on their input."""
+    from mtrain.converters.errors import ConvertError
+    from mtrain.converters.mcore_io import check_against_table, check_dist_checkpoint, hf_has_mtp, layout_for
+    if cfg.model.mcore_ckpt:
+        try:
+            check_dist_checkpoint(cfg.model.mcore_ckpt, need_config=False)
+        except ConvertError as e:
+            raise _fail("model.mcore_ckpt", str(e)) from None
+        return
+    from mtrain.converters.hf_to_mcore import hf_getters
+    from mtrain.converters.safetensors_io import HFCheckpoint
+    import torch
+    try:
+        ckpt = HFCheckpoint(cfg.model.hf_path)
+        names = list(hf_getters(ckpt, torch.float32))  # FP8 checkpoints: the dequantised view's names
+        model = layout_for(ckpt.config, hf_has_mtp(ckpt.config, names))
+        check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names},
+                            str(cfg.model.hf_path))
+    except ConvertError as e:
+        raise _fail("model.hf_path", str(e)) from None
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """An explicit train.resume path must be a complete, intact checkpoint (auto falls back by itself)."""
+    r = cfg.train.resume
+    if r in ("auto", "never"):
+        return
+    from mtrain.trainer.checkpoint import checkpoint_problem
+    problem = checkpoint_problem(Path(r))
+    if problem:
+        raise _fail("train.resume", problem)
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Prompt files parse and hold the configured keys (read again by the trainer: they are small next to a model)."""
+    from mtrain.data import load_datasets
+    from mtrain.data.datasets import DatasetError
+    try:
+        load_datasets(cfg)
+    except DatasetError as e:
+        raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
+
+
+def check_logging(cfg: RunConfig) -> None:
+    if cfg.train.log_tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("torch.utils.tensorboard") is None or \
+                importlib.util.find_spec("tensorboard") is None:
+            raise _fail("train.log_tensorboard", "true, but TensorBoard is not installed: pip install tensorboard "
+                                                 "(or leave the key unset: TensorBoard is then used when installed)")
+
+
+def preflight(cfg: RunConfig, world: int | None = None) -> dict:
+    """Run every check; returns the model's config.json. Raises ConfigError (one line) on the first problem."""
+    world = world_size() if world is None else world
+    check_paths(cfg)
+    hf_config = read_hf_config(cfg)
+    dp = data_parallel_size(cfg, world)
+    check_model(cfg, hf_config, dp)
+    check_batch(cfg, dp)
+    check_weights(cfg)
+    check_data(cfg)
+    check_resume(cfg)
+    check_logging(cfg)
+    return hf_config

@@ -1,0 +1,64 @@
+"""`mtrain plot` on bad input is one line and exit 2; files we write follow the user's umask (issue 19, point 12)."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from mtrain.__main__ import main
+from mtrain.config import load_config
+from mtrain.metrics import MetricsWriter
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", r"no metrics file at .* \(not a directory: give a run.s train\.run_dir\)"),
+    ("empty_dir", "no metrics file at .*metrics.jsonl"),
+    ("garbage", r"metrics\.jsonl:1: not a JSON line"),
+    ("unwritable_out", "cannot write .*: "),
+])
+def test_plot_bad_input_is_one_line_exit_2(tmp_path, capsys, case, match):
+    import re
+    run = tmp_path / "run"
+    args = [str(run)]
+    if case != "missing":
+        run.mkdir()
+    if case == "garbage":
+        (run / "metrics.jsonl").write_text("not json\n{\"step\": 1}\n")
+    if case == "unwritable_out":
+        with MetricsWriter(run, tensorboard=False, progress=False) as w:
+            for s in (1, 2):
+                w.log(s, {"reward/mean": 0.1 * s, "kl/mean": 0.0, "logprob_diff/max_abs": 0.0})
+        (tmp_path / "file").write_text("")
+        args += ["--out", str(tmp_path / "file" / "x.png")]  # a path under a regular file
+    assert main(["plot", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtrain: error: PlotError: ") and re.search(match, err[0]), err
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield 0o640
+    os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_config_metrics_and_plot_follow_the_umask(tmp_path, umask_027):
+    cfg = load_config(None, ["model.hf_path=x", "data.task=arithmetic"])
+    assert mode(cfg.dump_yaml(tmp_path / "config.yaml")) == umask_027  # was 0600 (mkstemp)
+    with MetricsWriter(tmp_path, tensorboard=False, progress=False) as w:
+        for s in (1, 2):
+            w.log(s, {"reward/mean": 0.1 * s, "kl/mean": 0.0, "logprob_diff/max_abs": 0.0})
+    assert mode(tmp_path / "metrics.jsonl") == umask_027
+    assert main(["plot", str(tmp_path)]) == 0
+    assert mode(tmp_path / "metrics.png") == umask_027
+
+
+def test_init_tiny_follows_the_umask(tmp_path, umask_027):
+    from mtrain.tiny_hf import write_tiny_hf
+    out = write_tiny_hf("llama", tmp_path / "hf")
+    assert {f.name: mode(f) for f in out.iterdir()} == {f.name: umask_027 for f in out.iterdir()}

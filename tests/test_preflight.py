@@ -1,0 +1,138 @@
+"""Checks before any process group starts (issue 19, points 1, 6, 7): one line naming the key, exit 2, in seconds.
+
+In-process calls of `preflight(cfg, world)` cover the rules; one `mtrain train` subprocess shows the user's view
+(one line, exit 2, nothing written). The damaged dist checkpoint comes from a real conversion made once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtrain.config import ConfigError, load_config
+from mtrain.preflight import preflight
+from mtrain.tiny_hf import write_tiny_hf
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return write_tiny_hf("llama", tmp_path_factory.mktemp("pf") / "llama")  # 4 heads, 2 KV heads, 4 layers
+
+
+def cfg_for(hf: Path, tmp_path: Path, *overrides: str):
+    return load_config(CONFIG, [f"model.hf_path={hf}", f"train.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def fails(cfg, match: str, world: int = 1) -> str:
+    with pytest.raises(ConfigError, match=match) as e:
+        preflight(cfg, world=world)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_good_config_passes(hf, tmp_path):
+    assert preflight(cfg_for(hf, tmp_path), world=1)["model_type"] == "llama"
+    assert preflight(cfg_for(hf, tmp_path, "parallel.tp=2"), world=2)["model_type"] == "llama"
+    # an uneven pipeline split (4 layers as 2 | 1 | 1) is the trainer's layout, not an error
+    assert preflight(cfg_for(hf, tmp_path, "parallel.pp=3", "parallel.first_stage_layers=2",
+                             "rollout.prompts_per_step=3"), world=3)
+
+
+def test_missing_hf_path_is_one_line_exit_2_in_seconds(tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), f"model.hf_path={tmp_path / 'nope'}",
+                        f"train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"mtrain: error: ConfigError: model.hf_path: {tmp_path / 'nope'} is not a HF model dir (no config.json)"]
+    assert not (tmp_path / "run").exists()
+    assert elapsed < 30  # no Megatron import, no process group (was a FileNotFoundError after ~8 s of set-up)
+
+
+@pytest.mark.parametrize("world, over, match", [
+    # 3 prompts x 4 samples = 12 over dp=2 ranks of micro batches of 4: fails only after the first rollout today
+    (2, ["rollout.prompts_per_step=3"], r"train\.micro_batch_size: rollout\.prompts_per_step x "
+                                        r"rollout\.samples_per_prompt = 3 x 4 = 12 samples .* 2 data-parallel "
+                                        r"rank\(s\) .* multiple of 8"),
+    (4, ["train.global_batch_size=8", "train.micro_batch_size=4"], r"train\.global_batch_size = 8 .* 4 "
+                                                                     r"data-parallel .* multiple of 16"),
+    (3, ["parallel.tp=2"], r"parallel: world_size=3 is not divisible by tp\*pp\*cp"),
+    (3, ["parallel.tp=3"], r"parallel: tp=3 pp=1 .* do not fit the model: .*query groups"),
+    (3, ["parallel.pp=3", "rollout.prompts_per_step=3"], r"parallel: .* num layers \(4\) is not divisible by pp"),
+    (1, ["rollout.max_new_tokens=4096"], r"rollout\.max_new_tokens: 4096 leaves no room"),
+    (1, ["engine.kind=sglang", "engine.tp=3", "sync.mode=push"], r"engine\.tp: engine tp=3 ep=1 does not fit the "
+                                                                  r"model: .*not divisible"),
+    (1, ["train.log_tensorboard=true"], r"train\.log_tensorboard: true, but TensorBoard is not installed"),
+])
+def test_settings_that_cannot_run(hf, tmp_path, world, over, match):
+    if "tensorboard" in match and importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    fails(cfg_for(hf, tmp_path, *over), match, world=world)
+
+
+def edited_copy(hf: Path, tmp_path: Path, fn) -> Path:
+    out = Path(shutil.copytree(hf, tmp_path / "edited"))
+    state = load_file(out / "model.safetensors")
+    fn(state)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_unexpected_tensor_is_refused_as_by_the_converter(hf, tmp_path):
+    from mtrain.converters.errors import CheckpointError
+    from mtrain.converters.hf_to_mcore import check_input
+    bad = edited_copy(hf, tmp_path, lambda s: s.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
+    msg = fails(cfg_for(bad, tmp_path), r"model\.hf_path: .*unexpected tensor.*model\.layers\.0\.mlp\.extra_proj")
+    with pytest.raises(CheckpointError) as e:  # the converter's words, the same rule
+        check_input(bad, 1, 1, 1, None)
+    assert msg == f"model.hf_path: {e.value}"
+
+
+def test_missing_and_misshapen_tensors(hf, tmp_path):
+    bad = edited_copy(hf, tmp_path, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    fails(cfg_for(bad, tmp_path), r"missing tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight")
+    shutil.rmtree(bad)
+    bad = edited_copy(hf, tmp_path, lambda s: s.update({"model.norm.weight": torch.zeros(3)}))
+    fails(cfg_for(bad, tmp_path), r"tensor 'model\.norm\.weight' has shape \[3\]")
+
+
+@pytest.fixture(scope="module")
+def mcore(hf, tmp_path_factory) -> Path:
+    from mtrain.converters.hf_to_mcore import hf_to_mcore
+    return hf_to_mcore(hf, tmp_path_factory.mktemp("pf_mcore") / "mcore")
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("shard", r"model\.mcore_ckpt: .*shard file __0_0\.distcp is missing"),
+    ("truncate", r"model\.mcore_ckpt: .*__0_0\.distcp: truncated shard"),
+    (".metadata", r"model\.mcore_ckpt: .*incomplete Megatron dist checkpoint .*missing \.metadata"),
+])
+def test_damaged_mcore_ckpt(hf, mcore, tmp_path, damage, match):
+    assert preflight(cfg_for(hf, tmp_path, f"model.mcore_ckpt={mcore}"), world=1)
+    ckpt = Path(shutil.copytree(mcore, tmp_path / "mcore"))
+    if damage == "shard":
+        (ckpt / "__0_0.distcp").unlink()
+    elif damage == "truncate":
+        f = ckpt / "__0_0.distcp"
+        f.write_bytes(f.read_bytes()[:100])
+    else:
+        (ckpt / damage).unlink()
+    fails(cfg_for(hf, tmp_path, f"model.mcore_ckpt={ckpt}"), match)
+
+
+def test_explicit_resume_path_must_be_an_intact_checkpoint(hf, tmp_path):
+    (tmp_path / "step_3").mkdir()
+    fails(cfg_for(hf, tmp_path, f"train.resume={tmp_path / 'step_3'}"), r"train\.resume: .*step_3 has no COMPLETE")
+    fails(cfg_for(hf, tmp_path, f"train.resume={tmp_path / 'nowhere'}"), r"train\.resume: .* is not a checkpoint")
