@@ -325,7 +325,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                     )
                 continue
             if ok:
-                values[rank] = pickle.loads(value)
+                values[rank] = value
             else:
                 failures.append((rank, value))
                 # Give the other ranks a moment to report their own errors, then stop waiting.
