@@ -47,6 +47,8 @@ class Batcher:
                 (gone if rid_prefix is None or req.rid.startswith(rid_prefix) else keep).append((req, fut))
             self._queue = keep
         for req, fut in gone:
+            if fut.cancelled():
+                continue
             fut.set_result(Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
                                       finish_reason="abort", weight_version=-1))
 
@@ -65,7 +67,8 @@ class Batcher:
             pending, self._queue = self._queue, []
             self._cv.notify()
         for req, fut in pending:
-            fut.set_exception(EngineError(f"request {req.rid!r}: {reason}"))
+            if not fut.cancelled():
+                fut.set_exception(EngineError(f"request {req.rid!r}: {reason}"))
 
     def _loop(self) -> None:
         while True:
@@ -79,6 +82,11 @@ class Batcher:
                 if self._paused or self._closed is not None:
                     continue
                 batch, self._queue = self._queue[:self._max_batch], self._queue[self._max_batch:]
+            if not batch:
+                continue
+            # A caller that gave up (asyncio timeout -> wrap_future cancels) must not take the worker down with it:
+            # its request is dropped if not started, and its result discarded if it was.
+            batch = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
             if not batch:
                 continue
             try:

@@ -81,3 +81,20 @@ def test_shutdown_fails_waiting_requests():
     e.shutdown()
     with pytest.raises(EngineError, match="shut down"):
         fut.result(timeout=5)
+
+
+def test_a_caller_that_gives_up_does_not_stop_the_engine(engine):
+    """asyncio.wait_for cancels the awaited future: the engine drops or discards that request and keeps serving."""
+    slow, fast = _requests(2, max_new=10)
+    client = LocalClient(engine)
+
+    async def main():
+        engine.pause()
+        try:
+            await asyncio.wait_for(client.generate(slow), timeout=0.05)
+        except asyncio.TimeoutError:
+            pass
+        engine.resume()
+        return await asyncio.wait_for(client.generate(fast), timeout=60)
+
+    assert asyncio.run(main()).finish_reason in ("stop", "length")
