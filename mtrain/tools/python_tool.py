@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtrain.tools.base import BaseTool, ToolSession
+from mtrain.tools.base import BaseTool, ToolError, ToolSession
 from mtrain.tools.sandbox import SandboxLimits, run_python
 
 
@@ -41,4 +41,7 @@ class PythonTool(BaseTool):
             parts.append(f"(exit code {r.exit_code})")
         if r.truncated:
             parts.append("[output truncated]")
-        return "\n".join(parts) if parts else "(no output)"
+        text = "\n".join(parts) if parts else "(no output)"
+        if not r.ok:  # the model sees the output and the reason; the call counts as a tool error
+            raise ToolError(text)
+        return text
