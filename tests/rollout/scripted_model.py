@@ -32,17 +32,19 @@ def script_tokens(tok: CharTokenizer, user: str, turns: list[str], tool_replies:
     return ids, mask
 
 
-def train_scripted_engine(sequences: list[tuple[list[int], list[int]]], steps: int = 400, seed: int = 0,
-                          **engine_kwargs) -> ReferenceEngine:
+def train_scripted_model(sequences: list[tuple[list[int], list[int]]], steps: int = 400, seed: int = 0,
+                         config: dict = CONFIG, device: str = "cpu", lr: float = 1e-2):
+    """The HF model, trained until its loss on the model tokens is below 1e-3 (or `steps` Adam steps)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(as_hf_config(CONFIG), dtype=torch.float32, attn_implementation="eager")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model = AutoModelForCausalLM.from_config(as_hf_config(config), dtype=torch.float32,
+                                             attn_implementation="eager").to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     width = max(len(s) for s, _ in sequences)
-    x = torch.zeros((len(sequences), width), dtype=torch.long)
-    m = torch.zeros((len(sequences), width))
+    x = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+    m = torch.zeros((len(sequences), width), device=device)
     for i, (ids, mask) in enumerate(sequences):
-        x[i, :len(ids)] = torch.tensor(ids)
-        m[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+        x[i, :len(ids)] = torch.tensor(ids, device=device)
+        m[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32, device=device)
     for step in range(steps):
         logits = model(x).logits[:, :-1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, 1:, None])[..., 0]
@@ -52,6 +54,12 @@ def train_scripted_engine(sequences: list[tuple[list[int], list[int]]], steps: i
         opt.step()
         if loss.item() < 1e-3:
             break
+    return model.cpu().eval()
+
+
+def train_scripted_engine(sequences: list[tuple[list[int], list[int]]], steps: int = 400, seed: int = 0,
+                          **engine_kwargs) -> ReferenceEngine:
+    model = train_scripted_model(sequences, steps, seed)
     engine = ReferenceEngine(CONFIG, **engine_kwargs)
     views = hf_disk_views(model)
     engine.update_weights([[(k, v.detach().clone()) for k, v in views.items() if k in engine.parameter_specs()]])
