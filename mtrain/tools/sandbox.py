@@ -122,16 +122,20 @@ def _world_executable(path: str) -> bool:
 def sandbox_python(python: str | None = None) -> tuple[str, bool]:
     """(interpreter, own_uid): the interpreter the sandbox runs and whether it gets a uid of its own.
 
-    A separate uid needs root and an interpreter other users can execute (a venv or pyenv under /root is not:
-    /root is 0700); otherwise the system python3 is used when it exists, else the caller's interpreter under
+    A separate uid needs root and an interpreter other users can execute. The interpreter is run by its real path:
+    a venv's `bin/python` is a symlink whose folder may sit under /root (mode 0700), out of the sandbox uid's
+    reach, while the binary it points to usually is not (the code then sees that interpreter's standard library,
+    not the venv's packages). Otherwise the system python3 if there is one, else the caller's interpreter under
     the caller's uid (weaker: see the module docstring)."""
     if python is not None:
-        return python, os.geteuid() == 0 and _world_executable(python)
+        real = os.path.realpath(python)
+        return (real, True) if os.geteuid() == 0 and _world_executable(real) else (python, False)
     if os.geteuid() != 0:
         return sys.executable, False
     for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(cand) and _world_executable(cand):
-            return cand, True
+        real = os.path.realpath(cand)
+        if os.path.exists(real) and _world_executable(real):
+            return real, True
     return sys.executable, False
 
 
