@@ -44,8 +44,8 @@ from mtrain.rollout.client import LocalClient
 from mtrain.rollout.reference_engine import hf_disk_views
 from mtrain.rollout.trajectory import to_batch
 
-SYSTEM = ("You can use a calculator. To use it, reply with exactly:\n<tool_call>\n{{\"name\": \"calculator\", "
-          "\"arguments\": {{\"expression\": \"EXPRESSION\"}}}}\n</tool_call>\nThe result comes back in the next "
+SYSTEM = ("You can use a calculator. To use it, reply with exactly:\n<tool_call>\n{\"name\": \"calculator\", "
+          "\"arguments\": {\"expression\": \"EXPRESSION\"}}\n</tool_call>\nThe result comes back in the next "
           "message; then reply with only the final number.")
 SHOT = [{"role": "user", "content": "What is 58 * 412?"},
         {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": '

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant with tools. To call a tool, write exactly\n"
-    "<tool_call>\n{{\"name\": TOOL_NAME, \"arguments\": {{ARGUMENTS AS JSON}}}}\n</tool_call>\n"
+    "<tool_call>\n{\"name\": TOOL_NAME, \"arguments\": {ARGUMENTS AS JSON}}\n</tool_call>\n"
     "and stop; the result comes back in the next message. When you know the answer, reply without a tool call.\n"
     "Tools:\n{tools}"
 )
@@ -64,7 +64,7 @@ class RolloutContext:
     max_total_tokens: int = 1024
     max_tool_calls_per_turn: int = 4
     tool_reward_weight: float = 0.0
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT  # "{tools}" is replaced by one line per tool; None: no system
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT  # "{tools}" -> one line per tool (other braces stay); None: none
     reward_timeout_s: float | None = None
     template_tools: bool = True  # pass the schemas to apply_chat_template(tools=...) (templates that use them)
     max_positions: int | None = None  # the model's context: the token budget never exceeds it
@@ -93,7 +93,7 @@ def initial_messages(sample: PromptSample, ctx: RolloutContext) -> list[dict[str
         listing = "\n".join(f"- {s['function']['name']}: {s['function'].get('description', '')} arguments: "
                             f"{list(s['function'].get('parameters', {}).get('properties', {}))}"
                             for s in ctx.tools.schemas)
-        messages = [{"role": "system", "content": ctx.system_prompt.format(tools=listing)}] + messages
+        messages = [{"role": "system", "content": ctx.system_prompt.replace("{tools}", listing)}] + messages
     return messages
 
 
