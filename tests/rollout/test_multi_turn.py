@@ -125,7 +125,7 @@ class Exploding(BaseTool):
 
 def test_tool_crash_is_a_message_and_the_rollout_goes_on(trained):
     engine, _ = trained
-    ctx = ctx_for(tools=ToolServer([Exploding()]))
+    ctx = ctx_for(tools=ToolServer([Exploding()]), max_turns=2)
     t, = asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx))
     assert t.metrics["tool_errors"] == 2 and "disk on fire" in t.segments[2].text
     assert t.turns >= 2 and ctx.tools.open_sessions == []
