@@ -54,14 +54,15 @@ SHOT = [{"role": "user", "content": "What is 58 * 412?"},
         {"role": "assistant", "content": "23896"}]
 
 
-def problems(n: int, seed: int, exclude: set = frozenset()) -> list[PromptSample]:
+def problems(n: int, seed: int, exclude: set = frozenset(), shot: bool = True) -> list[PromptSample]:
     rng, out, seen = random.Random(seed), [], set(exclude)
     while len(out) < n:
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        out.append(PromptSample(len(out), SHOT + [{"role": "user", "content": f"What is {a} * {b}?"}], str(a * b),
+        out.append(PromptSample(len(out), (SHOT if shot else []) + [{"role": "user", "content": f"What is {a} * {b}?"}],
+                                str(a * b),
                                 {"pair": [a, b]}))
     return out
 
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--run-dir", default="runs/smollm2_tools")
     ap.add_argument("--out", default=None, help="summary JSON")
+    ap.add_argument("--zero-shot", action="store_true", help="no worked example in the prompt")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the base model and stop")
     ap.add_argument("--png", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -117,15 +120,16 @@ def main() -> None:
     tools = build_tool_server(cfg.multi_turn)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, stop_token_ids=(eos,))
-    eval_set = problems(a.eval, seed=12345)
-    train_set = problems(a.steps * a.prompts, seed=1, exclude={tuple(s.metadata["pair"]) for s in eval_set})
+    eval_set = problems(a.eval, seed=12345, shot=not a.zero_shot)
+    train_set = problems(a.steps * a.prompts, seed=1, exclude={tuple(s.metadata["pair"]) for s in eval_set},
+                         shot=not a.zero_shot)
     run_dir = Path(a.run_dir)
     writer = MetricsWriter(run_dir, resume_step=None, total_steps=a.steps, tensorboard=False)
     first_eval = evaluate(eval_set, engine, cfg, tok, tools, params, 0)
     writer.log(0, first_eval)
     print("step 0", first_eval, flush=True)
     evals = {0: first_eval}
-    for step in range(1, a.steps + 1):
+    for step in range(1, 0 if a.eval_only else a.steps + 1):
         t0 = time.time()
         samples = train_set[(step - 1) * a.prompts: step * a.prompts]
         trajs = asyncio.run(run_groups(samples, a.samples, engine, cfg, tok, tools, params, seed=step * 10**7,

@@ -66,6 +66,8 @@ def test_sandbox_runs_code_with_a_clean_environment():
                            "time.sleep(1000)", ("limit",)),
 ])
 def test_sandbox_limits_end_in_a_tool_error_and_leave_no_process(name, code, why):
+    if name == "escaping the group" and not sandbox_python()[1]:
+        pytest.skip("a process that leaves the group is only caught through the sandbox's own uid (root)")
     r, wall = _call_python(code)
     assert not r.ok and r.error_kind == "tool_error", r
     assert any(w in r.content for w in why), r.content
