@@ -428,6 +428,9 @@ def validate(cfg: RunConfig) -> None:
     _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
            f"must look like 'module:function' or be null, got {mt.rollout_fn!r}")
     _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
+    _check(not (r.partial and mt.rollout_fn), "rollout.partial",
+           "partial rollout of multi-turn tool trajectories is not wired into the trainer yet (resume_group exists: "
+           "docs/design-tools.md); use one of rollout.partial and multi_turn.rollout_fn")
 
 
 def check_paths(cfg: RunConfig) -> None:

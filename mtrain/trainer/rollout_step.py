@@ -25,6 +25,7 @@ class RolloutResult:
     rewards: list[float]
     responses: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    trajectories: list | None = None  # multi-turn rollouts: the batch is built from these (to_batch)
 
 
 def stop_ids(tokenizer, extra: list[int]) -> tuple[int, ...]:
@@ -104,3 +105,41 @@ def broadcast_result(value, src: int, group=None):
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, tools, rollout_fn, *, n: int,
+                           seed: int, rid_prefix: str, greedy: bool = False, max_positions: int | None = None,
+                           max_new_tokens: int | None = None) -> RolloutResult:
+    """Multi-turn tool rollouts (multi_turn.rollout_fn) across the pool: one group function call per prompt on the
+    engine that claims it; returns trajectories (token segments; mtrain.rollout.trajectory.to_batch builds the
+    batch) with their rewards, in prompt order, plus the tool metrics averaged over groups."""
+    from mtrain.rollout.agents.multi_turn import group_metrics
+    from mtrain.rollout.agents.setup import make_context
+
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
+    width = len(str(max(len(samples) - 1, 0)))
+
+    async def one_group(i: int, client: EngineClient):
+        ctx = make_context(cfg, tokenizer, tools, reward_fn, base_seed=seed + i * n * 1000,
+                           rid_prefix=f"{rid_prefix}-g{i:0{width}d}", params=params, greedy=greedy,
+                           max_positions=max_positions)
+        trajectories = await rollout_fn(samples[i], n, client, ctx)
+        aborted = [t.rid for t in trajectories if t.finish_reason == "abort"]
+        if aborted:
+            raise EngineError(f"{len(aborted)} of {n} trajectories of group {i} were aborted by the engine")
+        return trajectories, group_metrics(trajectories)
+
+    run = pool.run(len(samples), one_group, rid_prefix=rid_prefix)
+    out = RolloutResult([], [], [], run.metrics())
+    out.trajectories = [t for trajs, _ in run.results for t in trajs]
+    out.rewards = [float(t.reward) for t in out.trajectories]
+    out.responses = [t.final_text for t in out.trajectories]
+    keys = sorted({k for _, m in run.results for k in m})
+    for k in keys:
+        vals = [m[k] for _, m in run.results if k in m]
+        out.metrics[f"tools/{k}"] = sum(vals) / len(vals)
+    tokens = sum(t.num_model_tokens for t in out.trajectories)
+    out.metrics["perf/rollout_tokens_per_s"] = tokens / max(run.seconds, 1e-9)
+    return out

@@ -164,3 +164,27 @@ def test_partial_rollout_trains_exactly_the_quota_and_checkpoints_the_buffer(hf_
             for per_sample in out["versions"][step]:
                 assert all(step - 3 <= v <= step for v in per_sample)  # produced by this or a recent version
     assert res[0]["groups"] == res[1]["groups"] and res[0]["buffer"] == res[1]["buffer"]  # every rank agrees
+
+
+def _multi_turn_steps(rank, world, hf, run_dir):
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    over = {"multi_turn.rollout_fn": "mtrain.rollout.agents.multi_turn:rollout_group", "multi_turn.tools": "calculator",
+            "multi_turn.max_turns": 2, "multi_turn.max_total_tokens": 200, "train.steps": 2}
+    t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
+    records = [t.train_step() for _ in range(2)]
+    t.close()
+    return records
+
+
+def test_multi_turn_tool_rollouts_train_through_the_pool(hf_dirs, tmp_path):
+    """The trainer with multi_turn.rollout_fn: two engines serve tool-rollout groups, the batch comes from the
+    trajectories (model turns trained, the rest masked), and the trainer's logprobs of the trained tokens equal the
+    engine's (a random model rarely calls the tool; tests/rollout/test_multi_turn.py covers the calls themselves)."""
+    res = run_on_ranks(_multi_turn_steps, 2, hf_dirs["llama"], tmp_path / "run", timeout=400)
+    for rec in res[0]:
+        assert rec["logprob_diff/max_abs"] <= 2e-5
+        assert "tools/tool_call_rate" in rec or any(k.startswith("tools/") for k in rec)
+        assert rec["rollout/engines"] >= 1
+    assert [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[1]] == \
+        [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[0]]
