@@ -170,7 +170,9 @@ def _multi_turn_steps(rank, world, hf, run_dir):
     from mtrain.config import load_config
     from mtrain.trainer.loop import Trainer
     over = {"multi_turn.rollout_fn": "mtrain.rollout.agents.multi_turn:rollout_group", "multi_turn.tools": "calculator",
-            "multi_turn.max_turns": 2, "multi_turn.max_total_tokens": 200, "train.steps": 2}
+            "multi_turn.max_turns": 2, "multi_turn.max_total_tokens": 700, "train.steps": 2,
+            "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2,
+            "rollout.max_prompt_len": 600}
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
     records = [t.train_step() for _ in range(2)]
     t.close()
@@ -181,7 +183,9 @@ def test_multi_turn_tool_rollouts_train_through_the_pool(hf_dirs, tmp_path):
     """The trainer with multi_turn.rollout_fn: two engines serve tool-rollout groups, the batch comes from the
     trajectories (model turns trained, the rest masked), and the trainer's logprobs of the trained tokens equal the
     engine's (a random model rarely calls the tool; tests/rollout/test_multi_turn.py covers the calls themselves)."""
-    res = run_on_ranks(_multi_turn_steps, 2, hf_dirs["llama"], tmp_path / "run", timeout=400)
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides={"max_position_embeddings": 1024})  # the tool list
+    res = run_on_ranks(_multi_turn_steps, 2, hf, tmp_path / "run", timeout=400)  # in the system prompt is long
     for rec in res[0]:
         assert rec["logprob_diff/max_abs"] <= 2e-5
         assert "tools/tool_call_rate" in rec or any(k.startswith("tools/") for k in rec)
