@@ -58,7 +58,8 @@ def _rollout(rank, world, tp, delay_s=0.0):
     run2 = pool.run(N_GROUPS, _group_fn(), rid_prefix="t")  # a second call on the same pool (fresh store keys)
     if engine is not None:
         engine.shutdown()
-    return run.results, run.served, run2.results == run.results, run.metrics()
+    tokens = [[(rid, ids) for rid, ids, _ in g] for g in run.results]  # logprobs: last bits vary with batching
+    return run.results, run.served, tokens == [[(rid, ids) for rid, ids, _ in g] for g in run2.results], run.metrics()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,8 @@ def test_same_tokens_with_1_2_4_engines(by_engine_count):
     assert len(ref) == N_GROUPS and all(len(g) == N for g in ref)
     for tp, ranks in by_engine_count.items():
         for results, served, repeat_equal, _ in ranks:
-            assert results == ranks[0][0] and repeat_equal  # every rank gets every group, in index order
+            assert results == ranks[0][0] and repeat_equal  # every rank gets every group, in index order; a repeat
+            # call samples the same tokens
             assert sum(served) == N_GROUPS and len(served) == 4 // tp
             for got, want in zip(results, ref):
                 for (rid, ids, lps), (rid0, ids0, lps0) in zip(got, want):
@@ -110,6 +112,6 @@ def _dies(rank, world):
 def test_engine_failure_stops_every_rank_quickly():
     outs = run_on_ranks(_dies, 4, timeout=120)
     for msg, seconds in outs:
-        assert "engine 3 (rank 3) failed" in msg and "aborted" in msg, msg
+        assert "engine 3 (rank 3) failed" in msg and ("aborted" in msg or "shut down" in msg), msg
         assert seconds < 30, seconds
     assert len({m for m, _ in outs}) == 1  # the same message on every rank
