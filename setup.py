@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.11",
     packages=[
         "mtrain", "mtrain.layouts", "mtrain.reshard", "mtrain.rollout", "mtrain.models",
-        "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer",
+        "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer", "mtrain.tools", "mtrain.rollout.agents",
         "mtrain.kernels", "mtrain.converters",
     ],
     package_dir={"mtrain.kernels": "kernels", "mtrain.converters": "converters"},
@@ -31,6 +31,7 @@ setup(
         "tqdm>=4.60",
         "einops>=0.7",
         "numpy>=1.26",
+        "bm25s>=0.2",  # the retrieval tool (mtrain/tools/retrieval.py)
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "triton>=3.3"],

@@ -180,6 +180,31 @@ class RewardConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool rollouts (mtrain/rollout/agents/multi_turn.py, docs/design-tools.md)."""
+    # per-group rollout function, "module:function" (mtrain.rollout.agents.multi_turn:rollout_group for tools);
+    # None = the single-turn rollout
+    rollout_fn: str | None = None
+    # builtin "python" | "search" | "calculator", or "module:Name" for a BaseTool subclass / factory
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    tool_parser: Literal["qwen25", "qwen", "hermes"] = "qwen25"
+    parser_backend: Literal["auto", "sglang", "mtrain"] = "auto"  # auto: SGLang's parser where it imports
+    max_turns: int = 4  # model turns per trajectory
+    max_total_tokens: int = 1024  # prompt + every turn + every tool result
+    max_tool_calls_per_turn: int = 4  # parallel calls in one turn; more are answered with an error message
+    tool_timeout_s: float = 10.0
+    tool_output_max_chars: int = 2000
+    tool_reward_weight: float = 0.0  # reward += weight * sum of the tools' calc_reward
+    system_prompt: str | None = None  # None = a built-in prompt that lists the tools and the call format
+    sandbox_wall_s: float = 10.0
+    sandbox_cpu_s: int = 5
+    sandbox_memory_mb: int = 512
+    sandbox_max_procs: int = 16
+    retrieval_corpus: str | None = None  # .txt (a document per line) / .jsonl {"text"}; None = generated towns
+    retrieval_top_k: int = 2
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 4
@@ -217,6 +242,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     @property
     def rollout_batch_size(self) -> int:
@@ -340,6 +366,15 @@ def validate(cfg: RunConfig) -> None:
                "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
+    mt = cfg.multi_turn
+    _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
+              "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",
+              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k")
+    for k in ("tool_timeout_s", "sandbox_wall_s"):
+        _check(getattr(mt, k) > 0, f"multi_turn.{k}", f"must be > 0, got {getattr(mt, k)}")
+    _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
+           f"must look like 'module:function' or be null, got {mt.rollout_fn!r}")
+    _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -1,7 +1,8 @@
 """Reward functions and the guard every reward call goes through.
 
-A reward function takes `(response: str, answer)` positionally and may also declare the keywords `prompt`
-and `metadata` (or **kwargs) to receive them; it returns a finite number. Point `reward.fn` at one with
+A reward function takes `(response: str, answer)` positionally and may also declare the keywords `prompt`,
+`metadata` and `trajectory` (or **kwargs) to receive them (multi-turn rollouts pass the whole `Trajectory`,
+mtrain/rollout/trajectory.py); it returns a finite number. Point `reward.fn` at one with
 "package.module:function" or "path/to/file.py:function".
 
 `safe_reward` turns a function that raises, hangs past its timeout, or returns a non-number (None, a
@@ -105,34 +106,40 @@ def exact_match_reward(response: str, answer: Any, **_: Any) -> float:
 
 # ---- loading a reward function ------------------------------------------------------------------------
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve "package.module:function" or "path/to/file.py:function" to a callable."""
+def load_object(spec: str, what: str = "reward function", error: type[Exception] = RewardError) -> Any:
+    """Resolve "package.module:name" or "path/to/file.py:name" (reward functions, rollout functions, tools)."""
     if ":" not in spec:
-        raise RewardError(f"reward function {spec!r} must look like 'package.module:function' "
-                          f"or 'path/to/file.py:function'")
+        raise error(f"{what} {spec!r} must look like 'package.module:function' "
+                    f"or 'path/to/file.py:function'")
     module_name, attr = spec.rsplit(":", 1)
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: file not found: {path}")
-        mod_spec = importlib.util.spec_from_file_location(f"mtrain_reward_{path.stem}", path)
+            raise error(f"{what} {spec!r}: file not found: {path}")
+        mod_spec = importlib.util.spec_from_file_location(f"mtrain_user_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
         try:
             mod_spec.loader.exec_module(module)
         except Exception as e:
-            raise RewardError(f"reward function {spec!r}: importing {path} failed: "
-                              f"{type(e).__name__}: {e}") from e
+            raise error(f"{what} {spec!r}: importing {path} failed: "
+                        f"{type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise RewardError(f"reward function {spec!r}: cannot import module '{module_name}': {e}") from e
+            raise error(f"{what} {spec!r}: cannot import module '{module_name}': {e}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         close = difflib.get_close_matches(attr, names, n=1)
         hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-        raise RewardError(f"reward function {spec!r}: module '{module_name}' has no attribute '{attr}'{hint}")
+        raise error(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'{hint}")
+    return fn
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve "package.module:function" or "path/to/file.py:function" to a callable."""
+    fn = load_object(spec)
     if not callable(fn):
         raise RewardError(f"reward function {spec!r} is a {type(fn).__name__}, not a function")
     try:
@@ -144,14 +151,17 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+_KEYWORDS = ("prompt", "metadata", "trajectory")  # trajectory: multi-turn rollouts pass the whole Trajectory
+
+
 def _accepted_keywords(fn: RewardFn) -> frozenset[str]:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return frozenset({"prompt", "metadata"})
-    return frozenset(p.name for p in params if p.name in ("prompt", "metadata")
+        return frozenset(_KEYWORDS)
+    return frozenset(p.name for p in params if p.name in _KEYWORDS
                      and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
 
 
@@ -174,11 +184,13 @@ def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, A
 
 
 def safe_reward(fn: RewardFn, response: str, answer: Any, *, prompt: Any = None,
-                metadata: dict | None = None, sample_id: Any = None, timeout_s: float | None = None) -> float:
+                metadata: dict | None = None, sample_id: Any = None, timeout_s: float | None = None,
+                trajectory: Any = None) -> float:
     """fn(response, answer[, prompt=, metadata=]) as a finite float, or one RewardError naming the sample."""
     name = getattr(fn, "__qualname__", repr(fn))
     who = f"reward function '{name}' on sample {sample_id}"
-    kwargs = {k: v for k, v in (("prompt", prompt), ("metadata", metadata or {})) if k in _accepted_keywords(fn)}
+    given = (("prompt", prompt), ("metadata", metadata or {})) + ((("trajectory", trajectory),) if trajectory else ())
+    kwargs = {k: v for k, v in given if k in _accepted_keywords(fn)}
     call = functools.partial(fn, response, answer, **kwargs)
     if timeout_s is None:
         try:

@@ -1,0 +1,148 @@
+"""A trajectory is token segments; the trainer's batch is built from them without re-tokenizing anything.
+
+    prompt  [mask 0]  the rendered prompt's ids
+    model   [mask 1]  a model turn: the engine's output ids exactly as generated, their logprobs and the weight
+                      version each token was sampled under (a turn resumed after an abort may span two versions)
+    env     [mask 0]  what the environment appends: the tool results rendered by the chat template, the template's
+                      glue between turns and the next generation prompt
+
+`to_batch` turns trajectories into the same `RolloutBatch` tensors `build_batch` makes for single-turn
+completions (tokens, response_mask, engine_logprobs, rewards, response_lens), so the trainer trains on them
+unchanged: response_mask[b, t] is 1 exactly when token t + 1 is a model token, whatever turn it belongs to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from mtrain.trainer.batch import RolloutBatch
+
+SegmentKind = Literal["prompt", "model", "env"]
+
+
+@dataclass
+class Segment:
+    kind: SegmentKind
+    ids: list[int]
+    logprobs: list[float] | None = None  # model segments only
+    versions: list[int] | None = None  # model segments only: weight version per token
+    text: str = ""  # model: the decoded turn; env: the rendered text the ids encode
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prompt", "model", "env"):
+            raise ValueError(f"Segment.kind must be prompt, model or env, got {self.kind!r}")
+        if self.kind == "model":
+            if self.logprobs is None or self.versions is None:
+                raise ValueError("a model segment needs logprobs and versions per token")
+            if not len(self.ids) == len(self.logprobs) == len(self.versions):
+                raise ValueError(f"model segment: {len(self.ids)} ids, {len(self.logprobs)} logprobs, "
+                                 f"{len(self.versions)} versions")
+        elif self.logprobs is not None or self.versions is not None:
+            raise ValueError(f"a {self.kind} segment carries no logprobs or versions (it is not trained)")
+
+    @property
+    def trained(self) -> bool:
+        return self.kind == "model"
+
+
+@dataclass
+class Trajectory:
+    """One sample of a group. `finish_reason`: stop (the model answered without a tool call), length (a turn hit
+    max_new_tokens), max_turns, budget (the token budget ran out), abort (aborted mid-turn: resumable)."""
+
+    rid: str
+    segments: list[Segment]
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation as chat messages
+    finish_reason: str | None = None
+    reward: float | None = None
+    turns: int = 0  # model turns completed
+    metrics: dict[str, float] = field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the session's call log
+    sample: Any = None  # the PromptSample
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return [int(s.trained) for s in self.segments for _ in s.ids]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.segments[0].ids) if self.segments and self.segments[0].kind == "prompt" else 0
+
+    @property
+    def model_ids(self) -> list[int]:
+        return [t for s in self.segments if s.trained for t in s.ids]
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments if s.trained)
+
+    @property
+    def final_text(self) -> str:
+        """The last model turn's text (what single-turn reward functions score)."""
+        for s in reversed(self.segments):
+            if s.trained:
+                return s.text
+        return ""
+
+    def add_model_tokens(self, ids: list[int], logprobs: list[float], version: int, text: str = "", *,
+                         continue_last: bool = False) -> None:
+        """Append generated tokens as a new model turn, or (continue_last: a turn resumed after an abort) extend
+        the last model segment; each token keeps the weight version it was sampled under."""
+        if continue_last:
+            if not self.segments or self.segments[-1].kind != "model":
+                raise ValueError(f"trajectory {self.rid}: nothing to continue (the last segment is not a model turn)")
+            s = self.segments[-1]
+            s.ids += ids
+            s.logprobs += logprobs
+            s.versions += [version] * len(ids)
+            s.text += text
+        else:
+            self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text))
+
+    def check(self) -> None:
+        """Raise when the trajectory cannot be trained on (no prompt first, two env segments merged wrongly...)."""
+        if not self.segments or self.segments[0].kind != "prompt" or not self.segments[0].ids:
+            raise ValueError(f"trajectory {self.rid}: must start with a non-empty prompt segment")
+        if any(s.kind == "prompt" for s in self.segments[1:]):
+            raise ValueError(f"trajectory {self.rid}: more than one prompt segment")
+
+
+def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int = 1,
+             rewards: list[float] | None = None) -> RolloutBatch:
+    """The trainer's padded batch. rewards: one per trajectory (default: each trajectory's `reward`).
+    response_lens counts the tokens after the prompt (model and environment)."""
+    if not trajectories:
+        raise ValueError("to_batch: no trajectories")
+    if rewards is None:
+        missing = [t.rid for t in trajectories if t.reward is None]
+        if missing:
+            raise ValueError(f"to_batch: trajectories without a reward: {missing[:4]}")
+        rewards = [float(t.reward) for t in trajectories]
+    if len(rewards) != len(trajectories):
+        raise ValueError(f"to_batch: {len(trajectories)} trajectories but {len(rewards)} rewards")
+    for t in trajectories:
+        t.check()
+    lengths = [sum(len(s.ids) for s in t.segments) for t in trajectories]
+    width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    b = len(trajectories)
+    tokens = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width - 1))
+    engine_lp = torch.zeros((b, width - 1))
+    for i, t in enumerate(trajectories):
+        pos = 0
+        for s in t.segments:
+            n = len(s.ids)
+            if n:
+                tokens[i, pos:pos + n] = torch.tensor(s.ids, dtype=torch.long)
+                if s.trained:  # position p predicts token p + 1: token at pos is predicted from pos - 1
+                    mask[i, pos - 1:pos - 1 + n] = 1.0
+                    engine_lp[i, pos - 1:pos - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float32)
+            pos += n
+    return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
+                        torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]))

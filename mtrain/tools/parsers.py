@@ -1,0 +1,171 @@
+"""Tool calls out of the model's text: SGLang's function-call parsers where SGLang imports, ours elsewhere.
+
+Our parsers reproduce SGLang 0.5.17's `FunctionCallParser(tools, name).parse_non_stream(text)` for the formats
+the chat templates here use, on the same strings (tests/rollout/tool_call_corpus/: SGLang's own answers recorded
+from its code, checked against ours in CI):
+- "qwen25" (alias "qwen"): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
+  a block that is not JSON is skipped, the others still count.
+- "hermes": `<tool_call>{json}</tool_call>`, newlines optional, a last unclosed block accepted; ONE block that is
+  not JSON makes SGLang drop every call of the turn (and keep the whole text as normal text): mirrored.
+Both: calls naming a tool not in the schema list are dropped; `arguments` (or `parameters`) is re-serialised with
+json.dumps(ensure_ascii=False). normal_text is the text before the first `<tool_call>`, stripped.
+
+Beyond SGLang we report what was dropped (`malformed`: the raw blocks and why), so the rollout can tell the
+model its call was not understood and count the valid-call rate. One deliberate difference: a block holding
+JSON that is not an object (e.g. `[1]`) makes SGLang raise; we drop that block as malformed instead.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PARSERS = ("qwen25", "qwen", "hermes")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON string (as SGLang's ToolCallItem.parameters)
+
+
+@dataclass
+class ParseResult:
+    normal_text: str
+    calls: list[ToolCall]
+    malformed: list[tuple[str, str]] = field(default_factory=list)  # (raw block, reason)
+
+    @property
+    def attempted(self) -> int:
+        return len(self.calls) + len(self.malformed)
+
+
+class _WouldRaise(Exception):
+    """SGLang's parse_base_json raises here (an element that is not a JSON object)."""
+
+
+def _base_json(action: Any, names: set[str]) -> tuple[list[ToolCall], list[tuple[str, str]]]:
+    """SGLang's BaseFormatDetector.parse_base_json, with what it drops reported."""
+    calls, bad = [], []
+    for act in action if isinstance(action, list) else [action]:
+        if not isinstance(act, dict):
+            raise _WouldRaise(json.dumps(act, ensure_ascii=False))
+        name = act.get("name")
+        if not (isinstance(name, str) and name and name in names):
+            bad.append((json.dumps(act, ensure_ascii=False), f"unknown tool {name!r}"))
+            continue
+        calls.append(ToolCall(name, json.dumps(act.get("parameters") or act.get("arguments", {}), ensure_ascii=False)))
+    return calls, bad
+
+
+class _Qwen25:
+    bot, eot = "<tool_call>\n", "\n</tool_call>"
+    pattern = re.compile(rf"{re.escape(bot)}(.*?){re.escape(eot)}", re.DOTALL)
+
+    def parse(self, text: str, names: set[str]) -> ParseResult:
+        idx = text.find(self.bot)
+        if idx == -1:
+            # SGLang ignores a "<tool_call>" not followed by a newline; we report it as a malformed attempt
+            bad = [(text[text.find("<tool_call>"):], "expected '<tool_call>' then a newline")] \
+                if "<tool_call>" in text else []
+            return ParseResult(text, [], bad)
+        calls, bad = [], []
+        blocks = self.pattern.findall(text)
+        for raw in blocks:
+            try:
+                parsed = json.loads(raw.strip())
+            except json.JSONDecodeError as e:
+                bad.append((raw, f"invalid JSON: {e}"))
+                continue
+            try:
+                c, b = _base_json(parsed, names)
+            except _WouldRaise as e:  # SGLang raises out of the whole parse; we drop this block only
+                bad.append((raw, f"not a JSON object: {e}"))
+                continue
+            calls += c
+            bad += b
+        unclosed = text.count(self.bot) - len(blocks)
+        if unclosed > 0:
+            bad.append((text[text.rfind(self.bot):], "unclosed <tool_call> (expected '\\n</tool_call>')"))
+        return ParseResult(text[:idx].strip(), calls, bad)
+
+
+class _Hermes:
+    bot = "<tool_call>"
+    pattern = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def parse(self, text: str, names: set[str]) -> ParseResult:
+        idx = text.find(self.bot)
+        if idx == -1:
+            return ParseResult(text, [])
+        calls, bad = [], []
+        for m in self.pattern.findall(text):
+            raw = m[0] or m[1]
+            if not raw:
+                continue
+            try:
+                parsed = json.loads(raw.strip())
+            except json.JSONDecodeError as e:
+                why = f"invalid JSON: {e}"
+            else:
+                try:
+                    c, b = _base_json(parsed, names)
+                    calls += c
+                    bad += b
+                    continue
+                except _WouldRaise as e:
+                    why = f"not a JSON object: {e}"
+            # SGLang catches any error here: the turn has no calls and all of it is normal text
+            return ParseResult(text, [], bad + [(raw, why)] + [(c.name, "dropped with an invalid block of the "
+                                                                 "same turn") for c in calls])
+        return ParseResult(text[:idx].strip(), calls, bad)
+
+
+_OURS = {"qwen25": _Qwen25, "qwen": _Qwen25, "hermes": _Hermes}
+
+
+def sglang_parser_available() -> bool:
+    try:
+        importlib.import_module("sglang.srt.function_call.function_call_parser")
+        return True
+    except Exception:  # noqa: BLE001 - not installed, or needs a GPU stack this machine lacks
+        return False
+
+
+class ToolCallParser:
+    """parse(text) -> ParseResult for a fixed list of tool schemas (OpenAI function format).
+
+    backend: "auto" (SGLang's parser when it imports, else ours), "sglang" (error when it does not import), or
+    "mtrain" (ours). With SGLang, calls and normal text are SGLang's; `malformed` always comes from ours.
+    """
+
+    def __init__(self, name: str, schemas: list[dict[str, Any]], backend: str = "auto"):
+        if name not in _OURS:
+            raise ValueError(f"tool-call parser {name!r} is not supported; choose one of {PARSERS}")
+        if backend not in ("auto", "sglang", "mtrain"):
+            raise ValueError(f"tool-call parser backend must be auto, sglang or mtrain, got {backend!r}")
+        self.name = name
+        self.names = {s["function"]["name"] for s in schemas}
+        self._ours = _OURS[name]()
+        self._sglang = None
+        if backend == "sglang" or (backend == "auto" and sglang_parser_available()):
+            from sglang.srt.entrypoints.openai.protocol import Tool
+            from sglang.srt.function_call.function_call_parser import FunctionCallParser
+            self._sglang = FunctionCallParser([Tool(**s) for s in schemas], name)
+        self.backend = "sglang" if self._sglang is not None else "mtrain"
+
+    def parse(self, text: str) -> ParseResult:
+        ours = self._ours.parse(text, self.names)
+        if self._sglang is None:
+            return ours
+        try:
+            normal, items = self._sglang.parse_non_stream(text)
+        except Exception as e:  # noqa: BLE001 - SGLang raises on non-object JSON; ours treats it as malformed
+            log.debug("SGLang's %s parser raised %s; using ours for this text", self.name, e)
+            return ours
+        return ParseResult(normal, [ToolCall(i.name, i.parameters) for i in items], ours.malformed)

@@ -1,0 +1,278 @@
+"""Run untrusted Python (a model's tool call) in a subprocess with hard limits, and leave nothing behind.
+
+Each call gets:
+- a fresh scratch directory (the working directory and $HOME), deleted afterwards;
+- an environment of PATH/LANG/HOME only: none of the trainer's variables (tokens, keys, cluster settings);
+- `python -I` (isolated mode: no PYTHON* variables, no user site, no script directory on sys.path);
+- rlimits set in the child before exec: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
+  (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; and processes (RLIMIT_NPROC);
+- its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
+  output overflow, the caller cancelled);
+- when we run as root: a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
+  only this call's processes (a fork bomb hits the cap at once), the code cannot write the trainer's files, and
+  after the call every process still owned by that uid is killed, even one that left the process group with
+  setsid(). Without root the sandbox keeps the caller's uid: RLIMIT_NPROC then counts all the user's processes
+  (we set it to the current count + max_procs) and only the process group is killed.
+
+What it does NOT isolate (documented in docs/design-tools.md): the network, reading world-readable files, CPU
+and memory pressure on the host beyond the per-process limits (no cgroups), /tmp outside the scratch directory.
+Put the trainer in a container without network if the model's code must not reach anything.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
+_UID_SLOTS = 256
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_s: float = 10.0  # wall-clock limit of the whole call
+    cpu_s: int = 5  # CPU seconds of the interpreter (RLIMIT_CPU: SIGXCPU, then SIGKILL)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    max_procs: int = 16  # processes the call may have at once (RLIMIT_NPROC)
+    max_output_chars: int = 4000  # stdout and stderr each, truncated beyond this
+    max_file_mb: int = 16  # largest file the code may write
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "max_output_chars", "max_file_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {v!r}")
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when killed by us (timeout)
+    timed_out: bool
+    truncated: bool
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+def _count_processes_of(uid: int) -> int:
+    n = 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(d))
+    return out
+
+
+def _world_executable(path: str) -> bool:
+    """Can any user run this file? (every folder on the way o+x, the file o+x): the sandbox uid must."""
+    real = Path(os.path.realpath(path))
+    try:
+        if not real.stat().st_mode & 0o001:
+            return False
+        return all(p.stat().st_mode & 0o001 for p in real.parents)
+    except OSError:
+        return False
+
+
+def sandbox_python(python: str | None = None) -> tuple[str, bool]:
+    """(interpreter, own_uid): the interpreter the sandbox runs and whether it gets a uid of its own.
+
+    A separate uid needs root and an interpreter other users can execute. The interpreter is run by its real path:
+    a venv's `bin/python` is a symlink whose folder may sit under /root (mode 0700), out of the sandbox uid's
+    reach, while the binary it points to usually is not (the code then sees that interpreter's standard library,
+    not the venv's packages). Otherwise the system python3 if there is one, else the caller's interpreter under
+    the caller's uid (weaker: see the module docstring)."""
+    if python is not None:
+        real = os.path.realpath(python)
+        return (real, True) if os.geteuid() == 0 and _world_executable(real) else (python, False)
+    if os.geteuid() != 0:
+        return sys.executable, False
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(cand)
+        if os.path.exists(real) and _world_executable(real):
+            return real, True
+    return sys.executable, False
+
+
+def _acquire_uid(own_uid: bool) -> int | None:
+    if not own_uid:
+        return None
+    with _uid_lock:
+        # Offset by pid so sandboxes of several trainer processes on one host do not share uids.
+        start = (os.getpid() * 7) % _UID_SLOTS
+        for k in range(_UID_SLOTS):
+            uid = _UID_BASE + (start + k) % _UID_SLOTS
+            if uid not in _uids_in_use and not processes_of_uid(uid):
+                _uids_in_use.add(uid)
+                return uid
+    raise RuntimeError(f"sandbox: all {_UID_SLOTS} sandbox uids are busy")
+
+
+def _release_uid(uid: int | None) -> None:
+    if uid is not None:
+        with _uid_lock:
+            _uids_in_use.discard(uid)
+
+
+def _kill_all(pgid: int, uid: int | None, deadline_s: float = 5.0) -> None:
+    """SIGKILL the process group (and every process of the sandbox uid) until none is left: a fork bomb forks
+    between our scan and our kill, so one pass is not enough."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if uid is not None:
+            for pid in processes_of_uid(uid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        left = processes_in_group(pgid) + (processes_of_uid(uid) if uid is not None else [])
+        # zombies of our own direct child are reaped by Popen.wait; others are reparented to init and reaped there
+        left = [p for p in left if _state(p) not in ("Z", "X", None)]
+        if not left or time.monotonic() > end:
+            return
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
+    # Runs in the child between fork and exec: only async-signal-safe-ish calls, no Python-level locks.
+    os.setsid()
+    mem = limits.memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    cpu = int(limits.cpu_s)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    fsize = limits.max_file_mb << 20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        os.setuid(uid)  # last: after it we could no longer lower limits of our choosing
+    else:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+def _read_capped(stream, cap: int, box: list) -> None:
+    data = stream.read(cap + 1)
+    box.append(data)
+    while stream.read(1 << 16):  # drain the rest so the child never blocks on a full pipe
+        pass
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "",
+               python: str | None = None) -> SandboxResult:
+    """Run `code` as a script in a fresh sandbox; blocking (call it from a worker thread in async code).
+    python: the interpreter (default: `sandbox_python()`); the code sees only its standard library and
+    whatever that interpreter has installed system-wide."""
+    if not isinstance(code, str):
+        raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
+    python, own_uid = sandbox_python(python)
+    uid = _acquire_uid(own_uid)
+    scratch = Path(tempfile.mkdtemp(prefix="mtrain-sandbox-"))
+    proc = None
+    try:
+        (scratch / "main.py").write_text(code)
+        if uid is not None:
+            os.chown(scratch, uid, uid)
+            os.chown(scratch / "main.py", uid, uid)
+            nproc = limits.max_procs
+        else:
+            nproc = _count_processes_of(os.getuid()) + limits.max_procs
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+        start = time.monotonic()
+        proc = subprocess.Popen([python, "-I", "main.py"], cwd=scratch, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+                                preexec_fn=lambda: _child_setup(limits, uid, nproc))
+        cap = int(limits.max_output_chars) * 4  # bytes: UTF-8 needs up to 4 per character
+        out_box: list = []
+        err_box: list = []
+        readers = [threading.Thread(target=_read_capped, args=(proc.stdout, cap, out_box), daemon=True),
+                   threading.Thread(target=_read_capped, args=(proc.stderr, cap, err_box), daemon=True)]
+        for t in readers:
+            t.start()
+        try:
+            proc.stdin.write(stdin.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        timed_out = False
+        try:
+            proc.wait(timeout=limits.wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_all(proc.pid, uid)  # the group outlives the main process when it forked
+        proc.wait()
+        for t in readers:
+            t.join(timeout=2.0)
+        wall = time.monotonic() - start
+        out_b = out_box[0] if out_box else b""
+        err_b = err_box[0] if err_box else b""
+        mc = int(limits.max_output_chars)
+        out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
+        truncated = len(out) > mc or len(err) > mc or len(out_b) > cap or len(err_b) > cap
+        return SandboxResult(stdout=out[:mc], stderr=err[:mc], exit_code=None if timed_out else proc.returncode,
+                             timed_out=timed_out, truncated=truncated, wall_s=wall)
+    finally:
+        if proc is not None and proc.poll() is None:  # an exception between Popen and wait
+            _kill_all(proc.pid, uid)
+            proc.wait()
+        _release_uid(uid)
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""Token-in-token-out with a real transformers tokenizer and a ChatML template with a tool role (Qwen2.5-style:
+tool results grouped into one user turn inside <tool_response> tags, tools listed in the system turn).
+
+The suffix appended after a model turn equals the same span of the whole conversation rendered and tokenized
+in one go; the drift metric is 0 when the model's tokens are the canonical tokenization and counts the tokens
+when they are not, while the trajectory keeps the model's own tokens.
+"""
+import string
+
+import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from mtrain.rollout.agents import tito
+
+CHATML_TOOLS = (  # written the way Qwen2.5's template is: newlines inside {{- '...' }} expressions
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{{- messages[0]['content'] if messages[0]['role'] == 'system' else 'Be nice.' }}"
+    "{{- '\\n<tools>' }}{%- for t in tools %}{{- '\\n' + t['function']['name'] }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m['role'] != 'system' %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def chatml_tokenizer():
+    """Characters plus one merge ("5" + "6" -> "56"), special tokens atomic: a real HF fast tokenizer."""
+    chars = sorted(set(string.printable))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["56"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("5", "6")]))
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML_TOOLS)
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_suffix_is_the_span_of_the_full_rendering(tools):
+    tok = chatml_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 12*4?"}]
+    _, prompt = tito.prompt_ids(tok, msgs, tools)
+    turn1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*4"}}\n</tool_call>'
+    model1 = tok.encode(turn1, add_special_tokens=False) + [eos]
+    replies = [{"role": "tool", "name": "calculator", "content": "48"}, {"role": "tool", "name": "x", "content": "ok"}]
+    text, env = tito.suffix(tok, replies, tools, stop_text="<|im_end|>")
+    assert text == "\n<|im_start|>user\n<tool_response>\n48\n</tool_response>\n<tool_response>\nok\n</tool_response>" \
+                   "<|im_end|>\n<|im_start|>assistant\n"
+    model2 = tok.encode("48", add_special_tokens=False) + [eos]
+    ours = prompt + model1 + env + model2
+    conv = msgs + [{"role": "assistant", "content": turn1}] + replies + [{"role": "assistant", "content": "48"}]
+    ref = tok.encode(tito.render(tok, conv, tools, add_generation_prompt=False), add_special_tokens=False)
+    assert ref[:len(ours)] == ours and tok.decode(ref[len(ours):]) == "\n"  # the template's closing newline
+    d = tito.drift(tok, conv, tools, ours, ends_with_generation_prompt=False, stop_text="<|im_end|>")
+    assert d["drift/tokens"] == 0 and d["drift/first"] == -1
+
+
+def test_drift_counts_non_canonical_model_tokens_and_they_are_kept():
+    tok = chatml_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    msgs = [{"role": "user", "content": "Number?"}]
+    _, prompt = tito.prompt_ids(tok, msgs, None)
+    five, six = tok.convert_tokens_to_ids(["5", "6"])
+    model = [five, six, eos]  # the model sampled "5", "6": the tokenizer would write "56" as one token
+    conv = msgs + [{"role": "assistant", "content": "56"}]
+    d = tito.drift(tok, conv, None, prompt + model, ends_with_generation_prompt=False, stop_text="<|im_end|>")
+    assert d["drift/tokens"] == 3  # "5", "6" on our side, "56" on the re-rendered side
+    assert d["drift/first"] == len(prompt)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    tok = chatml_tokenizer()
+    # drops the content of assistant turns that are followed by anything (as reasoning templates do)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                         "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(tito.TemplateError, match="renders earlier turns differently"):
+        tito.suffix(tok, [{"role": "tool", "content": "1"}], None, stop_text="<|im_end|>")
