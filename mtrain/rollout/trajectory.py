@@ -134,6 +134,7 @@ def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int =
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros((b, width - 1))
     engine_lp = torch.zeros((b, width - 1))
+    versions = torch.full((b, width - 1), -1, dtype=torch.long)  # RolloutBatch.versions: -1 off the mask
     for i, t in enumerate(trajectories):
         pos = 0
         for s in t.segments:
@@ -143,6 +144,7 @@ def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int =
                 if s.trained:  # position p predicts token p + 1: token at pos is predicted from pos - 1
                     mask[i, pos - 1:pos - 1 + n] = 1.0
                     engine_lp[i, pos - 1:pos - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float32)
+                    versions[i, pos - 1:pos - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
             pos += n
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]))
+                        torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]), versions)
