@@ -1,0 +1,47 @@
+"""A weight sync in the middle of a session: the pool pauses, the front holds (does not fail) the agent's next
+call, new weights land, the call runs on them; the recorded trajectory keeps each token's version."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from conftest import MODEL, tiny_config
+from mtrain.rollout.protocol import Request, SamplingParams
+from mtrain.rollout.reference_engine import as_hf_config, hf_disk_views
+
+
+def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, tokenizer):
+    sid = server.front.sessions.create().id
+    c = OpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key=server.api_key, max_retries=0)
+    m = [{"role": "user", "content": "Turn one."}]
+    r1 = c.chat.completions.create(model=MODEL, messages=m, max_tokens=8, seed=5)
+    m += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Turn two."}]
+    v0 = engine.weight_version
+
+    engine.pause()  # what the pool does before a sync
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", c.chat.completions.create(
+        model=MODEL, messages=m, max_tokens=8, seed=6)))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and "r" not in out  # held, not failed
+    torch.manual_seed(123)
+    new = AutoModelForCausalLM.from_config(as_hf_config(tiny_config(len(tokenizer))), dtype=torch.float32)
+    specs = engine.parameter_specs()
+    engine.update_weights([[(k, v.detach().clone()) for k, v in hf_disk_views(new).items() if k in specs]])
+    engine.finish_weight_update(v0 + 1)
+    engine.resume()
+    t.join(timeout=60)
+    assert "r" in out and out["r"].choices[0].finish_reason in ("stop", "length")
+
+    traj = server.front.sessions.get(sid).leaves()[0].trajectory
+    model_segs = [s for s in traj.segments if s.kind == "model"]
+    assert [set(s.versions) for s in model_segs] == [{v0}, {v0 + 1}]
+    prompt2 = [t for s in traj.segments[:3] for t in s.ids]
+    ref = engine.generate([Request("ref-", prompt2, SamplingParams(max_new_tokens=8, seed=6,
+                                                                   stop_token_ids=(tokenizer.eos_token_id,)))])[0]
+    assert model_segs[1].ids == ref.output_ids  # turn two ran on the new weights
