@@ -3,10 +3,11 @@
     python benchmarks/bench_front.py --engine reference                        # CPU (2 cores: keep --clients low)
     source benchmarks/gpu_setup.sh && python benchmarks/bench_front.py         # SGLang on one GPU
 
-Two phases of `--duration` seconds each, on the same engine, same prompts, same token budget:
+Three phases of `--duration` seconds each, on the same engine, same prompts, same token budget:
   direct: `--clients` concurrent tasks calling `LocalClient(engine).generate` in a loop (the baseline);
   front:  `--clients` concurrent official `openai.AsyncOpenAI` clients, each with its own recorded session, calling
-          /sessions/{id}/v1/chat/completions in a loop (ChatML template rendered on our side, SSE off).
+          /sessions/{id}/v1/chat/completions in a loop (ChatML template rendered on our side, SSE off), once with
+          the clients in a process of their own and once inside the server's process (sharing its interpreter).
 Reported: requests served, requests/s, generated tokens/s, p50/p99 latency per phase, and front/direct ratios.
 Checked after the front phase: every client's calls are in its own session (count and content), none lost or mixed.
 The tiny random Llama (head_dim 64 for SGLang's rope) has a real HF fast tokenizer's vocabulary (tests/serve).
@@ -54,13 +55,17 @@ async def direct_phase(client, prompt, clients, duration, max_tokens, stops):
     return summary("direct", lat, tokens[0], time.perf_counter() - t0)
 
 
-async def front_phase(server, model, messages, clients, duration, max_tokens):
+async def front_clients(url, api_key, model, messages, clients, duration, max_tokens):
+    """The front phase's clients: official AsyncOpenAI clients, each in its own session (POST /sessions)."""
+    import httpx
     from openai import AsyncOpenAI
     lat, tokens, end, calls = [], [0], time.perf_counter() + duration, {}
 
     async def worker(k):
-        sid = server.front.sessions.create().id
-        c = AsyncOpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key=server.api_key, max_retries=0)
+        async with httpx.AsyncClient() as h:
+            r = await h.post(f"{url}/sessions", headers={"Authorization": f"Bearer {api_key}"})
+            sid = r.json()["id"]
+        c = AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key=api_key, max_retries=0)
         msgs = [dict(messages[0], content=f"{messages[0]['content']} [client {k}]")] + messages[1:]
         n = 0
         while time.perf_counter() < end:
@@ -73,7 +78,26 @@ async def front_phase(server, model, messages, clients, duration, max_tokens):
         calls[k] = (sid, n)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(k) for k in range(clients)))
-    out = summary("front", lat, tokens[0], time.perf_counter() - t0)
+    return lat, tokens[0], time.perf_counter() - t0, calls
+
+
+def clients_process(*args):
+    return asyncio.run(front_clients(*args))
+
+
+def front_phase(server, model, messages, clients, duration, max_tokens, separate: bool):
+    """separate: the clients run in a process of their own (the front's cost without the clients' Python in the
+    server's process); otherwise in this process, sharing its interpreter with the server and the engine."""
+    args = (server.url, server.api_key, model, messages, clients, duration, max_tokens)
+    if separate:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            lat, tokens, seconds, calls = ex.submit(clients_process, *args).result()
+    else:
+        lat, tokens, seconds, calls = clients_process(*args)
+    out = summary("front" + (" (clients in another process)" if separate else " (clients in-process)"), lat, tokens,
+                  seconds)
     lost = mixed = 0
     for k, (sid, n) in calls.items():
         s = server.front.sessions.get(sid)
@@ -126,15 +150,20 @@ def main() -> None:
     with FrontServer(front, max_concurrency=max(256, 2 * a.clients)) as server:
         asyncio.run(direct_phase(client, prompt, min(a.clients, 4), 2.0, a.max_tokens, (tok.eos_token_id,)))  # warm
         d = asyncio.run(direct_phase(client, prompt, a.clients, a.duration, a.max_tokens, (tok.eos_token_id,)))
-        f = asyncio.run(front_phase(server, "bench", messages, a.clients, a.duration, a.max_tokens))
+        fs = [front_phase(server, "bench", messages, a.clients, a.duration, a.max_tokens, separate)
+              for separate in (True, False)]
     engine.shutdown()
-    report.update(direct=d, front=f, ratio_req_per_s=f["req_per_s"] / d["req_per_s"],
-                  ratio_tokens_per_s=f["tokens_per_s"] / d["tokens_per_s"], ratio_p50=f["p50_ms"] / d["p50_ms"])
+    report.update(direct=d, front=fs)
+    for f, key in zip(fs, ("separate", "inprocess")):
+        report[f"ratio_{key}"] = {"req_per_s": f["req_per_s"] / d["req_per_s"],
+                                  "tokens_per_s": f["tokens_per_s"] / d["tokens_per_s"],
+                                  "p50": f["p50_ms"] / d["p50_ms"], "p99": f["p99_ms"] / d["p99_ms"]}
     print(json.dumps(report, indent=2))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
-    if f["lost_calls"] or f["mixed_calls"]:
-        raise SystemExit(f"sessions lost or mixed calls: {f['lost_calls']} lost, {f['mixed_calls']} mixed")
+    bad = [(f["lost_calls"], f["mixed_calls"]) for f in fs if f["lost_calls"] or f["mixed_calls"]]
+    if bad:
+        raise SystemExit(f"sessions lost or mixed calls (lost, mixed): {bad}")
 
 
 if __name__ == "__main__":
