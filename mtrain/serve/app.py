@@ -8,7 +8,8 @@
 
 Every failure is one OpenAI-style error object ({"error": {"message", "type", "param", "code"}}): 400 for bodies
 that are not JSON or fail validation (unknown fields, bad types, too long a prompt), 401 for a wrong key, 404 for
-an unknown model or session, 413 for an oversized body, 429 when `max_concurrency` requests are already running.
+an unknown model or session, 413 for an oversized body, 429 when `max_concurrency` requests are already running,
+503 when the engine fails the request (shut down, dead).
 The handlers never let an exception escape to the server: anything unexpected is a 500 error object and the
 next request is served as usual.
 """
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
+from mtrain.rollout.protocol import EngineError
 from mtrain.serve.front import Choice, OpenAIFront, Result
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
 
@@ -80,6 +82,12 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     @app.exception_handler(405)
     async def _method(request: Request, _):
         return error(FrontError(405, f"method {request.method} is not allowed on {request.url.path}"))
+
+    @app.exception_handler(EngineError)
+    async def _engine(_, e: EngineError):
+        log.warning("OpenAI front: engine error: %s", e)
+        return error(FrontError(503, f"the engine could not serve this request: {e}", type="server_error",
+                                code="engine_unavailable"))
 
     @app.exception_handler(Exception)
     async def _any(_, e: Exception):

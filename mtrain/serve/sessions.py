@@ -133,14 +133,14 @@ def plan_chat(session: Session | None, messages: list[dict[str, Any]], tools: li
 
 
 def plan_tokens(session: Session | None, prompt_ids: list[int]) -> Plan:
-    """The prompt of a /v1/completions call given as token ids: it continues the longest branch whose tokens it
-    starts with (the rest is the environment's), else starts a root branch. Text prompts are encoded by the
+    """The prompt of a /v1/completions call given as token ids: it continues the longest branch (chat or
+    completion) whose tokens it starts with (the rest is the environment's), else starts a root branch. Text prompts are encoded by the
     caller and always start a root branch (matching text would mean re-tokenizing the model's output)."""
     if session is not None:
         best = None
         for b in session.branches:
             toks = b.trajectory.tokens
-            if len(toks) < len(prompt_ids) and prompt_ids[:len(toks)] == toks and b.tools_key == "completions":
+            if len(toks) < len(prompt_ids) and prompt_ids[:len(toks)] == toks:
                 if best is None or len(toks) > len(best.trajectory.tokens):
                     best = b
         if best is not None:

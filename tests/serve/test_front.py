@@ -198,3 +198,55 @@ def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(server):
             assert r.status_code == status and word in r.json()["error"]["message"], r.text
     assert c.chat.completions.create(**good).choices[0].message.content is not None
     assert server._thread.is_alive()
+
+
+def test_n_choices_in_a_session_are_branches_and_token_prompts_continue_them(server, engine, tokenizer):
+    sid, base = new_session(server)
+    c = OpenAI(base_url=base, api_key=server.api_key)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Fork."}], n=3, max_tokens=4,
+                                  seed=40)
+    s = server.front.sessions.get(sid)
+    assert (len(s.branches), len(s.leaves())) == (3, 3)
+    assert [tokenizer.decode(strip_eos(tokenizer, b.trajectory.segments[1].ids), skip_special_tokens=True)
+            for b in s.branches] == [ch.message.content for ch in r.choices]
+    # /v1/completions with a token prompt that extends branch 1's tokens continues that branch
+    extra = tokenizer.encode("!", add_special_tokens=False)
+    prompt = s.branches[1].trajectory.tokens + extra
+    c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, seed=41)
+    b = s.branches[-1]
+    assert b.parent == 1 and [x.kind for x in b.trajectory.segments] == ["prompt", "model", "env", "model"]
+    assert b.trajectory.segments[2].ids == extra and b.trajectory.tokens[:len(prompt)] == prompt
+    assert (len(s.leaves()), s.summary()["rerendered"]) == (3, 0)
+    c.completions.create(model=MODEL, prompt="a text prompt", max_tokens=3, seed=42)
+    assert s.branches[-1].parent is None and s.summary()["rerendered"] == 1  # text prompts start a root branch
+
+
+def test_concurrency_limit_gives_429_while_the_engine_holds_requests(engine, tokenizer):
+    import threading
+
+    from mtrain.rollout.client import LocalClient
+    from mtrain.serve.front import OpenAIFront
+    from mtrain.serve.server import FrontServer
+    front = OpenAIFront(LocalClient(engine), tokenizer, model_name=MODEL, max_positions=512)
+    with FrontServer(front, max_concurrency=1) as srv:
+        c = OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "wait"}], max_tokens=2)
+        engine.pause()
+        try:
+            held = {}
+            t = threading.Thread(target=lambda: held.setdefault("r", c.chat.completions.create(**kw)))
+            t.start()
+            deadline = __import__("time").time() + 10
+            while srv._server is not None and __import__("time").time() < deadline:
+                try:
+                    c.models.list()  # also counts as a running request: 429 once the held one occupies the slot
+                except openai.RateLimitError as e:
+                    assert e.status_code == 429 and "already running" in e.message
+                    break
+            else:
+                raise AssertionError("no 429 while the only slot was taken")
+        finally:
+            engine.resume()
+        t.join(timeout=30)
+        assert held["r"].choices[0].finish_reason in ("stop", "length")
+        assert c.chat.completions.create(**kw).choices  # the slot is free again
