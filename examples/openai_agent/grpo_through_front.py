@@ -5,15 +5,17 @@ records their exact tokens, the trainer trains on the recorded trajectories, new
 
 The model is a tiny random Llama over a real HF fast tokenizer (characters + ChatML specials, tests/serve); the
 agent holds a two-turn conversation ("Pick a character." ... "Once more.") and is rewarded when its second answer
-starts with a digit: a random model does that about a tenth of the time, so a rising reward is learning through
+(4 tokens) holds a digit: the random model does that about 0.4 of the time, so a rising reward is learning through
 the whole path (HTTP, sessions, token-in-token-out, to_batch with the tool turn's environment tokens masked,
 per-token versions). The policy is the HF model itself (as examples/smollm2_tools/train_tool_use.py): this script
-tests the data path of server-based RL, not the Megatron trainer.
+tests the data path of server-based RL, not the Megatron trainer. Seeded: every agent run sends its own seed, so
+a run samples the same tokens each time.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -29,18 +31,29 @@ sys.path.insert(0, str(ROOT / "tests" / "serve"))
 MODEL = "tiny-agent"
 
 
-async def agent(base_url: str, api_key: str, sample: dict) -> float:
+def make_agent(seed: int):
+    """The agent; each run takes the next number of a counter as its sampling seed (runs start in a fixed order:
+    asyncio.gather starts them one by one), so a whole training run samples the same tokens every time."""
+    runs = itertools.count(seed)
+
+    async def agent(base_url: str, api_key: str, sample: dict) -> float:
+        return await two_turns(base_url, api_key, sample, 1000 * next(runs))
+    return agent
+
+
+async def two_turns(base_url: str, api_key: str, sample: dict, seed: int) -> float:
     c = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     m = [{"role": "user", "content": sample["q"]}]
     try:
-        for follow_up in ("Once more.", None):
-            r = await c.chat.completions.create(model=MODEL, messages=m, max_tokens=4, temperature=1.0)
+        for turn, follow_up in enumerate(("Once more.", None)):
+            r = await c.chat.completions.create(model=MODEL, messages=m, max_tokens=4, temperature=1.0,
+                                                seed=seed + turn)
             m.append(r.choices[0].message.model_dump(exclude_none=True))
             if follow_up:
                 m.append({"role": "user", "content": follow_up})
     finally:
         await c.close()
-    return 1.0 if (m[-1].get("content") or " ")[:1].isdigit() else 0.0
+    return 1.0 if any(ch.isdigit() for ch in (m[-1].get("content") or "")) else 0.0
 
 
 def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -48,7 +61,7 @@ def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def run(steps: int = 12, groups: int = 4, n: int = 8, lr: float = 3e-3, seed: int = 0) -> dict:
+def run(steps: int = 12, groups: int = 4, n: int = 8, lr: float = 1e-2, seed: int = 0) -> dict:
     from conftest import chatml_tokenizer, tiny_config
     from mtrain.algorithms.objective import compute_advantages, policy_loss
     from mtrain.config import load_config
@@ -77,6 +90,7 @@ def run(steps: int = 12, groups: int = 4, n: int = 8, lr: float = 3e-3, seed: in
     push(0)
     client = LocalClient(engine)
     history = []
+    agent = make_agent(seed)
     with FrontServer(OpenAIFront(client, tok, model_name=MODEL, max_positions=512)) as server:
         for step in range(1, steps + 1):
             t0 = time.time()
@@ -117,7 +131,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     res = run(a.steps, a.groups, a.n, a.lr)
