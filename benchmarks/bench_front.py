@@ -119,7 +119,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from conftest import chatml_tokenizer
+    from front_fixtures import chatml_tokenizer
     from mtrain.rollout.agents import tito
     from mtrain.rollout.client import LocalClient
     from mtrain.rollout.reference_engine import as_hf_config

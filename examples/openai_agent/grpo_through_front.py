@@ -62,7 +62,7 @@ def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def run(steps: int = 12, groups: int = 4, n: int = 8, lr: float = 1e-2, seed: int = 0) -> dict:
-    from conftest import chatml_tokenizer, tiny_config
+    from front_fixtures import chatml_tokenizer, tiny_config
     from mtrain.algorithms.objective import compute_advantages, policy_loss
     from mtrain.config import load_config
     from mtrain.rollout import ReferenceEngine

@@ -3,6 +3,7 @@
     POST /sessions                         -> {"id", "base_url"}: a new recorded session
     GET  /sessions/{id}                    -> its summary (calls, branches, rerendered, reward; ?tokens=1 the tokens)
     POST /sessions/{id}/reward  {"reward"} -> attach the session's reward
+    DELETE /sessions/{id}                  -> drop it (serving alone: sessions nobody collects)
     POST /sessions/{id}/v1/chat/completions, /sessions/{id}/v1/completions, GET .../v1/models
     POST /v1/chat/completions, /v1/completions, GET /v1/models: served, not recorded
 
@@ -146,6 +147,11 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     @app.get("/sessions/{sid}")
     async def get_session(sid: str, tokens: int = 0):
         return front.sessions.get(sid).summary(with_tokens=bool(tokens))
+
+    @app.delete("/sessions/{sid}")
+    async def delete_session(sid: str):
+        front.sessions.take(sid)
+        return {"id": sid, "deleted": True}
 
     @app.post("/sessions/{sid}/reward")
     async def set_reward(sid: str, request: Request):

@@ -93,10 +93,12 @@ class OpenAIFront:
         return [SamplingParams(max_new_tokens=budget, temperature=float(req.temperature), top_p=float(req.top_p),
                                stop_token_ids=self.stops, seed=seed0 + j) for j in range(req.n)]
 
-    async def _generate(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Completion]:
+    async def _generate(self, prompt_ids: list[int], params: list[SamplingParams],
+                        session: S.Session | None) -> list[Completion]:
         call = next(self._rid)
+        head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
         return list(await asyncio.gather(*(
-            self.client.generate(Request(rid=f"front-{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
+            self.client.generate(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
             for j, p in enumerate(params))))
 
     def _cut(self, c: Completion, stops: list[str]) -> tuple[list[int], str, str, str | None]:
@@ -128,7 +130,7 @@ class OpenAIFront:
         plan = S.plan_chat(session, messages, template_tools, self.tokenizer, self._render_prompt,
                            self._render_suffix)
         params = self._params(req, len(plan.prompt_ids))
-        completions = await self._generate(plan.prompt_ids, params)
+        completions = await self._generate(plan.prompt_ids, params, session)
         parser = None
         if template_tools:
             from mtrain.tools.parsers import ToolCallParser
@@ -168,7 +170,7 @@ class OpenAIFront:
         plan = S.plan_tokens(session, prompt) if not isinstance(req.prompt, str) else S.Plan(
             None, prompt, [], "", rerendered=bool(session is not None and session.branches))
         params = self._params(req, len(prompt))
-        completions = await self._generate(prompt, params)
+        completions = await self._generate(prompt, params, session)
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)

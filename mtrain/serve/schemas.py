@@ -145,8 +145,11 @@ class ChatRequest(_Sampling):
         tc = self.tool_choice
         if isinstance(tc, dict):
             raise ValueError("tool_choice naming one function is not supported (use 'auto', 'none' or 'required')")
-        if tc in ("auto", "required") and not self.tools:
-            raise ValueError(f"tool_choice={tc!r} needs tools")
+        if tc == "required":  # accepting it without enforcing it would silently differ from what was asked
+            raise ValueError("tool_choice='required' is not supported (the engines have no constrained decoding); "
+                             "use 'auto' or 'none'")
+        if tc == "auto" and not self.tools:
+            raise ValueError("tool_choice='auto' needs tools")
         return self
 
     @property

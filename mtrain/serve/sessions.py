@@ -55,6 +55,7 @@ class Session:
     reward: float | None = None
     calls: int = 0
     closed: bool = False
+    rid_prefix: str = ""  # the engine rids of this session's calls start with it (the pool aborts by prefix)
 
     def leaves(self) -> list[Branch]:
         return [b for b in self.branches if b.leaf]
@@ -83,12 +84,14 @@ class SessionStore:
         self._lock = threading.Lock()
         self.max_sessions = max_sessions
 
-    def create(self) -> Session:
+    def create(self, rid_prefix: str = "") -> Session:
+        """rid_prefix: the engine request ids of the session's calls start with it, so that aborting a rollout by
+        its prefix (the pool, on failure or quota) also stops its agents' calls."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise FrontError(429, f"too many open sessions ({self.max_sessions}); take or delete finished ones",
                                  type="rate_limit_error", code="too_many_sessions")
-            s = Session(secrets.token_urlsafe(16))  # unguessable: a session id is the capability to use it
+            s = Session(secrets.token_urlsafe(16), rid_prefix=rid_prefix)  # unguessable: the id is the capability
             self._sessions[s.id] = s
             return s
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from conftest import MODEL
+from front_fixtures import MODEL
 from mtrain.rollout.protocol import Request, SamplingParams
 from mtrain.rollout.trajectory import to_batch
 
@@ -132,6 +132,10 @@ def test_edited_history_starts_a_reported_branch(server):
     c.chat.completions.create(model=MODEL, messages=edited, max_tokens=6, seed=2)
     summary = httpx.get(f"{server.url}/sessions/{sid}", headers={"Authorization": f"Bearer {server.api_key}"}).json()
     assert (summary["branches"], summary["leaves"], summary["rerendered"]) == (2, 2, 1)
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    assert httpx.delete(f"{server.url}/sessions/{sid}", headers=auth).json() == {"id": sid, "deleted": True}
+    gone = httpx.get(f"{server.url}/sessions/{sid}", headers=auth)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
 
 
 def test_concurrent_sessions_are_isolated(server):
@@ -175,7 +179,8 @@ def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(server):
          "top_logprobs"),
         (lambda: c.chat.completions.create(**good, presence_penalty=1.0), openai.BadRequestError, 400,
          "presence_penalty"),
-        (lambda: c.chat.completions.create(**good, tool_choice="required"), openai.BadRequestError, 400, "tools"),
+        (lambda: c.chat.completions.create(**good, tool_choice="required"), openai.BadRequestError, 400, "required"),
+        (lambda: c.chat.completions.create(**good, tool_choice="auto"), openai.BadRequestError, 400, "needs tools"),
         (lambda: c.chat.completions.create(**{**good, "messages": [{"role": "user", "content": "x" * 70_000}]}),
          openai.APIStatusError, 413, "larger"),
         (lambda: OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).chat.completions.create(**good),

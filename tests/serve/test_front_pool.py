@@ -12,7 +12,7 @@ def _agent_rollout(rank, world):
     import torch.distributed as dist
     from openai import AsyncOpenAI
 
-    from conftest import MODEL, chatml_tokenizer, tiny_config
+    from front_fixtures import MODEL, chatml_tokenizer, tiny_config
     from mtrain.rollout.agents.openai_agent import FrontRegistry, agent_group_fn
     from mtrain.rollout.groups import EngineGroups
     from mtrain.rollout.pool import RolloutPool
@@ -38,7 +38,7 @@ def _agent_rollout(rank, world):
         return float(len(m[-2]["content"] or "") % 2)
 
     samples = [{"q": f"question {i}"} for i in range(N_GROUPS)]
-    run = pool.run(N_GROUPS, agent_group_fn(fronts, agent, samples, N), rid_prefix="agents")
+    run = pool.run(N_GROUPS, agent_group_fn(fronts, agent, samples, N, rid_prefix="agents"), rid_prefix="agents")
     fronts.stop()
     engine.shutdown()
     out = []

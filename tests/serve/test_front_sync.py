@@ -9,7 +9,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from conftest import MODEL, tiny_config
+from front_fixtures import MODEL, tiny_config
 from mtrain.rollout.protocol import Request, SamplingParams
 from mtrain.rollout.reference_engine import as_hf_config, hf_disk_views
 
@@ -45,3 +45,23 @@ def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, to
     ref = engine.generate([Request("ref-", prompt2, SamplingParams(max_new_tokens=8, seed=6,
                                                                    stop_token_ids=(tokenizer.eos_token_id,)))])[0]
     assert model_segs[1].ids == ref.output_ids  # turn two ran on the new weights
+
+
+def test_a_pool_abort_by_prefix_reaches_a_sessions_held_call(server, engine):
+    """Sessions made by agent_group_fn carry the pool call's rid prefix: aborting it ends the agent's call."""
+    s = server.front.sessions.create(rid_prefix="step7-3-1-")
+    c = OpenAI(base_url=f"{server.url}/sessions/{s.id}/v1", api_key=server.api_key, max_retries=0)
+    engine.pause()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8)))
+    try:
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()
+        engine.abort("step7-")  # what RolloutPool.run does to its own requests on failure or quota
+        t.join(timeout=30)
+    finally:
+        engine.resume()
+    assert out["r"].choices[0].finish_reason == "abort"
+    assert s.branches[-1].trajectory.finish_reason == "abort"

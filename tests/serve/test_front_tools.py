@@ -13,7 +13,7 @@ from openai import OpenAI
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from scripted_model import CONFIG, script_tokens, train_scripted_model  # noqa: E402
 
-from conftest import MODEL, chatml_tokenizer  # noqa: E402
+from front_fixtures import MODEL, chatml_tokenizer  # noqa: E402
 from mtrain.rollout import ReferenceEngine  # noqa: E402
 from mtrain.rollout.agents.calculator_agent import TOOLS, make_calculator_agent  # noqa: E402
 from mtrain.rollout.client import LocalClient  # noqa: E402

@@ -44,11 +44,14 @@ def session_trajectory(store: SessionStore, sid: str, reward: float | None) -> T
     return t
 
 
-def agent_group_fn(server_of: Callable[[EngineClient], FrontServer], agent: Agent, samples: Sequence[Any], n: int):
+def agent_group_fn(server_of: Callable[[EngineClient], FrontServer], agent: Agent, samples: Sequence[Any], n: int,
+                   *, rid_prefix: str = "agents"):
     """The pool's group function for `agent`: group i runs the agent n times on samples[i].
 
     server_of(client) -> the front this leader serves with `client` (one front per engine leader, started once;
-    `FrontRegistry` below keeps them)."""
+    `FrontRegistry` below keeps them). rid_prefix: pass the pool call's own (`pool.run(..., rid_prefix=...)`):
+    run j of group i sends engine requests with rids f"{rid_prefix}-{i}-{j}-...", so the pool's abort of the call
+    (an engine failed elsewhere, the quota is reached) reaches the agents' requests too."""
     if n < 1:
         raise ValueError(f"agent_group_fn: n must be >= 1, got {n}")
 
@@ -57,7 +60,7 @@ def agent_group_fn(server_of: Callable[[EngineClient], FrontServer], agent: Agen
         if server.front.client is not client:
             raise EngineError("the OpenAI front on this rank serves another engine client than the pool's")
         store = server.front.sessions
-        sids = [store.create().id for _ in range(n)]
+        sids = [store.create(rid_prefix=f"{rid_prefix}-{index}-{j}-").id for j in range(n)]
         try:
             rewards = await asyncio.gather(*(agent(f"{server.url}/sessions/{sid}/v1", server.api_key or "none",
                                                    samples[index]) for sid in sids))
