@@ -120,8 +120,9 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             raise FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large")
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FrontError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            raise FrontError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}",
+                             code="invalid_json") from e
         if not isinstance(data, dict):
             raise FrontError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:

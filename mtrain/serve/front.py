@@ -82,10 +82,13 @@ class OpenAIFront:
 
     def _params(self, req, prompt_len: int) -> list[SamplingParams]:
         room = self.max_positions - prompt_len
+        if room < 1:
+            raise FrontError(400, f"this model's maximum context length is {self.max_positions} tokens and the prompt "
+                                  f"alone has {prompt_len}", param="messages", code="context_length_exceeded")
         budget = req.budget
         if budget is None:
             budget = min(self.default_max_tokens, room)
-        if room < 1 or budget > room:
+        if budget > room:
             raise FrontError(400, f"this model's maximum context length is {self.max_positions} tokens; the prompt "
                                   f"has {prompt_len} tokens and {budget} more were asked for", param="messages",
                              code="context_length_exceeded")

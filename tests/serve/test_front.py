@@ -173,6 +173,8 @@ def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(server):
         (lambda: c.chat.completions.create(**{**good, "n": 0}), openai.BadRequestError, 400, "n"),
         (lambda: c.chat.completions.create(**{**good, "max_tokens": 100_000}), openai.BadRequestError, 400,
          "context length"),
+        (lambda: c.chat.completions.create(**{**good, "messages": [{"role": "user", "content": "y" * 600}]}),
+         openai.BadRequestError, 400, "context length"),  # the prompt alone is longer than the context
         (lambda: c.chat.completions.create(**{**good, "messages": [{"role": "wizard", "content": "x"}]}),
          openai.BadRequestError, 400, "role"),
         (lambda: c.chat.completions.create(**good, logprobs=True, top_logprobs=5), openai.BadRequestError, 400,
@@ -190,7 +192,8 @@ def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(server):
         (lambda: c.completions.create(model=MODEL, prompt=[1, 2, 10_000], max_tokens=2), openai.BadRequestError, 400,
          "prompt"),
     ]
-    raw = [(b"{not json", 400, "not valid JSON"), (b"[1, 2]", 400, "JSON object"),
+    raw = [(b"{not json", 400, "not valid JSON"), (b"[1, 2]", 400, "JSON object"), (b"\xff\xfe{", 400, "not valid JSON"),
+           (b"[" * 30_000 + b"]" * 30_000, 400, "not valid JSON"),
            (b'{"model": "tiny-llama", "messages": "hi"}', 400, "messages")]
     for _ in range(3):  # a bounded loop of bad requests, then a good one
         for call, exc, status, word in cases:
