@@ -101,8 +101,18 @@ class OpenAIFront:
         call = next(self._rid)
         head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
         return list(await asyncio.gather(*(
-            self.client.generate(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
+            self._one(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
             for j, p in enumerate(params))))
+
+    async def _one(self, request: Request) -> Completion:
+        """One engine call that a cancelled HTTP handler (client gone, server stopping) aborts in the engine instead
+        of cancelling the engine's future under it (an engine thread must never find its future cancelled)."""
+        task = asyncio.ensure_future(self.client.generate(request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.client.abort(request.rid)
+            raise
 
     def _cut(self, c: Completion, stops: list[str]) -> tuple[list[int], str, str, str | None]:
         """(ids kept, text returned, finish_reason, stop token text) of a completion, stop strings applied."""

@@ -65,3 +65,49 @@ def test_a_pool_abort_by_prefix_reaches_a_sessions_held_call(server, engine):
         engine.resume()
     assert out["r"].choices[0].finish_reason == "abort"
     assert s.branches[-1].trajectory.finish_reason == "abort"
+
+
+def test_a_client_that_goes_away_mid_call_leaves_the_engine_serving(server, engine):
+    """A client that disconnects while its call is held: the call is aborted in the engine (not left to run, not
+    cancelled under the engine's feet), and the next calls are served."""
+    import httpx
+    engine.pause()
+    try:
+        with __import__("pytest").raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/chat/completions", timeout=0.5,
+                       headers={"Authorization": f"Bearer {server.api_key}"},
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "bye"}], "max_tokens": 4})
+        time.sleep(0.5)
+    finally:
+        engine.resume()
+    c = OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=30)
+    for _ in range(3):
+        assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=3).choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_cancelled_call_is_aborted_and_the_engine_keeps_serving(server, engine):
+    """Cancelling a call's handler (what a server stop does) aborts its engine request; the engine thread lives."""
+    import asyncio
+
+    from mtrain.serve.schemas import ChatRequest
+    front = server.front
+    req = ChatRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "c"}], "max_tokens": 3})
+
+    async def main():
+        engine.pause()
+        try:
+            t = asyncio.ensure_future(front.chat(req, None))
+            await asyncio.sleep(0.3)
+            t.cancel()
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+            await asyncio.sleep(0.2)
+        finally:
+            engine.resume()
+        return await asyncio.wait_for(front.chat(req, None), timeout=30)
+
+    res = asyncio.run(main())
+    assert res.choices[0].finish_reason in ("stop", "length")
