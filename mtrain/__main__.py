@@ -1,6 +1,7 @@
 """`mtrain` command line: train, plot, init-tiny.
 
     mtrain train CONFIG.yaml [a.b.c=value ...]     # under torchrun for several ranks
+    mtrain serve CONFIG.yaml [a.b.c=value ...]     # the OpenAI front on the configured model, no training
     mtrain plot RUN_DIR [--out PNG]
     mtrain init-tiny --arch llama --out DIR        # a tiny random HF model for CPU runs and tests
 """
@@ -33,6 +34,13 @@ def _train(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from mtrain.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    from mtrain.serve.cli import serve
+    return serve(cfg)
+
+
 def _plot(args) -> int:
     from mtrain.plot import plot_run
     print(plot_run(args.run_dir, args.out))
@@ -56,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("config", nargs="?", default=None)
     t.add_argument("overrides", nargs="*")
     t.set_defaults(fn=_train)
+    sv = sub.add_parser("serve", help="serve the configured model behind the OpenAI front (serve.* keys)")
+    sv.add_argument("config", nargs="?", default=None)
+    sv.add_argument("overrides", nargs="*")
+    sv.set_defaults(fn=_serve)
     pl = sub.add_parser("plot", help="draw reward, KL and logprob diff of a run to a PNG")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None)

@@ -261,6 +261,20 @@ class SyncConfig:
 
 
 @dataclass
+class ServeConfig:
+    """The OpenAI front (mtrain/serve/, docs/design-openai-front.md): `mtrain serve` and agent rollouts."""
+    host: str = "127.0.0.1"  # loopback by default: only agents on this machine reach it
+    port: int = 8000  # 0 = an ephemeral port
+    api_key: str | None = None  # None: the environment variable api_key_env, else a fresh per-run key (printed)
+    api_key_env: str = "MTRAIN_API_KEY"
+    model_name: str | None = None  # what /v1/models lists and requests name; None = the model folder's name
+    tool_parser: Literal["qwen25", "qwen", "hermes"] | None = "qwen25"  # None: requests with tools are refused
+    default_max_tokens: int = 512  # a request's budget when it names none (capped by the context left)
+    max_concurrency: int = 256  # requests running at once; more get 429
+    max_body_kb: int = 4096  # larger request bodies get 413
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -273,6 +287,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def rollout_batch_size(self) -> int:
@@ -419,6 +434,10 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 1, "train.recompute.num_layers")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
+    sv = cfg.serve
+    _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
+    _check(bool(sv.host), "serve.host", "must not be empty")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb")
     mt = cfg.multi_turn
     _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
               "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",

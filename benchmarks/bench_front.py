@@ -1,0 +1,170 @@
+"""Load test of the OpenAI front on loopback, and its overhead against calling the engine directly.
+
+    python benchmarks/bench_front.py --engine reference                        # CPU (2 cores: keep --clients low)
+    source benchmarks/gpu_setup.sh && python benchmarks/bench_front.py         # SGLang on one GPU
+
+Three phases of `--duration` seconds each, on the same engine, same prompts, same token budget:
+  direct: `--clients` concurrent tasks calling `LocalClient(engine).generate` in a loop (the baseline);
+  front:  `--clients` concurrent official `openai.AsyncOpenAI` clients, each with its own recorded session, calling
+          /sessions/{id}/v1/chat/completions in a loop (ChatML template rendered on our side, SSE off), once with
+          the clients in a process of their own and once inside the server's process (sharing its interpreter).
+Reported: requests served, requests/s, generated tokens/s, p50/p99 latency per phase, and front/direct ratios.
+Checked after the front phase: every client's calls are in its own session (count and content), none lost or mixed.
+The tiny random Llama (head_dim 64 for SGLang's rope) has a real HF fast tokenizer's vocabulary (tests/serve).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "serve"))
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summary(name: str, lat: list[float], tokens: int, seconds: float) -> dict:
+    return {"phase": name, "requests": len(lat), "req_per_s": len(lat) / seconds, "tokens_per_s": tokens / seconds,
+            "p50_ms": 1e3 * pct(lat, 0.5), "p99_ms": 1e3 * pct(lat, 0.99)}
+
+
+async def direct_phase(client, prompt, clients, duration, max_tokens, stops):
+    from mtrain.rollout.protocol import Request, SamplingParams
+    lat, tokens, end = [], [0], time.perf_counter() + duration
+
+    async def worker(k):
+        i = 0
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            c = await client.generate(Request(f"direct-{k}-{i}-", prompt, SamplingParams(
+                max_new_tokens=max_tokens, stop_token_ids=stops, seed=k * 100000 + i)))
+            lat.append(time.perf_counter() - t)
+            tokens[0] += len(c.output_ids)
+            i += 1
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+    return summary("direct", lat, tokens[0], time.perf_counter() - t0)
+
+
+async def front_clients(url, api_key, model, messages, clients, duration, max_tokens):
+    """The front phase's clients: official AsyncOpenAI clients, each in its own session (POST /sessions)."""
+    import httpx
+    from openai import AsyncOpenAI
+    lat, tokens, end, calls = [], [0], time.perf_counter() + duration, {}
+
+    async def worker(k):
+        async with httpx.AsyncClient() as h:
+            r = await h.post(f"{url}/sessions", headers={"Authorization": f"Bearer {api_key}"})
+            sid = r.json()["id"]
+        c = AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key=api_key, max_retries=0)
+        msgs = [dict(messages[0], content=f"{messages[0]['content']} [client {k}]")] + messages[1:]
+        n = 0
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            r = await c.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, seed=k * 100000 + n)
+            lat.append(time.perf_counter() - t)
+            tokens[0] += r.usage.completion_tokens
+            n += 1
+        await c.close()
+        calls[k] = (sid, n)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+    return lat, tokens[0], time.perf_counter() - t0, calls
+
+
+def clients_process(*args):
+    return asyncio.run(front_clients(*args))
+
+
+def front_phase(server, model, messages, clients, duration, max_tokens, separate: bool):
+    """separate: the clients run in a process of their own (the front's cost without the clients' Python in the
+    server's process); otherwise in this process, sharing its interpreter with the server and the engine."""
+    args = (server.url, server.api_key, model, messages, clients, duration, max_tokens)
+    if separate:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            lat, tokens, seconds, calls = ex.submit(clients_process, *args).result()
+    else:
+        lat, tokens, seconds, calls = clients_process(*args)
+    out = summary("front" + (" (clients in another process)" if separate else " (clients in-process)"), lat, tokens,
+                  seconds)
+    lost = mixed = 0
+    for k, (sid, n) in calls.items():
+        s = server.front.sessions.get(sid)
+        lost += abs(s.calls - n) + abs(len(s.branches) - n)
+        mixed += sum(f"[client {k}]" not in b.messages[0]["content"] for b in s.branches)
+    out.update(lost_calls=lost, mixed_calls=mixed)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["sglang", "reference"], default="sglang")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_front.json"))
+    a = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from front_fixtures import chatml_tokenizer
+    from mtrain.rollout.agents import tito
+    from mtrain.rollout.client import LocalClient
+    from mtrain.rollout.reference_engine import as_hf_config
+    from mtrain.serve.front import OpenAIFront
+    from mtrain.serve.server import FrontServer
+
+    tok = chatml_tokenizer()
+    cfg = dict(model_type="llama", vocab_size=len(tok), hidden_size=256, intermediate_size=512,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               max_position_embeddings=1024, initializer_range=0.05, tie_word_embeddings=False,
+               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    hf_dir = tempfile.mkdtemp(prefix="mtrain-bench-front-")
+    AutoModelForCausalLM.from_config(as_hf_config(cfg)).to(torch.bfloat16).save_pretrained(hf_dir)
+    if a.engine == "sglang":
+        from mtrain.rollout.sglang_engine import SGLangEngine
+        engine = SGLangEngine(hf_dir, tp_size=1, mem_fraction_static=0.3, random_seed=0,
+                              server_args={"dtype": "bfloat16"})
+    else:
+        from mtrain.rollout import ReferenceEngine
+        engine = ReferenceEngine.from_pretrained(hf_dir, dtype=torch.float32)
+    client = LocalClient(engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to ten."}]
+    _, prompt = tito.prompt_ids(tok, messages, None)
+    front = OpenAIFront(client, tok, model_name="bench", max_positions=1024)
+    report = {"engine": a.engine, "clients": a.clients, "duration_s": a.duration, "max_tokens": a.max_tokens,
+              "prompt_tokens": len(prompt)}
+    with FrontServer(front, max_concurrency=max(256, 2 * a.clients)) as server:
+        asyncio.run(direct_phase(client, prompt, min(a.clients, 4), 2.0, a.max_tokens, (tok.eos_token_id,)))  # warm
+        d = asyncio.run(direct_phase(client, prompt, a.clients, a.duration, a.max_tokens, (tok.eos_token_id,)))
+        fs = [front_phase(server, "bench", messages, a.clients, a.duration, a.max_tokens, separate)
+              for separate in (True, False)]
+    engine.shutdown()
+    report.update(direct=d, front=fs)
+    for f, key in zip(fs, ("separate", "inprocess")):
+        report[f"ratio_{key}"] = {"req_per_s": f["req_per_s"] / d["req_per_s"],
+                                  "tokens_per_s": f["tokens_per_s"] / d["tokens_per_s"],
+                                  "p50": f["p50_ms"] / d["p50_ms"], "p99": f["p99_ms"] / d["p99_ms"]}
+    print(json.dumps(report, indent=2))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    bad = [(f["lost_calls"], f["mixed_calls"]) for f in fs if f["lost_calls"] or f["mixed_calls"]]
+    if bad:
+        raise SystemExit(f"sessions lost or mixed calls (lost, mixed): {bad}")
+
+
+if __name__ == "__main__":
+    main()

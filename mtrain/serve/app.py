@@ -1,0 +1,277 @@
+"""The HTTP routes of the OpenAI front (FastAPI): the OpenAI API under /v1 and under /sessions/{id}/v1.
+
+    POST /sessions                         -> {"id", "base_url"}: a new recorded session
+    GET  /sessions/{id}                    -> its summary (calls, branches, rerendered, reward; ?tokens=1 the tokens)
+    POST /sessions/{id}/reward  {"reward"} -> attach the session's reward
+    DELETE /sessions/{id}                  -> drop it (serving alone: sessions nobody collects)
+    POST /sessions/{id}/v1/chat/completions, /sessions/{id}/v1/completions, GET .../v1/models
+    POST /v1/chat/completions, /v1/completions, GET /v1/models: served, not recorded
+
+Every failure is one OpenAI-style error object ({"error": {"message", "type", "param", "code"}}): 400 for bodies
+that are not JSON or fail validation (unknown fields, bad types, too long a prompt), 401 for a wrong key, 404 for
+an unknown model or session, 413 for an oversized body, 429 when `max_concurrency` requests are already running,
+503 when the engine fails the request (shut down, dead).
+The handlers never let an exception escape to the server: anything unexpected is a 500 error object and the
+next request is served as usual.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+
+from mtrain.rollout.protocol import EngineError
+from mtrain.serve.front import Choice, OpenAIFront, Result
+from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
+
+log = logging.getLogger(__name__)
+
+
+class RewardBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: StrictFloat | StrictInt
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = first.get("msg", str(e))
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field (not supported by this server)"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}", loc or None
+
+
+def _logprobs_content(front: OpenAIFront, ch: Choice) -> list[dict[str, Any]]:
+    out = []
+    for t, lp in zip(ch.output_ids, ch.logprobs):
+        s = front.tokenizer.decode([t], skip_special_tokens=False)
+        out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+    return out
+
+
+def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 4 << 20,
+              max_concurrency: int = 256, base_url: str = "") -> FastAPI:
+    app = FastAPI(title="mtrain OpenAI front", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.running = 0
+    app.state.base_url = base_url
+
+    def error(e: FrontError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(FrontError)
+    async def _front_error(_, e: FrontError):
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        return error(FrontError(400, str(e.errors()[:1])))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, _):
+        return error(FrontError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def _method(request: Request, _):
+        return error(FrontError(405, f"method {request.method} is not allowed on {request.url.path}"))
+
+    @app.exception_handler(EngineError)
+    async def _engine(_, e: EngineError):
+        log.warning("OpenAI front: engine error: %s", e)
+        return error(FrontError(503, f"the engine could not serve this request: {e}", type="server_error",
+                                code="engine_unavailable"))
+
+    @app.exception_handler(Exception)
+    async def _any(_, e: Exception):
+        log.exception("OpenAI front: unexpected error")
+        return error(FrontError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if api_key is not None:
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error(FrontError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                        type="authentication_error", code="invalid_api_key"))
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+            return error(FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large"))
+        if app.state.running >= max_concurrency:
+            return error(FrontError(429, f"{max_concurrency} requests are already running; retry later",
+                                    type="rate_limit_error", code="too_many_requests"))
+        app.state.running += 1
+        try:
+            return await call_next(request)
+        finally:
+            app.state.running -= 1
+
+    async def body_of(request: Request, model: type[BaseModel]):
+        raw = await request.body()
+        if len(raw) > max_body_bytes:  # chunked bodies carry no content-length
+            raise FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            raise FrontError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}",
+                             code="invalid_json") from e
+        if not isinstance(data, dict):
+            raise FrontError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise FrontError(400, msg, param=param) from e
+
+    def session_of(sid: str | None):
+        return front.sessions.get(sid) if sid is not None else None
+
+    def usage(res: Result) -> dict[str, int]:
+        out = sum(len(c.output_ids) for c in res.choices)
+        return {"prompt_tokens": len(res.prompt_ids), "completion_tokens": out,
+                "total_tokens": len(res.prompt_ids) + out}
+
+    # -- sessions ---------------------------------------------------------------------------------------------
+    @app.post("/sessions")
+    async def new_session(request: Request):
+        s = front.sessions.create()
+        return {"id": s.id, "base_url": f"{app.state.base_url}/sessions/{s.id}/v1"}
+
+    @app.get("/sessions/{sid}")
+    async def get_session(sid: str, tokens: int = 0):
+        return front.sessions.get(sid).summary(with_tokens=bool(tokens))
+
+    @app.delete("/sessions/{sid}")
+    async def delete_session(sid: str):
+        front.sessions.take(sid)
+        return {"id": sid, "deleted": True}
+
+    @app.post("/sessions/{sid}/reward")
+    async def set_reward(sid: str, request: Request):
+        s = front.sessions.get(sid)
+        s.reward = float((await body_of(request, RewardBody)).reward)
+        return {"id": sid, "reward": s.reward}
+
+    # -- the OpenAI API ---------------------------------------------------------------------------------------
+    def models():
+        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mtrain"}]}
+
+    async def chat(request: Request, sid: str | None):
+        session = session_of(sid)
+        req = await body_of(request, ChatRequest)
+        res = await front.chat(req, session)
+        cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if req.stream:
+            return StreamingResponse(_chat_stream(front, req, res, cid, created, usage(res)),
+                                     media_type="text/event-stream")
+        choices = []
+        for ch in res.choices:
+            msg: dict[str, Any] = {"role": "assistant", "content": ch.content}
+            if ch.tool_calls:
+                msg["tool_calls"] = ch.tool_calls
+            choices.append({"index": ch.index, "message": msg, "finish_reason": ch.finish_reason,
+                            "logprobs": {"content": _logprobs_content(front, ch)} if req.logprobs else None})
+        return {"id": cid, "object": "chat.completion", "created": created, "model": front.model_name,
+                "choices": choices, "usage": usage(res)}
+
+    async def completions(request: Request, sid: str | None):
+        session = session_of(sid)
+        req = await body_of(request, CompletionRequest)
+        res = await front.complete(req, session)
+        cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def lp(ch: Choice):
+            if req.logprobs is None:
+                return None
+            toks = [front.tokenizer.decode([t], skip_special_tokens=False) for t in ch.output_ids]
+            return {"tokens": toks, "token_logprobs": [float(x) for x in ch.logprobs],
+                    "top_logprobs": None, "text_offset": None}
+
+        choices = [{"index": ch.index, "text": ch.text, "finish_reason": ch.finish_reason, "logprobs": lp(ch)}
+                   for ch in res.choices]
+        if req.stream:
+            async def events():
+                for c in choices:
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": front.model_name, "choices": [c]})
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": front.model_name, "choices": [], "usage": usage(res)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"id": cid, "object": "text_completion", "created": created, "model": front.model_name,
+                "choices": choices, "usage": usage(res)}
+
+    @app.get("/v1/models")
+    async def _models():
+        return models()
+
+    @app.get("/sessions/{sid}/v1/models")
+    async def _session_models(sid: str):
+        session_of(sid)
+        return models()
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        return await chat(request, None)
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def _session_chat(request: Request, sid: str):
+        return await chat(request, sid)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        return await completions(request, None)
+
+    @app.post("/sessions/{sid}/v1/completions")
+    async def _session_completions(request: Request, sid: str):
+        return await completions(request, sid)
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _chat_stream(front: OpenAIFront, req: ChatRequest, res: Result, cid: str, created: int,
+                       use: dict[str, int]):
+    """SSE chunks of finished choices: the engine protocol returns whole completions, so the stream is the
+    completion cut into per-token deltas (what an OpenAI streaming client expects), sent once it is done."""
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": front.model_name}
+    for ch in res.choices:
+        yield _sse({**head, "choices": [{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}]})
+        content = ch.content or ""
+        sent = 0
+        lps = _logprobs_content(front, ch) if req.logprobs else None
+        for k in range(1, len(ch.output_ids) + 1):  # one chunk per token whose text is complete
+            t = front.tokenizer.decode(ch.output_ids[:k], skip_special_tokens=True)[:len(content)]
+            piece = t[sent:] if content.startswith(t) and not t.endswith("\ufffd") else ""
+            if piece or lps:
+                yield _sse({**head, "choices": [{"index": ch.index, "delta": {"content": piece},
+                                                 "finish_reason": None,
+                                                 "logprobs": {"content": [lps[k - 1]]} if lps else None}]})
+                sent += len(piece)
+        if sent < len(content):
+            yield _sse({**head, "choices": [{"index": ch.index, "delta": {"content": content[sent:]},
+                                             "finish_reason": None, "logprobs": None}]})
+        if ch.tool_calls:
+            calls = [{"index": i, **c} for i, c in enumerate(ch.tool_calls)]
+            yield _sse({**head, "choices": [{"index": ch.index, "delta": {"tool_calls": calls},
+                                             "finish_reason": None, "logprobs": None}]})
+        yield _sse({**head, "choices": [{"index": ch.index, "delta": {}, "finish_reason": ch.finish_reason,
+                                         "logprobs": None}]})
+    if req.stream_options and req.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": use})
+    yield "data: [DONE]\n\n"
+    await asyncio.sleep(0)

@@ -1,0 +1,197 @@
+"""The OpenAI front's work, without HTTP: requests -> our tokens -> `EngineClient.generate` -> choices + records.
+
+Our side tokenizes (the HF chat template, token-in-token-out within a session through `mtrain.rollout.agents.tito`)
+and parses tool calls (`mtrain.tools.parsers`), so the same code serves SGLang on GPU and the reference engine on
+CPU: the engine only ever sees token ids. Stop strings are applied to the decoded output: the output is cut after
+the token that completed the stop string (the recorded tokens end there, as SGLang's do) and the returned text
+before it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtrain.rollout.agents import tito
+from mtrain.rollout.client import EngineClient
+from mtrain.rollout.protocol import Completion, Request, SamplingParams
+from mtrain.serve import sessions as S
+from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
+
+
+@dataclass
+class Choice:
+    index: int
+    output_ids: list[int]  # the engine's ids, cut after a stop string
+    logprobs: list[float]
+    versions: list[int]
+    text: str  # the returned text (stop string and stop token removed)
+    finish_reason: str  # stop | length | tool_calls | abort
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    content: str | None = None  # chat: the message content (text before the tool calls)
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    choices: list[Choice]
+    branches: list[int]  # the session branch each choice was recorded as (empty without a session)
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+class OpenAIFront:
+    """model_name: what /v1/models lists and requests must name. max_positions: the model's context; a prompt
+    plus its token budget beyond it is refused before generation. default_max_tokens: the budget when a request
+    names none (capped by what the context leaves). tool_parser: "qwen25"/"hermes" (see mtrain.tools.parsers),
+    needed for requests with tools."""
+
+    def __init__(self, client: EngineClient, tokenizer, *, model_name: str, max_positions: int,
+                 default_max_tokens: int = 256, tool_parser: str | None = None):
+        self.client, self.tokenizer = client, tokenizer
+        self.model_name, self.max_positions = model_name, int(max_positions)
+        self.default_max_tokens = int(default_max_tokens)
+        self.tool_parser = tool_parser
+        self.stops = stop_token_ids(tokenizer)
+        self.sessions = S.SessionStore()
+        self._rid = itertools.count()
+
+    # -- tokenizing -------------------------------------------------------------------------------------------
+    def _render_prompt(self, messages, tools):
+        try:
+            return tito.prompt_ids(self.tokenizer, messages, tools)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault (e.g. a role it refuses)
+            raise FrontError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+
+    def _render_suffix(self, messages, tools, stop_text):
+        try:
+            return tito.suffix(self.tokenizer, messages, tools, stop_text=stop_text)
+        except Exception as e:  # noqa: BLE001
+            raise FrontError(400, f"the chat template cannot render the appended messages: {e}",
+                             param="messages") from e
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise FrontError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                             param="model", code="model_not_found")
+
+    def _params(self, req, prompt_len: int) -> list[SamplingParams]:
+        room = self.max_positions - prompt_len
+        if room < 1:
+            raise FrontError(400, f"this model's maximum context length is {self.max_positions} tokens and the prompt "
+                                  f"alone has {prompt_len}", param="messages", code="context_length_exceeded")
+        budget = req.budget
+        if budget is None:
+            budget = min(self.default_max_tokens, room)
+        if budget > room:
+            raise FrontError(400, f"this model's maximum context length is {self.max_positions} tokens; the prompt "
+                                  f"has {prompt_len} tokens and {budget} more were asked for", param="messages",
+                             code="context_length_exceeded")
+        seed0 = req.seed if req.seed is not None else secrets.randbelow(2 ** 31)
+        return [SamplingParams(max_new_tokens=budget, temperature=float(req.temperature), top_p=float(req.top_p),
+                               stop_token_ids=self.stops, seed=seed0 + j) for j in range(req.n)]
+
+    async def _generate(self, prompt_ids: list[int], params: list[SamplingParams],
+                        session: S.Session | None) -> list[Completion]:
+        call = next(self._rid)
+        head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
+        return list(await asyncio.gather(*(
+            self._one(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
+            for j, p in enumerate(params))))
+
+    async def _one(self, request: Request) -> Completion:
+        """One engine call that a cancelled HTTP handler (client gone, server stopping) aborts in the engine instead
+        of cancelling the engine's future under it (an engine thread must never find its future cancelled)."""
+        task = asyncio.ensure_future(self.client.generate(request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.client.abort(request.rid)
+            raise
+
+    def _cut(self, c: Completion, stops: list[str]) -> tuple[list[int], str, str, str | None]:
+        """(ids kept, text returned, finish_reason, stop token text) of a completion, stop strings applied."""
+        ids = list(c.output_ids)
+        stop_text = None
+        ended = bool(ids) and c.finish_reason == "stop" and ids[-1] in self.stops
+        body = ids[:-1] if ended else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        if stops and any(s in text for s in stops):
+            for k in range(1, len(body) + 1):  # the first token whose text completes a stop string
+                t = self.tokenizer.decode(body[:k], skip_special_tokens=True)
+                hit = min((t.find(s) for s in stops if s in t), default=-1)
+                if hit >= 0:
+                    return body[:k], t[:hit], "stop", None
+        if ended:
+            stop_text = self.tokenizer.decode([ids[-1]], skip_special_tokens=False)
+        return ids, text, ("stop" if c.finish_reason == "stop" else c.finish_reason), stop_text
+
+    # -- endpoints --------------------------------------------------------------------------------------------
+    async def chat(self, req: ChatRequest, session: S.Session | None) -> Result:
+        self._check_model(req.model)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tools and req.tool_choice != "none" and self.tool_parser is None:
+            raise FrontError(400, "this server was started without a tool-call parser (serve.tool_parser); "
+                                  "requests with tools cannot be served", param="tools")
+        template_tools = tools if req.tool_choice != "none" else None
+        messages = [m.as_template_message() for m in req.messages]
+        plan = S.plan_chat(session, messages, template_tools, self.tokenizer, self._render_prompt,
+                           self._render_suffix)
+        params = self._params(req, len(plan.prompt_ids))
+        completions = await self._generate(plan.prompt_ids, params, session)
+        parser = None
+        if template_tools:
+            from mtrain.tools.parsers import ToolCallParser
+            parser = ToolCallParser(self.tool_parser, template_tools)
+        choices, branches = [], []
+        for j, c in enumerate(completions):
+            ids, text, finish, stop_text = self._cut(c, req.stop)
+            ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text)
+            if parser is not None:
+                parsed = parser.parse(text)
+                if parsed.calls:
+                    ch.content = parsed.normal_text or None
+                    ch.tool_calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                                      "function": {"name": k.name, "arguments": k.arguments}} for k in parsed.calls]
+                    ch.finish_reason = "tool_calls"
+            choices.append(ch)
+            if session is not None:
+                reply = {"role": "assistant", "content": ch.content or ""}
+                if ch.tool_calls:
+                    reply["tool_calls"] = ch.tool_calls
+                b = S.record(session, plan, messages, S.tools_key(template_tools), reply, ids, ch.logprobs,
+                             ch.versions, text, stop_text, ch.finish_reason)
+                branches.append(b.id)
+        if session is not None:
+            session.calls += 1
+        return Result(plan.prompt_ids, choices, branches)
+
+    async def complete(self, req: CompletionRequest, session: S.Session | None) -> Result:
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            prompt = list(self.tokenizer.encode(req.prompt))
+        else:
+            prompt = list(req.prompt)
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise FrontError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        plan = S.plan_tokens(session, prompt) if not isinstance(req.prompt, str) else S.Plan(
+            None, prompt, [], "", rerendered=bool(session is not None and session.branches))
+        params = self._params(req, len(prompt))
+        completions = await self._generate(prompt, params, session)
+        choices, branches = [], []
+        for j, c in enumerate(completions):
+            ids, text, finish, stop_text = self._cut(c, req.stop)
+            choices.append(Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish))
+            if session is not None:
+                b = S.record(session, plan, [], "completions", {"role": "completion", "content": text}, ids,
+                             c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish)
+                branches.append(b.id)
+        if session is not None:
+            session.calls += 1
+        return Result(prompt, choices, branches)
