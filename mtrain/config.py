@@ -272,6 +272,10 @@ class ServeConfig:
     default_max_tokens: int = 512  # a request's budget when it names none (capped by the context left)
     max_concurrency: int = 256  # requests running at once; more get 429
     max_body_kb: int = 4096  # larger request bodies get 413
+    # Server-based RL in `mtrain train`: "module:name" of an agent `async (base_url, api_key, sample) -> reward` (or
+    # a factory name(model_name) -> agent) run n times per prompt through each engine leader's front (ephemeral
+    # loopback port; serve.port is for `mtrain serve`). None = the built-in rollouts.
+    agent: str | None = None
 
 
 @dataclass
@@ -447,6 +451,10 @@ def validate(cfg: RunConfig) -> None:
     _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
            f"must look like 'module:function' or be null, got {mt.rollout_fn!r}")
     _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
+    _check(cfg.serve.agent is None or ":" in cfg.serve.agent, "serve.agent",
+           f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
+    _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
+           "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
     _check(not (r.partial and mt.rollout_fn), "rollout.partial",
            "partial rollout of multi-turn tool trajectories is not wired into the trainer yet (resume_group exists: "
            "docs/design-tools.md); use one of rollout.partial and multi_turn.rollout_fn")

@@ -101,6 +101,11 @@ class Trainer:
         self.pool = RolloutPool(d.groups, self.rank, self.engine, max_groups_in_flight=cfg.rollout.max_groups_in_flight)
         self.partial = PartialRollout(cfg, self.pool, self.tokenizer, self.train_set, self.sampler,
                                       self.reward_fn) if cfg.rollout.partial else None
+        self.agents = None
+        if cfg.serve.agent:  # server-based RL: openai-client agents through each leader's front (agent_step.py)
+            from mtrain.trainer.agent_step import AgentRollout
+            self.agents = AgentRollout(cfg, self.pool, self.tokenizer, max_positions=self.max_positions or 4096,
+                                       model_name=cfg.serve.model_name or hf_dir.name)
         self.tools = self.rollout_fn = None
         if cfg.multi_turn.rollout_fn:  # multi-turn tool rollouts (docs/design-tools.md)
             from mtrain.rollout.agents.setup import build_tool_server, load_rollout_fn
@@ -142,6 +147,8 @@ class Trainer:
         return True
 
     def _rollout(self, samples, *, n, seed, prefix, greedy=False, max_new_tokens=None):
+        if self.agents is not None:  # the agents choose their own sampling (greedy evaluation is theirs to do)
+            return self.agents.run(samples, n, prefix)
         if self.rollout_fn is not None:
             return run_multi_turn_rollout(self.pool, self.tokenizer, samples, self.cfg, self.reward_fn, self.tools,
                                           self.rollout_fn, n=n, seed=seed, rid_prefix=prefix, greedy=greedy,
@@ -293,6 +300,8 @@ class Trainer:
     def close(self) -> None:
         if self.metrics:
             self.metrics.close()
+        if self.agents is not None:
+            self.agents.close()
         for engine in (self.engine, self.engine_part):
             if engine is not None:
                 engine.shutdown()

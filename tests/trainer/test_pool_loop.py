@@ -16,6 +16,8 @@ import torch
 from loop_harness import CONFIG, TEST_REWARDS, TIME_KEYS, base_overrides
 from mtrain.dist import run_on_ranks
 
+AGENTS = Path(__file__).resolve().parent / "agents_for_tests.py"
+
 CASES = {  # name -> (arch, overrides)
     "tp2pp2": ("llama", {"parallel.tp": 2, "parallel.pp": 2}),
     "tp2": ("llama", {"parallel.tp": 2}),
@@ -190,5 +192,27 @@ def test_multi_turn_tool_rollouts_train_through_the_pool(hf_dirs, tmp_path):
         assert rec["logprob_diff/max_abs"] <= 2e-5
         assert "tools/tool_call_rate" in rec or any(k.startswith("tools/") for k in rec)
         assert rec["rollout/engines"] >= 1
+    assert [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[1]] == \
+        [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[0]]
+
+
+def _agent_steps(rank, world, hf, run_dir):
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    over = {"serve.agent": f"{AGENTS}:two_turn_digits", "train.steps": 2, "rollout.prompts_per_step": 2,
+            "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2}
+    t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
+    records = [t.train_step() for _ in range(2)]
+    t.close()
+    return records
+
+
+def test_openai_client_agents_train_through_the_front(hf_dirs, tmp_path):
+    """serve.agent: each engine leader serves an OpenAI front, the agents (real `openai` client, two turns each) run
+    through the pool, and the trainer's logprobs of the recorded model tokens equal the engines'."""
+    res = run_on_ranks(_agent_steps, 2, hf_dirs["llama"], tmp_path / "run", timeout=400)
+    for rec in res[0]:
+        assert rec["logprob_diff/max_abs"] <= 2e-5
+        assert rec["session/calls"] == 2.0 and rec["rollout/engines"] >= 1
     assert [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[1]] == \
         [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[0]]
