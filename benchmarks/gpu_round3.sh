@@ -29,7 +29,7 @@ if [[ $parts == *" timeout "* ]]; then
     # each must exit non-zero within ~timeout + NCCL watchdog teardown; wall time printed by step()
     step timeout_hang 120 torchrun --standalone --nproc-per-node 2 benchmarks/collective_timeout.py --fault hang --timeout-s 20
     step timeout_die 120 torchrun --standalone --nproc-per-node 2 benchmarks/collective_timeout.py --fault die --timeout-s 20
-    step timeout_pytest 300 python -m pytest -q -p no:cacheprovider tests/test_collective_timeout.py
+    step timeout_pytest 180 python -m pytest -q -p no:cacheprovider tests/test_collective_timeout.py
 fi
 if [[ $parts == *" pack "* ]]; then
     step pack_1b 300 python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 4096 --mbs 2 \
