@@ -150,6 +150,23 @@ def spread(runs: list[float]) -> dict:
             "stdev_ms": (statistics.stdev(runs) if len(runs) > 1 else 0.0) * 1e3, "runs": len(runs)}
 
 
+def sglang_fp8_settings() -> dict:
+    """What decides SGLang's post-load processing of block-FP8 layers on this machine (docs/fp8.md, "After load")."""
+    import importlib.util
+
+    out: dict = {"deep_gemm_importable": importlib.util.find_spec("deep_gemm") is not None,
+                 "SGLANG_ENABLE_JIT_DEEPGEMM": os.environ.get("SGLANG_ENABLE_JIT_DEEPGEMM"),
+                 "capability": list(torch.cuda.get_device_capability())}
+    try:
+        from sglang.srt.layers import deep_gemm_wrapper
+
+        out.update(ENABLE_JIT_DEEPGEMM=bool(deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM),
+                   DEEPGEMM_SCALE_UE8M0=bool(deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0))
+    except Exception as e:  # noqa: BLE001 -- a report, never a reason to stop the run
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def quant_checks(hf: dict, layout, layers: set[int], rows: int) -> dict:
     """GPU quantize_blocks and the old scalar-division formula vs the float64 reference, per diag tensor."""
     from mtrain.kernels import quantize_blocks
@@ -245,6 +262,7 @@ def main() -> int:
     lookup = tensor_lookup(chunks)
     hf = {k[2]: v for k, v in reshard_in_memory(build_plan(layout, MegatronLayout(), HFLayout()), lookup,
                                                 dtype=torch.bfloat16, backend="triton", device="cuda").items()}
+    res["sglang_fp8_settings"] = sglang_fp8_settings()
     res["quantization_gpu_vs_f64"] = quant_checks(hf, layout, layers, args.diag_rows)
     ckpt = fp8_checkpoint(hf, layout)
     n_bf16 = sum(t.numel() * 2 for t in hf.values())
@@ -364,6 +382,7 @@ def main() -> int:
     ok = not (res["fp8_pull_mismatched"] or res["fp8_push_mismatched"])
     print(f"\n{args.model}: {quantized / 1e9:.2f} G FP8 weights, {res['fp8_params_in_engine']} FP8 params of "
           f"{res['params_checked']}; copy {bw / 1e9:.0f} GB/s")
+    print(f"SGLang FP8 post-load settings: {res['sglang_fp8_settings']}")
     q = res["quantization_gpu_vs_f64"]
     print(f"GPU quantization vs float64 ({q['tensors']} tensors of layers {sorted(layers)}): quantize_blocks "
           f"equal {q['gpu_quantize_blocks_equal_f64']}/{q['tensors']}; old `amax / 448.0` equal "
