@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -78,6 +79,24 @@ def quantize_f64(x: torch.Tensor, block=(128, 128), reciprocal: bool = False) ->
         scale = (amax.astype(np.float64) / FP8_MAX).astype(np.float32)
     s = torch.from_numpy(np.ascontiguousarray(scale))
     return quantize_with_scale_f64(x, s, block), s
+
+
+class CudaScalarDivision(TorchDispatchMode):
+    """Run torch code on the CPU with CUDA's division by a Python number: x * float32(1 / b) instead of x / b
+    (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu: a CPU-scalar divisor becomes a reciprocal multiply).
+    `rewritten` counts the divisions it changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.rewritten = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.div.Tensor and isinstance(args[1], (int, float)) and args[0].is_floating_point():
+            self.rewritten += 1
+            inv = torch.tensor(np.float32(1.0) / np.float32(args[1]), dtype=args[0].dtype)
+            return torch.ops.aten.mul.Tensor(args[0], inv)
+        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,28 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from mtrain.kernels import quantize_blocks
 from mtrain.rollout import fp8_diagnose as D
+from mtrain.rollout.fp8_diagnose import CudaScalarDivision
 
 FP8 = torch.float8_e4m3fn
-
-
-class CudaScalarDivision(TorchDispatchMode):
-    """Division by a Python number computed as CUDA torch does: x * float32(1 / b)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rewritten = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten.div.Tensor and isinstance(args[1], (int, float)) and args[0].is_floating_point():
-            self.rewritten += 1
-            inv = torch.tensor(np.float32(1.0) / np.float32(args[1]), dtype=args[0].dtype)
-            return torch.ops.aten.mul.Tensor(args[0], inv)
-        return func(*args, **kwargs)
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 
 from mtrain.kernels import quantize_blocks
+from mtrain.rollout.fp8_diagnose import CudaScalarDivision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 import gpu_fp8_sync as G  # noqa: E402
-from test_fp8_device_math import CudaScalarDivision  # noqa: E402
 
 
 def _src():
