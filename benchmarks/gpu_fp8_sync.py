@@ -150,6 +150,16 @@ def spread(runs: list[float]) -> dict:
             "stdev_ms": (statistics.stdev(runs) if len(runs) > 1 else 0.0) * 1e3, "runs": len(runs)}
 
 
+def guarded(fn, *args, **kwargs):
+    """A diagnosis step that fails is reported in the JSON, never the end of the GPU run."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def sglang_fp8_settings() -> dict:
     """What decides SGLang's post-load processing of block-FP8 layers on this machine (docs/fp8.md, "After load")."""
     import importlib.util
@@ -263,7 +273,7 @@ def main() -> int:
     hf = {k[2]: v for k, v in reshard_in_memory(build_plan(layout, MegatronLayout(), HFLayout()), lookup,
                                                 dtype=torch.bfloat16, backend="triton", device="cuda").items()}
     res["sglang_fp8_settings"] = sglang_fp8_settings()
-    res["quantization_gpu_vs_f64"] = quant_checks(hf, layout, layers, args.diag_rows)
+    res["quantization_gpu_vs_f64"] = guarded(quant_checks, hf, layout, layers, args.diag_rows)
     ckpt = fp8_checkpoint(hf, layout)
     n_bf16 = sum(t.numel() * 2 for t in hf.values())
     n_fp8 = sum(t.numel() * t.element_size() for _, t in ckpt)
@@ -343,13 +353,16 @@ def main() -> int:
         res[f"fp8_{mode}_mismatched"] = sorted(k for k in reference if after.get(k, {}).get("sha256")
                                                != reference[k]["sha256"])
         got_t = sampled(dump(eng, f"{mode}-t", diag_names, "tensors"), args.diag_rows)
-        diag = diagnose_state(ref_t, got_t, src, fp8_names)
+        diag = guarded(diagnose_state, ref_t, got_t, src, fp8_names)
         res[f"fp8_{mode}_diagnosis"] = diag
-        res[f"fp8_{mode}_diagnosis_kinds"] = dict(Counter(d["kind"] for d in diag.values()))
-        res[f"fp8_{mode}_sglang_load_equals_f64"] = sum(bool(d.get("sglang_load_equals_f64")) for d in diag.values())
-        res[f"fp8_{mode}_ours_equals_f64"] = sum(bool(d.get("ours_equals_f64")) for d in diag.values())
-        res[f"fp8_{mode}_vs_old_reference_kinds"] = dict(Counter(
-            diagnose_pair(n, old, got_t, src[n])["kind"] for n in diag_names if n in old))
+        ok_diag = "error" not in diag
+        res[f"fp8_{mode}_diagnosis_kinds"] = dict(Counter(d["kind"] for d in diag.values())) if ok_diag else diag
+        res[f"fp8_{mode}_sglang_load_equals_f64"] = sum(bool(d.get("sglang_load_equals_f64")) for d in diag.values()
+                                                        ) if ok_diag else None
+        res[f"fp8_{mode}_ours_equals_f64"] = sum(bool(d.get("ours_equals_f64")) for d in diag.values()
+                                                 ) if ok_diag else None
+        res[f"fp8_{mode}_vs_old_reference_kinds"] = guarded(lambda: dict(Counter(
+            diagnose_pair(n, old, got_t, src[n])["kind"] for n in diag_names if n in old)))
     batch = prompts(args.gen, cfg["vocab_size"])
     fp8_out, res["fp8_tokens_per_s"] = generate(eng, batch, args.new_tokens)
     res["fp8_generated_tokens"] = sum(len(c.output_ids) for c in fp8_out)
@@ -384,10 +397,13 @@ def main() -> int:
           f"{res['params_checked']}; copy {bw / 1e9:.0f} GB/s")
     print(f"SGLang FP8 post-load settings: {res['sglang_fp8_settings']}")
     q = res["quantization_gpu_vs_f64"]
-    print(f"GPU quantization vs float64 ({q['tensors']} tensors of layers {sorted(layers)}): quantize_blocks "
-          f"equal {q['gpu_quantize_blocks_equal_f64']}/{q['tensors']}; old `amax / 448.0` equal "
-          f"{q['old_formula_equal_f64']}/{q['tensors']}, its scales differ in {q['old_formula_scales_differ']} of "
-          f"{q['scales']} blocks (max {q['old_formula_max_ulps']} ulp)")
+    if "error" in q:
+        print(f"GPU quantization vs float64: {q['error']}")
+    else:
+        print(f"GPU quantization vs float64 ({q['tensors']} tensors of layers {sorted(layers)}): quantize_blocks "
+              f"equal {q['gpu_quantize_blocks_equal_f64']}/{q['tensors']}; old `amax / 448.0` equal "
+              f"{q['old_formula_equal_f64']}/{q['tensors']}, its scales differ in {q['old_formula_scales_differ']}"
+              f" of {q['scales']} blocks (max {q['old_formula_max_ulps']} ulp)")
     for key in ("fp8_pull", "fp8_push", "bf16_pull"):
         s = res[f"{key}_spread"]
         print(f"{key} ms over {s['runs']} runs: median {s['median_ms']:.2f}, min {s['min_ms']:.2f}, max "
@@ -405,6 +421,14 @@ def main() -> int:
               f"{res[f'fp8_{mode}_diagnosis_kinds']}; == float64: SGLang's load "
               f"{res[f'fp8_{mode}_sglang_load_equals_f64']}/{n_fp8_diag}, ours {res[f'fp8_{mode}_ours_equals_f64']}"
               f"/{n_fp8_diag} FP8 weights; vs the old (2026-11-30) reference: {res[f'fp8_{mode}_vs_old_reference_kinds']}")
+        diag = res[f"fp8_{mode}_diagnosis"]
+        bad = [(n, d) for n, d in diag.items() if isinstance(d, dict) and d.get("kind") != "equal"][:8]
+        for n, d in bad:
+            print(f"    {n}: {d['kind']} (SGLang load == float64: {d.get('sglang_load_equals_f64')}, ours == "
+                  f"float64: {d.get('ours_equals_f64')})")
+        outside = [k for k in res[f"fp8_{mode}_mismatched"] if k not in diag]
+        if outside:
+            print(f"    {len(outside)} differing params outside the diag layers, e.g. {outside[:3]}")
     print(f"generate: FP8 {res['fp8_tokens_per_s']:.0f} tok/s, bf16 {res['bf16_tokens_per_s']:.0f} tok/s; greedy "
           f"first token equal {res['first_token_agreement']:.0%}, |logprob gap| {res['first_token_logprob_gap_mean']}")
     if out_dir:
