@@ -226,6 +226,35 @@ def diagnose_state(ref: dict, got: dict, src: dict, fp8_names: set[str]) -> dict
     return out
 
 
+def save(res: dict, out_dir: str | None, model: str, final: bool = False) -> None:
+    """The JSON so far (rewritten after each stage: a crash later keeps what was measured)."""
+    if out_dir:
+        path = os.path.join(out_dir, f"gpu_fp8_sync_{model}.json")
+        with open(path, "w") as f:
+            json.dump(dict(res, complete=final), f, indent=1)
+        if final:
+            print(f"wrote {path}")
+
+
+def report_mode(res: dict, mode: str, layers: set[int], n_fp8_diag: int) -> None:
+    """Print one sync mode's equality and diagnosis (right after it runs: a later crash keeps it in the log)."""
+    print(f"FP8 {mode}: bit-equal to SGLang's load of the FP8 checkpoint: {not res[f'fp8_{mode}_mismatched']} "
+          f"({len(res[f'fp8_{mode}_mismatched'])} of {res['params_checked']} params differ; "
+          f"{res[f'fp8_{mode}_params_changed_by_garble']} changed by the garble)")
+    print(f"  diag ({res['diag_params']} params of layers {sorted(layers)}): kinds "
+          f"{res[f'fp8_{mode}_diagnosis_kinds']}; == float64: SGLang's load "
+          f"{res[f'fp8_{mode}_sglang_load_equals_f64']}/{n_fp8_diag}, ours {res[f'fp8_{mode}_ours_equals_f64']}"
+          f"/{n_fp8_diag} FP8 weights; vs the old (2026-11-30) reference: {res[f'fp8_{mode}_vs_old_reference_kinds']}")
+    diag = res[f"fp8_{mode}_diagnosis"]
+    bad = [(n, d) for n, d in diag.items() if isinstance(d, dict) and d.get("kind") != "equal"][:8]
+    for n, d in bad:
+        print(f"    {n}: {d['kind']} (SGLang load == float64: {d.get('sglang_load_equals_f64')}, ours == "
+              f"float64: {d.get('ours_equals_f64')})")
+    outside = [k for k in res[f"fp8_{mode}_mismatched"] if k not in diag]
+    if outside:
+        print(f"    {len(outside)} differing params outside the diag layers, e.g. {outside[:3]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(CONFIGS), default="dsv3tiny")
@@ -363,6 +392,8 @@ def main() -> int:
                                                  ) if ok_diag else None
         res[f"fp8_{mode}_vs_old_reference_kinds"] = guarded(lambda: dict(Counter(
             diagnose_pair(n, old, got_t, src[n])["kind"] for n in diag_names if n in old)))
+        report_mode(res, mode, layers, sum(1 for n in diag_names if n in fp8_names and n in src))
+        save(res, out_dir, args.model)
     batch = prompts(args.gen, cfg["vocab_size"])
     fp8_out, res["fp8_tokens_per_s"] = generate(eng, batch, args.new_tokens)
     res["fp8_generated_tokens"] = sum(len(c.output_ids) for c in fp8_out)
@@ -412,30 +443,11 @@ def main() -> int:
     print(f"FP8/bf16 pull: median {r['median']:.2f}x (best {r['best']:.2f}x, worst {r['worst']:.2f}x); floors "
           f"FP8 {res['fp8_floor_s'] * 1e3:.2f} ms, bf16 {res['bf16_floor_s'] * 1e3:.2f} ms; FP8 push median "
           f"{res['fp8_push_s'] * 1e3:.1f} ms")
-    for mode in ("pull", "push"):
-        print(f"FP8 {mode}: bit-equal to SGLang's load of the FP8 checkpoint: {not res[f'fp8_{mode}_mismatched']} "
-              f"({len(res[f'fp8_{mode}_mismatched'])} of {res['params_checked']} params differ; "
-              f"{res[f'fp8_{mode}_params_changed_by_garble']} changed by the garble)")
-        n_fp8_diag = sum(1 for n in diag_names if n in fp8_names and n in src)
-        print(f"  diag ({res['diag_params']} params of layers {sorted(layers)}): kinds "
-              f"{res[f'fp8_{mode}_diagnosis_kinds']}; == float64: SGLang's load "
-              f"{res[f'fp8_{mode}_sglang_load_equals_f64']}/{n_fp8_diag}, ours {res[f'fp8_{mode}_ours_equals_f64']}"
-              f"/{n_fp8_diag} FP8 weights; vs the old (2026-11-30) reference: {res[f'fp8_{mode}_vs_old_reference_kinds']}")
-        diag = res[f"fp8_{mode}_diagnosis"]
-        bad = [(n, d) for n, d in diag.items() if isinstance(d, dict) and d.get("kind") != "equal"][:8]
-        for n, d in bad:
-            print(f"    {n}: {d['kind']} (SGLang load == float64: {d.get('sglang_load_equals_f64')}, ours == "
-                  f"float64: {d.get('ours_equals_f64')})")
-        outside = [k for k in res[f"fp8_{mode}_mismatched"] if k not in diag]
-        if outside:
-            print(f"    {len(outside)} differing params outside the diag layers, e.g. {outside[:3]}")
+    print(f"FP8 bit-equal to SGLang's load of the FP8 checkpoint ({res['params_checked']} params): pull "
+          f"{not res['fp8_pull_mismatched']}, push {not res['fp8_push_mismatched']} (diagnosis above and in the JSON)")
     print(f"generate: FP8 {res['fp8_tokens_per_s']:.0f} tok/s, bf16 {res['bf16_tokens_per_s']:.0f} tok/s; greedy "
           f"first token equal {res['first_token_agreement']:.0%}, |logprob gap| {res['first_token_logprob_gap_mean']}")
-    if out_dir:
-        path = os.path.join(out_dir, f"gpu_fp8_sync_{args.model}.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {path}")
+    save(res, out_dir, args.model, final=True)
     return 0 if ok else 1
 
 
