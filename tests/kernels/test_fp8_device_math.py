@@ -121,3 +121,14 @@ def test_diagnose_other_values():
     assert far["kind"] == "values" and far["max_rel"] > 0.3
     assert D.diagnose_plain(src, src.clone())["kind"] == "equal"
     assert D.diagnose_plain(src, src + 1)["kind"] == "values"
+
+
+def test_the_release_writers_quantiser_is_the_ieee_quotient_under_cuda_division():
+    """make-fp8's quantiser (converters/fp8_release.py) had the same scalar division; non-zero blocks agree."""
+    from mtrain.converters.fp8_release import quantize_fp8_blockwise
+
+    w = (torch.randn(300, 260, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    with CudaScalarDivision():
+        q, s = quantize_fp8_blockwise(w)
+    ref_q, ref_s = D.quantize_f64(w)
+    assert torch.equal(s, ref_s) and torch.equal(u8(q), u8(ref_q))
