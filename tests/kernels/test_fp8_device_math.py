@@ -132,3 +132,11 @@ def test_the_release_writers_quantiser_is_the_ieee_quotient_under_cuda_division(
         q, s = quantize_fp8_blockwise(w)
     ref_q, ref_s = D.quantize_f64(w)
     assert torch.equal(s, ref_s) and torch.equal(u8(q), u8(ref_q))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantize_blocks_on_cuda_equals_float64():
+    w = (torch.randn(2, 513, 700, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
+    q, s = quantize_blocks(w.cuda())
+    ref_q, ref_s = D.quantize_f64(w)
+    assert torch.equal(s.cpu(), ref_s) and torch.equal(u8(q.cpu()), u8(ref_q))
