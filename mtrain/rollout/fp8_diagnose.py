@@ -103,7 +103,8 @@ class CudaScalarDivision(TorchDispatchMode):
 # Diagnosis.
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+    """The raw bytes, flat (any dtype, any shape: a bf16 norm of odd length, a 0-d k_scale)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -154,8 +155,7 @@ def diagnose_scale(ref: torch.Tensor, got: torch.Tensor, src: torch.Tensor | Non
     if same_bits(ref, got):
         out["kind"] = "equal" if ref.stride() == got.stride() else "equal values, other strides (column-major?)"
         return out
-    diff = ~torch.eq(_bits(ref), _bits(got))
-    out["blocks_differ"] = int(diff.sum())
+    out["blocks_differ"] = int((ref.detach().cpu().view(torch.int32) != got.detach().cpu().view(torch.int32)).sum())
     out["blocks"] = ref.numel()
     if ref.dim() >= 2 and ref.shape[-1] == ref.shape[-2] and same_bits(ref.transpose(-1, -2).contiguous(), got):
         out["kind"] = "layout: transposed (square)"

@@ -140,3 +140,11 @@ def test_quantize_blocks_on_cuda_equals_float64():
     q, s = quantize_blocks(w.cuda())
     ref_q, ref_s = D.quantize_f64(w)
     assert torch.equal(s.cpu(), ref_s) and torch.equal(u8(q.cpu()), u8(ref_q))
+
+
+def test_diagnose_plain_takes_any_shape_and_dtype():
+    odd = torch.randn(7).to(torch.bfloat16)
+    assert D.diagnose_plain(odd, odd.clone())["kind"] == "equal"
+    assert D.diagnose_plain(torch.tensor(1.0), torch.tensor(2.0))["kind"] == "values"
+    f8 = torch.randn(3, 3).to(FP8)
+    assert D.diagnose_plain(f8, torch.zeros(3, 3).to(FP8))["kind"] == "values"
