@@ -3,6 +3,8 @@
 # root with `.gpu/` carried. PARTS picks:
 #   dsv3     the DeepSeek-V3 recipe at reduced size, PP2 training + one SGLang engine TP2xEP2 (issue 16; 2 GPUs)
 #   timeout  a stalled and a dead rank under NCCL end the job within train.collective_timeout_s (issue 19; 2 GPUs)
+#   timeout_pytest  the same through tests/test_collective_timeout.py (its assertions; 2 GPUs)
+#   fp8 / fp8_llama8b  FP8 sync bit-equality with SGLang's own FP8 load, tiny DeepSeek-V3 / Llama-8B (issue 15)
 #   pack     packed vs padded vs fixed-length training throughput and MFU, 1B model (issue 18; 1 GPU)
 #   front    the OpenAI front on SGLang under 64 concurrent clients vs direct engine calls (issue 13; 1 GPU)
 #   tool     multi-turn calculator rollouts on SGLang, token-in-token-out checked (issue 12; 1 GPU)
@@ -29,7 +31,15 @@ if [[ $parts == *" timeout "* ]]; then
     # each must exit non-zero within ~timeout + NCCL watchdog teardown; wall time printed by step()
     step timeout_hang 120 torchrun --standalone --nproc-per-node 2 benchmarks/collective_timeout.py --fault hang --timeout-s 20
     step timeout_die 120 torchrun --standalone --nproc-per-node 2 benchmarks/collective_timeout.py --fault die --timeout-s 20
+fi
+if [[ $parts == *" timeout_pytest "* ]]; then
     step timeout_pytest 180 python -m pytest -q -p no:cacheprovider tests/test_collective_timeout.py
+fi
+if [[ $parts == *" fp8 "* ]]; then  # FP8 sync bit-equality after the CUDA scalar-division fix (docs/fp8.md)
+    step fp8_dsv3tiny 200 python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model dsv3tiny --disk --diag-rows 0
+fi
+if [[ $parts == *" fp8_llama8b "* ]]; then
+    step fp8_llama8b 420 python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model llama8b --contiguous-params
 fi
 if [[ $parts == *" pack "* ]]; then
     # 2048, not 4096: padded mode on the local spec (no TE here) keeps [mbs, heads, s, s] attention scores per layer
