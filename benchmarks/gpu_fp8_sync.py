@@ -391,7 +391,7 @@ def main() -> int:
         res[f"fp8_{mode}_ours_equals_f64"] = sum(bool(d.get("ours_equals_f64")) for d in diag.values()
                                                  ) if ok_diag else None
         res[f"fp8_{mode}_vs_old_reference_kinds"] = guarded(lambda: dict(Counter(
-            diagnose_pair(n, old, got_t, src[n])["kind"] for n in diag_names if n in old)))
+            diagnose_pair(n, old, got_t, src[n])["kind"] for n in diag_names if n in old and n in src)))  # weights only
         report_mode(res, mode, layers, sum(1 for n in diag_names if n in fp8_names and n in src))
         save(res, out_dir, args.model)
     batch = prompts(args.gen, cfg["vocab_size"])

@@ -164,10 +164,6 @@ def init_distributed(
         # A timed-out NCCL collective must end the process (3 = tear down without cleanup, torch's default
         # since 2.3); stated here so that a torch with another default cannot turn a dead peer into a silent hang.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        # Before tearing down, the watchdog waits up to a minute for a flight-recorder dump (measured on 2xH200: the
-        # job ended 60 s after a 20 s collective timeout, docs/results.md). Without TORCH_NCCL_DEBUG_INFO_TEMP_FILE
-        # nobody reads that dump, so the wait is off unless the user asks for dumps.
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     else:
         cpu_shim.apply()
     no_te.apply()
