@@ -86,6 +86,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logp[token])
 
 
+def top_alternatives(logits: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
+    """The `params.top_logprobs` most likely (token, logprob) of a float32 [vocab] logits row, in the distribution
+    `sample_token`'s logprob comes from (log_softmax(logits / T); T = 1 when greedy), most likely first."""
+    logp = torch.log_softmax(logits if params.greedy else logits / params.temperature, dim=-1)
+    values, ids = torch.topk(logp, params.top_logprobs)
+    return [(int(i), float(v)) for i, v in zip(ids, values)]
+
+
 class ReferenceEngine(RolloutEngine):
     """A HF model on CPU generating with a KV cache, one request group per prompt length (no padding).
 
@@ -413,6 +421,7 @@ class ReferenceEngine(RolloutEngine):
         """Decode requests that share one prompt length, in lock step, with one KV cache."""
         outputs: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[float]] = [[] for _ in reqs]
+        tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
         finish: list[str | None] = [None] * len(reqs)
         gens = []
         for req in reqs:
@@ -443,6 +452,8 @@ class ReferenceEngine(RolloutEngine):
                 token, logprob = sample_token(logits[row], params, gens[i])
                 outputs[i].append(token)
                 logprobs[i].append(logprob)
+                if tops[i] is not None:
+                    tops[i].append(top_alternatives(logits[row], params))
                 next_ids.append(token)
                 if token in params.stop_token_ids:
                     finish[i] = "stop"
@@ -459,5 +470,6 @@ class ReferenceEngine(RolloutEngine):
             if all(finish[i] is not None for i in alive):
                 break
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
-                           finish_reason=finish[i], weight_version=self._version)  # type: ignore[arg-type]
+                           finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
+                           top_logprobs=tops[i])
                 for i, r in enumerate(reqs)]

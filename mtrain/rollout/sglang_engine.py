@@ -227,7 +227,7 @@ class SGLangEngine(RolloutEngine):
         try:
             return await self._engine.async_generate(
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                return_logprob=True, rid=srid)
+                return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs)
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
