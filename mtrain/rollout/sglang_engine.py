@@ -273,7 +273,7 @@ class SGLangEngine(RolloutEngine):
     def _completion(self, req: Request, out: Any) -> Completion:
         if out is None:
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
-                              finish_reason="abort", weight_version=self._weight_version)
+                              finish_reason="abort", weight_version=self._weight_version, vision=req.vision)
         return completion_from_output(req, out, self._weight_version)
 
     def abort(self, rid_prefix: str | None = None) -> None:

@@ -127,7 +127,7 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
-                      finish_reason=_FINISH[kind], weight_version=version)
+                      finish_reason=_FINISH[kind], weight_version=version, vision=req.vision)
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
