@@ -25,7 +25,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|image_pad|>", "<|video_pad|>")
 _CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
 TOKEN_ID = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-VOCAB_SIZE = 112  # 7 specials + 97 characters = 104 used; the rest unused rows (the embedding is padded)
+# 7 specials + 97 characters: every id the model can emit decodes (transformers drops unknown ids silently); 104 is
+# no multiple of 128, so vocab padding is exercised wherever it applies.
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(_CHARS)
 
 # Qwen2.5-VL-Instruct's chat_template (images and text; videos dropped: not supported here).
 CHAT_TEMPLATE = (
