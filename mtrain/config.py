@@ -366,6 +366,12 @@ def validate(cfg: RunConfig) -> None:
               "data.longtail.num_train", "data.longtail.median_count", "data.longtail.max_count",
               "train.eval_samples", "sync.bucket_mb")
     _at_least(cfg, 0, "data.longtail.num_eval", "data.longtail.sigma")
+    _at_least(cfg, 1, "data.count_shapes.num_train", "data.count_shapes.max_shapes")
+    _at_least(cfg, 0, "data.count_shapes.num_eval")
+    _at_least(cfg, 28, "data.count_shapes.min_size")  # one 28 x 28 merged token at least
+    _check(d.count_shapes.max_size >= d.count_shapes.min_size, "data.count_shapes.max_size",
+           f"must be >= data.count_shapes.min_size ({d.count_shapes.min_size}), got {d.count_shapes.max_size}")
+    _at_least(cfg, 28 * 28, "data.max_pixels", optional=True)
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
     _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
