@@ -62,6 +62,15 @@ TINY_VLM_CONFIG: dict[str, Any] = dict(
 )
 
 
+# The GPU variant (SGLang): head sizes with a fused rope kernel in SGLang (64; 16 crashes its schedulers, as 32 did
+# for Llama: /work/shared/device/README.md) for both the language model and the vision tower.
+TINY_VLM_GPU_OVERRIDES: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+    vision_config=dict(TINY_VLM_CONFIG["vision_config"], hidden_size=128, intermediate_size=256, num_heads=2,
+                       out_hidden_size=256))
+
+
 def tiny_vlm_config(**overrides: Any) -> dict[str, Any]:
     cfg = copy.deepcopy(TINY_VLM_CONFIG)
     cfg.update(overrides)
