@@ -30,11 +30,14 @@ from typing import Any, Sequence
 
 import torch
 
+from mtrain.data.datasets import DatasetError
+
 IMAGE_PLACEHOLDER = "<image>"
 
 
-class VisionError(ValueError):
-    """An image or an image prompt that cannot be used; the message names the sample and the file."""
+class VisionError(DatasetError):
+    """An image or an image prompt that cannot be used; the message names the sample and the file. A DatasetError:
+    the preflight check and `mtrain train` report it as one line, before any work."""
 
 
 # ---------------------------------------------------------------- the carried tensors
@@ -92,10 +95,14 @@ class VisionInputs:
             raise VisionError(f"{what}: image token runs {runs} do not match the images' token counts "
                               f"{self.tokens_per_image} (image_token_id {self.image_token_id})")
 
-    def mm_token_type_ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """transformers' mm_token_type_ids for `ids` (1 on image tokens, 0 elsewhere)."""
+    def mm_token_type_ids(self, ids: Sequence[int] | torch.Tensor, prompt_len: int | None = None) -> torch.Tensor:
+        """transformers' mm_token_type_ids for `ids` (1 on the prompt's image tokens, 0 elsewhere). Image token ids
+        after the first `prompt_len` tokens are text: a model may sample <|image_pad|>, and engines embed it as text."""
         t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
-        return (t == self.image_token_id).to(torch.int32)
+        out = (t == self.image_token_id).to(torch.int32)
+        if prompt_len is not None:
+            out[..., prompt_len:] = 0
+        return out
 
     @staticmethod
     def concat(items: Sequence["VisionInputs | None"]) -> "VisionInputs | None":
@@ -113,6 +120,15 @@ class VisionInputs:
             return first
         return VisionInputs(torch.cat([v.pixel_values for v in present]),
                             torch.cat([v.image_grid_thw for v in present]), first.image_token_id, first.merge_size)
+
+
+def image_token_mask(tokens: torch.Tensor, prompt_lens: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[B, T] bool: where a batch's image features go -- image tokens inside each row's prompt only. A sampled
+    <|image_pad|> in a response is a text token (SGLang takes image slots from the prompt's offsets; the reference
+    engine decodes without pixel values), so the trainer must embed it as text too. prompt_lens = seq_lens -
+    response_lens of a RolloutBatch."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return (tokens == image_token_id) & (positions[None, :] < prompt_lens.to(tokens.device)[:, None])
 
 
 class VisionRows:
