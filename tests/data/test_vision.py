@@ -189,3 +189,29 @@ def test_batches_carry_vision_rows():
     assert RolloutBatch.concat([text_only, batch]).vision.items == [None, v, None]
     t = Trajectory("t", [Segment("prompt", [1, 5, 5, 5, 5]), Segment("model", [7], [-1.0], [0])], reward=1.0, vision=v)
     assert to_batch([t], pad_id=0).vision.items == [v]
+
+
+def test_released_style_preprocessor_config(tmp_path, vlm_dir):
+    """A folder whose preprocessor_config.json is written as Qwen2.5-VL's release writes it (min/max_pixels, no
+    `size`): the budget and the resize follow it (Qwen's smart_resize, restated here), data.max_pixels overrides."""
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(vlm_dir / f, tmp_path / f)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}))
+    proc = load_vision_processor(tmp_path, tiny_vlm_config(), None)
+    assert proc.max_pixels == 12845056
+    w, h = 1000, 700  # 700000 pixels: kept near its size (multiples of 28)
+    v = proc.vision_inputs([picture(w, h, 9)], "s")
+    assert v.image_grid_thw.tolist() == [[1, round(h / 28) * 2, round(w / 28) * 2]]
+    small = load_vision_processor(tmp_path, tiny_vlm_config(), 100_000)
+    with pytest.raises(VisionError, match="more than the pixel budget data.max_pixels=100000"):
+        small.vision_inputs([picture(w, h, 9)], "s")
+    # within the budget, but rounding to multiples of 28 overshoots it (448 x 448 > 200000): floored into it
+    mid = load_vision_processor(tmp_path, tiny_vlm_config(), 200_000)
+    beta = math.sqrt(447 * 447 / 200_000)
+    side = math.floor(447 / beta / 28) * 28  # 420
+    assert mid.vision_inputs([picture(447, 447, 1)], "s").image_grid_thw.tolist() == [[1, side // 14, side // 14]]
