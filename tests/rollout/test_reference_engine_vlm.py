@@ -8,7 +8,7 @@ from PIL import Image
 
 from mtrain.data.chat import tokenize_prompts
 from mtrain.data.datasets import PromptSample
-from mtrain.data.vision import VisionInputs, load_vision_processor
+from mtrain.data.vision import load_vision_processor
 from mtrain.rollout.protocol import EngineError, Request, SamplingParams
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.sglang_wire import completion_from_output, sglang_image_data
