@@ -166,3 +166,14 @@ def test_sglang_image_item_splits_back_into_each_images_own_inputs(setup):
         sglang_image_data(bad)
     out = {"output_ids": [7], "meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": "length"}}
     assert completion_from_output(req, out, 0).vision is p.vision
+
+
+def test_sglang_engine_reads_the_models_image_token(setup, tmp_path):
+    """The SGLang engine refuses the same image requests as the reference engine (check_vision_request before
+    SGLang sees them); it learns the image token from the folder's config.json, without importing SGLang."""
+    from mtrain.rollout.sglang_engine import _vision_of
+    from mtrain.tiny_hf import write_tiny_hf
+
+    d, _, _ = setup
+    assert _vision_of(str(d)) == (IMAGE_TOKEN, "qwen2_5_vl")
+    assert _vision_of(str(write_tiny_hf("qwen2", tmp_path / "q"))) == (None, "qwen2")
