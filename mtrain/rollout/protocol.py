@@ -96,6 +96,9 @@ class Completion:
     # Per output token, the weight version that produced it; None = all weight_version. A sample resumed across a
     # weight sync (partial rollout) spans several versions.
     token_versions: list[int] | None = None
+    # Routing replay (mtrain/rollout/routing.py): [prompt + output - 1, layers, top_k] logical expert ids of every input
+    # token, when the engine records them; None otherwise.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def versions(self) -> list[int]:
@@ -106,6 +109,10 @@ class Completion:
         if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
             raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
                              f"{len(self.token_versions)} token versions")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.prompt_ids) + len(
+                self.output_ids) - 1:
+            raise ValueError(f"Completion {self.rid!r}: routed experts cover {self.routed_experts.shape[0]} tokens, "
+                             f"expected prompt + output - 1 = {len(self.prompt_ids) + len(self.output_ids) - 1}")
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"

@@ -83,7 +83,10 @@ class SGLangEngine(RolloutEngine):
         random_seed: int = 0,
         deterministic: bool = False,
         server_args: Mapping[str, Any] | None = None,
+        routing=None,
     ) -> None:
+        """routing: a `mtrain.rollout.routing.RoutingShape` to return every request's routed experts (routing
+        replay): the server starts with `enable_return_routed_experts` and each request asks for them."""
         try:
             import sglang
             from sglang.srt.managers import io_struct
@@ -105,6 +108,9 @@ class SGLangEngine(RolloutEngine):
         self._dead: str | None = None
         self._engine = None
         self._seeds = random.Random(random_seed)
+        self._routing = routing
+        if routing is not None:
+            server_args = {**(server_args or {}), "enable_return_routed_experts": True}
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
@@ -227,7 +233,8 @@ class SGLangEngine(RolloutEngine):
         try:
             return await self._engine.async_generate(
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                return_logprob=True, rid=srid)
+                return_logprob=True, rid=srid,
+                **({"return_routed_experts": True} if self._routing is not None else {}))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
@@ -274,7 +281,7 @@ class SGLangEngine(RolloutEngine):
         if out is None:
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
                               finish_reason="abort", weight_version=self._weight_version)
-        return completion_from_output(req, out, self._weight_version)
+        return completion_from_output(req, out, self._weight_version, routing=self._routing)
 
     def abort(self, rid_prefix: str | None = None) -> None:
         """Abort our in-flight requests whose rid starts with rid_prefix (all when None). Thread-safe: may be

@@ -105,8 +105,12 @@ def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
     return out
 
 
-def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
-    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
+def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int, routing=None) -> Completion:
+    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion.
+
+    routing: the model's `mtrain.rollout.routing.RoutingShape` when the engine returns routed experts
+    (`enable_return_routed_experts`): `meta_info["routed_experts"]` (base64 int32 [prompt + output - 1, L, k]) is
+    decoded into the stored dtype. A finished request without it is an error (the server flag is missing)."""
     meta = out.get("meta_info", {})
     output_ids = [int(t) for t in out.get("output_ids", [])]
     entries = meta.get("output_token_logprobs") or []
@@ -126,8 +130,21 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
         version = int(version)
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
+    routed = None
+    if routing is not None:
+        from mtrain.rollout.routing import RoutingError, decode_sglang
+        payload = meta.get("routed_experts")
+        if payload is None and _FINISH[kind] != "abort":
+            raise EngineError(f"request {req.rid!r}: SGLang returned no routed experts (server started without "
+                              f"enable_return_routed_experts?)")
+        if payload is not None:
+            try:
+                routed = decode_sglang(payload, routing, len(req.prompt_ids) + len(output_ids) - 1,
+                                       f"request {req.rid!r}")
+            except RoutingError as e:
+                raise EngineError(str(e)) from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
-                      finish_reason=_FINISH[kind], weight_version=version)
+                      finish_reason=_FINISH[kind], weight_version=version, routed_experts=routed)
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:

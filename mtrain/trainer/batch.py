@@ -26,24 +26,31 @@ class RolloutBatch:
     response_lens: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B] long: prompt + response tokens (the rest of the row is padding)
     versions: torch.Tensor  # [B, T-1] long: the weight version that generated each response token (-1 off the mask)
+    # routing replay: [B, T, layers, top_k] the engine's routed experts of every input token (mtrain/rollout/routing.py;
+    # positions without a record hold RoutingShape.filler()); None when the run does not replay
+    routed_experts: torch.Tensor | None = None
 
-    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions")
+    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions", "routed_experts")
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                               for f in fields(self)})
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
         """Rows of several batches of the same width, in order (a step's minibatches, for its metrics)."""
-        return RolloutBatch(**{f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)})
+        return RolloutBatch(**{f.name: None if getattr(batches[0], f.name) is None else
+                               torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)})
 
 
-def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1
-                ) -> RolloutBatch:
+def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1,
+                routing=None) -> RolloutBatch:
+    """routing: the model's `RoutingShape` when the run replays the engine's routing: every completion with output
+    must carry its routed experts (checked here, before any trainer work), and the batch holds them."""
     if not completions:
         raise ValueError("build_batch: no completions")
     lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
@@ -61,8 +68,13 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
             mask[i, p - 1:p - 1 + r] = 1.0
             engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
             versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
+    routed = None
+    if routing is not None:
+        from mtrain.rollout.routing import batch_routing
+        routed = batch_routing(routing, t, [(c.rid, len(c.prompt_ids) + len(c.output_ids), c.routed_experts, bool(
+            c.output_ids)) for c in completions])
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions)
+                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions, routed)
 
 
 def dp_rows(seq_lens: torch.Tensor, dp_rank: int, dp_size: int, by_tokens: bool) -> torch.Tensor | slice:
