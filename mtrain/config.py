@@ -524,6 +524,8 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
             return _coerce(value, non_none[0], key)
         raise ConfigError(f"{key}: unsupported union type {t}")  # not used by the tree above
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not {_type_name(t)}")
         return value

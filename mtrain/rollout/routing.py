@@ -103,11 +103,15 @@ def routing_shape(hf_config: dict) -> RoutingShape | None:
 
 
 def decode_sglang(payload: str, shape: RoutingShape, rows: int, what: str) -> torch.Tensor:
-    """SGLang's `meta_info["routed_experts"]` (base64 of int32 `[rows, num_layers, top_k]`) -> stored dtype."""
-    try:
-        raw = np.frombuffer(base64.b64decode(payload, validate=True), dtype=np.int32)
-    except (ValueError, TypeError) as e:
-        raise RoutingError(f"{what}: routed experts are not base64 int32: {e}") from None
+    """SGLang's `meta_info["routed_experts"]` (base64 of int32 `[rows, num_layers, top_k]`) -> stored dtype.
+    An array or tensor (a path that hands the ids over undecoded) is accepted as it is."""
+    if isinstance(payload, (torch.Tensor, np.ndarray)):
+        raw = np.asarray(payload.cpu() if isinstance(payload, torch.Tensor) else payload).astype(np.int32).ravel()
+    else:
+        try:
+            raw = np.frombuffer(base64.b64decode(payload, validate=True), dtype=np.int32)
+        except (ValueError, TypeError) as e:
+            raise RoutingError(f"{what}: routed experts are not base64 int32: {e}") from None
     per = shape.num_layers * shape.top_k
     if raw.size % per:
         raise RoutingError(f"{what}: {raw.size} routed expert ids do not split into rows of {shape.num_layers} "
