@@ -238,27 +238,32 @@ def perturbed_trainer(rank: int, world: int, hf_dir: str, completions: list) -> 
     return out
 
 
-def bad_replay_data(rank: int, world: int, hf_dir: str, what: str) -> dict:
-    """Actor.logprobs on a batch whose routing is broken in one way: the error, and how many forwards ran."""
+def bad_replay_data(rank: int, world: int, hf_dir: str, cases: list[str]) -> dict:
+    """Actor.logprobs on batches whose routing is broken in one way each: per case the error and how many forwards
+    ran; last, a good batch (the same Actor still works)."""
     from mtrain.dist import init_distributed
     init_distributed()
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    batch = make_batch(hf_config)
-    r = batch.routed_experts
-    if what == "layers":
-        batch.routed_experts = r[:, :, :-1]
-    elif what == "tokens":
-        batch.routed_experts = r[:, :-1]
-    elif what == "expert_id":
-        r[3, 5, r.shape[2] - 1, 0] = 250  # a MoE layer of a trained row, far outside the tiny model's experts
-    elif what == "missing":
-        batch.routed_experts = None
     actor = _actor(_config(hf_dir, {}), hf_config, rank, trainable=False)
     forwards = []
     for c in actor.chunks:
         c.register_forward_pre_hook(lambda *a: forwards.append(1))
-    try:
-        actor.logprobs(batch)
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"error": f"{type(e).__name__}: {e}", "forwards": len(forwards)}
-    return {"error": None, "forwards": len(forwards)}
+    out = {}
+    for what in [*cases, "good"]:
+        batch = make_batch(hf_config)
+        r = batch.routed_experts
+        if what == "layers":
+            batch.routed_experts = r[:, :, :-1]
+        elif what == "tokens":
+            batch.routed_experts = r[:, :-1]
+        elif what == "expert_id":
+            r[3, 5, r.shape[2] - 1, 0] = 250  # a MoE layer of a trained row, far outside the tiny model's experts
+        elif what == "missing":
+            batch.routed_experts = None
+        forwards.clear()
+        try:
+            actor.logprobs(batch)
+            out[what] = {"error": None, "forwards": len(forwards)}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[what] = {"error": f"{type(e).__name__}: {e}", "forwards": len(forwards)}
+    return out
