@@ -109,12 +109,10 @@ class SGLangEngine(RolloutEngine):
         self._engine = None
         self._seeds = random.Random(random_seed)
         self._routing = routing
-        if routing is not None:
-            server_args = {**(server_args or {}), "enable_return_routed_experts": True}
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
-                                    deterministic=deterministic, extra=server_args)
+                                    deterministic=deterministic, extra=server_args, routed_experts=routing is not None)
         # A further node's part of an engine spanning nodes (node_rank > 0): its schedulers serve that node's TP ranks
         # and take every request and weight call from node 0's part by SGLang's own broadcast; this object only
         # holds them. SGLang would block in the constructor unless told not to (engine.py:1105-1132).

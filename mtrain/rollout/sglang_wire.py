@@ -37,6 +37,7 @@ def engine_server_args(
     random_seed: int,
     deterministic: bool = False,
     extra: Mapping[str, Any] | None = None,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
     args: dict[str, Any] = dict(
@@ -69,6 +70,8 @@ def engine_server_args(
         custom_sigquit_handler=_launch_sigquit_handler,
         log_level="error",
     )
+    if routed_experts:  # routing replay: requests may then ask for meta_info["routed_experts"] (server_args.py:3364)
+        args["enable_return_routed_experts"] = True
     for k, v in (extra or {}).items():
         if k == "custom_weight_loader":
             args[k] = list(args[k]) + [x for x in v if x not in args[k]]

@@ -267,3 +267,18 @@ def bad_replay_data(rank: int, world: int, hf_dir: str, cases: list[str]) -> dic
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[what] = {"error": f"{type(e).__name__}: {e}", "forwards": len(forwards)}
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the RL loop
+def loop_steps(rank: int, world: int, hf_dir: str, run_dir: str, extra: dict) -> list[dict]:
+    """Trainer.train_step x 2 with the reference engine recording and the trainer replaying."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loop_harness import base_overrides
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    t = Trainer(load_config(CONFIG, base_overrides(Path(hf_dir), Path(run_dir), **extra)))
+    try:
+        return [t.train_step() for _ in range(2)]
+    finally:
+        t.close()
