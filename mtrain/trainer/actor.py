@@ -78,12 +78,17 @@ class Actor:
             hf_config = dict(hf_config, num_nextn_predict_layers=0)
         split = {**pipeline_split_overrides(par.first_stage_layers, par.last_stage_layers),
                  **recompute_overrides(cfg.train.recompute)}
-        # algo.routing_replay=rollout: every MoE router replays the engine's experts (mtrain/trainer/routing_replay.py)
-        self.routing = routing_shape(hf_config) if cfg.algo.routing_replay == "rollout" else None
-        if cfg.algo.routing_replay == "rollout" and self.routing is None:
-            raise ModelConfigError(f"algo.routing_replay=rollout needs a MoE model; {hf_config.get('model_type')!r} "
+        # algo.routing_replay (mtrain/trainer/routing_replay.py): rollout = every MoE router replays the engine's
+        # experts, which the batch carries (self.routing: their shape); trainer = the update replays the scoring
+        # pass's own choice (the frozen reference model has no update: it routes itself)
+        mode = cfg.algo.routing_replay
+        shape = routing_shape(hf_config) if mode != "off" else None
+        if mode != "off" and shape is None:
+            raise ModelConfigError(f"algo.routing_replay={mode} needs a MoE model; {hf_config.get('model_type')!r} "
                                    f"has no routed experts (use algo.routing_replay=off)")
-        if self.routing is not None:
+        self.routing = shape if mode == "rollout" else None
+        replays = mode == "rollout" or (mode == "trainer" and trainable)
+        if replays:
             split["moe_enable_routing_replay"] = True
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})})
@@ -107,11 +112,11 @@ class Actor:
             self.chunks = chunks
             for c in chunks:
                 c.requires_grad_(False)
-            self.replay = RouterReplayFeeder(chunks, self.routing, self.tconfig) if self.routing is not None else None
+            self.replay = RouterReplayFeeder(chunks, shape, self.tconfig) if replays else None
             return
         self.chunks = [DistributedDataParallel(self.tconfig, ddp_cfg, c) for c in chunks]
         # keyed by the objects Megatron's schedule hands the forward step: the wrapped chunks
-        self.replay = RouterReplayFeeder(self.chunks, self.routing, self.tconfig) if self.routing is not None else None
+        self.replay = RouterReplayFeeder(self.chunks, shape, self.tconfig, own=mode == "trainer") if replays else None
         # Megatron's schedule calls this after the last backward: DP gradient reduction (DDP.finish_grad_sync),
         # the first/last-stage all-reduce of tied embedding grads, TP all-reduce of sequence-parallel norm grads.
         # Without it every DP rank would step with its own local gradient.
@@ -229,7 +234,7 @@ class Actor:
     def _replay_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
         """[B, T] bool: positions whose routing the engine recorded, when this actor replays; checks the batch's
         routing against the model before any forward (one clear error, nothing run)."""
-        if self.replay is None:
+        if self.routing is None:
             return None
         r, shape = batch.routed_experts, self.routing
         if r is None:
@@ -287,6 +292,8 @@ class Actor:
         micro = self._micro(batch, {})
         if self.replay is not None:  # the scoring pass also counts where the trainer's own routing differs
             self.replay.measure = True
+            if self.replay.own:  # algo.routing_replay=trainer: the update of this batch replays this pass
+                self.replay.record_pass()
         try:
             with torch.no_grad():
                 outs = self._run(micro, loss_fn, forward_only=True)
@@ -343,4 +350,6 @@ class Actor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.replay is not None and self.replay.own:
+            self.replay.replay_pass()
         return self._run(micro, loss_fn, forward_only=False)

@@ -38,10 +38,20 @@ def _in_backward() -> bool:
 
 
 class RouterReplayFeeder:
-    """The replay routers of the model chunks, fed one micro-batch at a time."""
+    """The replay routers of the model chunks, fed one micro-batch at a time.
 
-    def __init__(self, chunks: list, shape: RoutingShape, config) -> None:
-        self.shape, self.config = shape, config
+    own=False (algo.routing_replay=rollout): the ids come from the batch (the engine's record).
+    own=True (algo.routing_replay=trainer): the scoring pass records every router's own choice (Megatron's RECORD
+    action), per micro-batch, and the next update of the same batch replays it (`record_pass` / `replay_pass`)."""
+
+    def __init__(self, chunks: list, shape: RoutingShape, config, own: bool = False) -> None:
+        if config.moe_router_fusion:
+            raise RoutingError("routing replay needs moe_router_fusion=False: the fused top-k kernel bypasses "
+                               "megatron-core's RouterReplay")
+        self.shape, self.config, self.own = shape, config, own
+        self._recording: dict[int, list] | None = None  # own: id(router) -> ids per micro-batch, while recording
+        self._passes: list[dict[int, list]] = []  # own: recorded scoring passes waiting for their update
+        self._replaying: dict[int, list] | None = None
         self.routers: dict[int, list[TopKRouter]] = {}  # id(chunk) -> its decoder routers
         seen = []
         for chunk in chunks:
@@ -66,14 +76,20 @@ class RouterReplayFeeder:
         self.counted = torch.zeros((), dtype=torch.float64)
 
     # ---------------------------------------------------------------- hooks
-    @staticmethod
-    def _choose_action(router, args) -> None:
+    def _choose_action(self, router, args) -> None:
+        if self._recording is not None and not _in_backward():
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+            return
         if router.router_replay.target_topk_idx is None:
             return  # not fed: the router computes its own top-k
         router.router_replay.set_router_replay_action(
             RouterReplayAction.REPLAY_BACKWARD if _in_backward() else RouterReplayAction.REPLAY_FORWARD)
 
     def _measure_hook(self, router, args, output) -> None:
+        if self._recording is not None and not _in_backward():
+            ids = router.router_replay.get_recorded_indices()
+            self._recording.setdefault(id(router), []).append(ids.detach().to(self.shape.dtype))
+            return
         if not self.measure or _in_backward() or router.router_replay.target_topk_idx is None:
             return
         with torch.no_grad():
@@ -93,6 +109,9 @@ class RouterReplayFeeder:
         """Give every router of `chunk` its layer's ids for micro-batch `mb` (as built by Actor._micro)."""
         routers = self.routers.get(id(chunk))
         if not routers:
+            return
+        if self.own:
+            self._feed_own(routers, mb)
             return
         if "pack" in mb:  # [S, L, k] along the packed stream -> [S, 1, L, k]
             ids, valid = mb["packed/routed_experts"].unsqueeze(1), mb["routing_valid"].unsqueeze(1)
@@ -118,8 +137,42 @@ class RouterReplayFeeder:
             router.router_replay.set_target_indices(ids[:, layer].contiguous())
             self._valid[id(router)] = valid
 
+    # ---------------------------------------------------------------- own routing (algo.routing_replay=trainer)
+    def record_pass(self) -> None:
+        """The next schedule (a scoring pass) records every router's own ids, per micro-batch."""
+        self._recording = {}
+
+    def replay_pass(self) -> None:
+        """The next schedule (an update) replays the oldest recorded scoring pass: the same batch, micro-batched the
+        same way (Actor._micro is deterministic), so its k-th micro-batch gets the k-th recorded ids."""
+        if not self._passes:
+            raise RoutingError("algo.routing_replay=trainer: no recorded scoring pass for this update (score the "
+                               "batch with Actor.logprobs first)")
+        self._replaying = self._passes.pop(0)
+
+    def _feed_own(self, routers: list, mb: dict) -> None:
+        if self._replaying is None:
+            return  # a scoring pass (recording) or a plain forward: the routers choose themselves
+        tokens = mb["tokens"].numel() // (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel
+                                          else 1)
+        for router in routers:
+            queue = self._replaying.get(id(router))
+            if not queue:
+                raise RoutingError(f"algo.routing_replay=trainer: the update runs more micro-batches than its scoring "
+                                   f"pass recorded (layer {router.layer_number - 1})")
+            ids = queue.pop(0)
+            if ids.shape[0] != tokens:
+                raise RoutingError(f"algo.routing_replay=trainer: recorded ids of {ids.shape[0]} tokens for a "
+                                   f"micro-batch of {tokens} (layer {router.layer_number - 1}): the update's batch "
+                                   f"is not the one scored")
+            router.router_replay.set_target_indices(ids.to(mb["tokens"].device).long())
+
     def finish(self) -> None:
         """After a schedule: drop every queued id and give the routers back their own top-k."""
+        if self._recording is not None:
+            self._passes.append(self._recording)
+            self._recording = None
+        self._replaying = None
         for routers in self.routers.values():
             for r in routers:
                 r.router_replay.clear_indices()
@@ -143,7 +196,7 @@ class RouterReplayFeeder:
 def routing_metrics(actor) -> dict[str, float]:
     """A step's routing-replay metrics (collective when the actor replays): the disagreement its scoring passes
     measured, and what the stored routing costs per token (ours, and SGLang's int32 payload)."""
-    if actor.replay is None:
+    if actor.replay is None or actor.routing is None:  # off, or trainer (no engine routing to compare with)
         return {}
     return {**actor.replay.take_disagreement(), "routing/bytes_per_token": float(actor.routing.bytes_per_token),
             "routing/engine_bytes_per_token": float(actor.routing.sglang_bytes_per_token)}

@@ -282,3 +282,43 @@ def loop_steps(rank: int, world: int, hf_dir: str, run_dir: str, extra: dict) ->
         return [t.train_step() for _ in range(2)]
     finally:
         t.close()
+
+
+# ---------------------------------------------------------------------------------------------- trainer mode
+def trainer_mode(rank: int, world: int, hf_dir: str, layout: dict) -> dict:
+    """algo.routing_replay=trainer vs off: score a batch, move every router's expert bias (DeepSeek-V3: it changes
+    which experts are chosen, not their weights), then update: the update's PPO ratio against the scoring pass."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router import TopKRouter
+    from mtrain.dist import init_distributed
+    from mtrain.trainer.batch import dp_rows
+    init_distributed(**layout)
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    batch = make_batch(hf_config)
+    batch.routed_experts = None  # nothing from an engine: the trainer replays itself
+    sl = dp_rows(batch.seq_lens, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), by_tokens=False)
+    mine = batch.select(sl)
+    adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.response_mask
+    norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(batch.size)}
+    out = {"last": ps.is_pipeline_last_stage(ignore_virtual=True)}
+    for mode in ("off", "trainer"):
+        cfg = _config(hf_dir, layout, f"algo.routing_replay={mode}", "train.recompute.granularity=full")
+        actor = _actor(cfg, hf_config, rank)
+        old = actor.logprobs(mine)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for c in actor.chunks:
+                for m in c.modules():
+                    if isinstance(m, TopKRouter) and m.expert_bias is not None:
+                        m.expert_bias.add_(torch.randn(m.expert_bias.shape, generator=g).to(m.expert_bias))
+        outs = actor.forward_backward(mine, old if old is not None else torch.zeros(mine.response_mask.shape),
+                                      adv[sl], None, norms)
+        if out["last"]:
+            out[f"ratio_dev_{mode}"] = max(max(abs(float(o["ppo/ratio_max"]) - 1), abs(float(o["ppo/ratio_min"]) - 1))
+                                           for o in outs)
+        try:  # an update without a scoring pass before it
+            actor.forward_backward(mine, torch.zeros(mine.response_mask.shape), adv[sl], None, norms)
+            out[f"second_update_{mode}"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[f"second_update_{mode}"] = f"{type(e).__name__}: {e}"
+    return out

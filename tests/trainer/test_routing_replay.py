@@ -124,3 +124,17 @@ def test_rl_loop_replays_the_engines_routing_through_partial_rollout(tiny, tmp_p
     for a, b in zip(*records):  # reduced over ranks
         assert {k: v for k, v in a.items() if k.startswith("routing/")} == \
             {k: v for k, v in b.items() if k.startswith("routing/")}
+
+
+def test_trainer_mode_update_replays_the_scoring_pass(tiny):
+    """algo.routing_replay=trainer at PP2 with full recompute: between the scoring pass and the update every router's
+    expert bias moves (its choice changes, the weights of chosen experts do not); the update still uses the scoring
+    pass's experts (PPO ratio 1), without replay it does not. An update with no scored pass left is refused."""
+    from routing_replay_worker import trainer_mode
+    results = run_on_ranks(trainer_mode, 2, str(tiny["deepseek_v3"]), {"pp": 2}, timeout=600)
+    (last,) = [r for r in results if r["last"]]
+    assert last["ratio_dev_off"] > 1e-3, last
+    assert last["ratio_dev_trainer"] <= LP_TOL, last
+    for r in results:
+        assert r["second_update_off"] is None, r
+        assert "no recorded scoring pass" in r["second_update_trainer"], r
