@@ -124,11 +124,14 @@ def decode_sglang(payload: str, shape: RoutingShape, rows: int, what: str) -> to
 def merge_resumed(kept: torch.Tensor | None, new: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """Routing of a sample continued after an abort (partial rollout): the rows it already had stay as recorded
     when they were generated (like their weight versions), the resumed request's rows fill the rest. Returns
-    [rows, L, k], or None when either side has no routing."""
-    if kept is None or new is None:
+    [rows, L, k]; None when the resumed request brought none. Without kept rows (an engine that returned none for the
+    aborted request) the resumed request's own rows serve: it re-fed every earlier token."""
+    if new is None:
         return None
     if new.shape[0] < rows:
         raise RoutingError(f"resumed routing covers {new.shape[0]} tokens, the sample has {rows}")
+    if kept is None:
+        return new[:rows].clone()
     return torch.cat([kept, new[kept.shape[0]:rows]]) if kept.shape[0] < rows else kept[:rows].clone()
 
 

@@ -173,7 +173,8 @@ def test_partial_resume_keeps_each_tokens_routing():
 def test_merge_resumed_edges():
     a, b = torch.ones(5, 2, 2, dtype=torch.uint8), torch.zeros(9, 2, 2, dtype=torch.uint8)
     assert merge_resumed(a, b, 9)[:5].eq(1).all() and merge_resumed(a, b, 9)[5:].eq(0).all()
-    assert merge_resumed(None, b, 9) is None
+    assert torch.equal(merge_resumed(None, b, 9), b)  # the aborted request brought none: the resumed one re-fed all
+    assert merge_resumed(a, None, 9) is None
     with pytest.raises(RoutingError, match="covers 9 tokens, the sample has 10"):
         merge_resumed(a, b, 10)
 
