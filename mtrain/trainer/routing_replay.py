@@ -53,7 +53,6 @@ class RouterReplayFeeder:
         self._passes: list[dict[int, list]] = []  # own: recorded scoring passes waiting for their update
         self._replaying: dict[int, list] | None = None
         self.routers: dict[int, list[TopKRouter]] = {}  # id(chunk) -> its decoder routers
-        seen = []
         for chunk in chunks:
             mine = []
             for name, m in chunk.named_modules():
@@ -68,7 +67,6 @@ class RouterReplayFeeder:
                 m.register_forward_pre_hook(self._choose_action)
                 m.register_forward_hook(self._measure_hook)
                 mine.append(m)
-                seen.append(layer)
             self.routers[id(chunk)] = mine
         self.measure = False
         self._valid: dict[int, torch.Tensor] = {}  # id(router) -> [tokens] bool for the current micro-batch
