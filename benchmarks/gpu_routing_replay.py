@@ -127,6 +127,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--models", default="dsv3,qwen3moe", help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--modes", default="off,rollout", help="algo.routing_replay values to run per model (off and "
+                    "rollout are compared in the summary; add trainer to see the update replaying its own routing)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
@@ -151,7 +153,7 @@ def main() -> int:
               "settings": vars(args), "runs": [], "summary": {}}
     for model in models:
         runs = {}
-        for replay in ("off", "rollout"):
+        for replay in [m for m in args.modes.split(",") if m]:
             r = run_one(work, model, replay, args)
             runs[replay] = r
             result["runs"].append(r)
@@ -161,7 +163,7 @@ def main() -> int:
                 print("   ", {k: (round(v, 5) if isinstance(v, float) else v) for k, v in s.items()
                               if k.startswith(("step", "logprob", "routing/dis", "time/"))}, flush=True)
             out.write_text(json.dumps(result, indent=1))
-        if runs["off"]["steps"] and runs["rollout"]["steps"]:
+        if runs.get("off", {}).get("steps") and runs.get("rollout", {}).get("steps"):
             result["summary"][model] = summarize(runs["off"], runs["rollout"])
             print(json.dumps({model: result["summary"][model]}, indent=1), flush=True)
         out.write_text(json.dumps(result, indent=1))
