@@ -49,6 +49,10 @@ class RouterReplayFeeder:
             raise RoutingError("routing replay needs moe_router_fusion=False: the fused top-k kernel bypasses "
                                "megatron-core's RouterReplay")
         self.shape, self.config, self.own = shape, config, own
+        # Only a backward that recomputes the router (full recompute, or selective with "moe") pops the queued ids;
+        # otherwise keeping one copy per micro-batch until the step ends would only cost memory.
+        self._recomputes = config.recompute_granularity == "full" or (
+            config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or []))
         self._recording: dict[int, list] | None = None  # own: id(router) -> ids per micro-batch, while recording
         self._passes: list[dict[int, list]] = []  # own: recorded scoring passes waiting for their update
         self._replaying: dict[int, list] | None = None
@@ -132,7 +136,7 @@ class RouterReplayFeeder:
         ids = torch.where(valid[:, None, None], ids, self.shape.filler().long().to(ids.device))
         for router in routers:
             layer = router.layer_number - 1
-            router.router_replay.set_target_indices(ids[:, layer].contiguous())
+            self._set(router, ids[:, layer].contiguous())
             self._valid[id(router)] = valid
 
     # ---------------------------------------------------------------- own routing (algo.routing_replay=trainer)
@@ -163,7 +167,12 @@ class RouterReplayFeeder:
                 raise RoutingError(f"algo.routing_replay=trainer: recorded ids of {ids.shape[0]} tokens for a "
                                    f"micro-batch of {tokens} (layer {router.layer_number - 1}): the update's batch "
                                    f"is not the one scored")
-            router.router_replay.set_target_indices(ids.to(mb["tokens"].device).long())
+            self._set(router, ids.to(mb["tokens"].device).long())
+
+    def _set(self, router, ids: torch.Tensor) -> None:
+        router.router_replay.set_target_indices(ids)  # also queues them for a recomputing backward
+        if not (self._recomputes and torch.is_grad_enabled()):
+            router.router_replay.replay_backward_list.pop()
 
     def finish(self) -> None:
         """After a schedule: drop every queued id and give the routers back their own top-k."""
