@@ -7,6 +7,7 @@ docs/design-partial-rollout.md for versions, the buffer and the off-policy corre
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 from mtrain.data.chat import tokenize_prompts
@@ -64,12 +65,18 @@ class PartialRollout:
                 else:
                     keep.append(g)
             self.buffer = keep
+        t0 = time.perf_counter()
         groups = list(self.buffer)
+        # `target` groups stay in flight until the quota is met: a group that finishes hands its slot to the next
+        # one at once (the reserve, up to `quota` more), so the engines do not run emptier as the step goes on.
+        # Groups never started go back to the buffer untouched and start first next step.
         target = math.ceil(quota * r.over_sample)
-        while len(groups) < target:
+        while len(groups) < target + quota:
             groups += self._fresh(base_seed)
         metrics["rollout/resumed"] = sum(1 for g in self.buffer for s in g.samples
                                          if s.output_ids and s.finish_reason is None)
+        metrics["rollout/resume_prefill_tokens"] = sum(len(g.prompt_ids) + len(s.output_ids) for g in self.buffer
+                                                       for s in g.samples if s.output_ids and s.finish_reason is None)
         budget = partial.length_budget(r, step)
         params = SamplingParams(max_new_tokens=budget, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 stop_token_ids=stop_ids(self.tokenizer, r.stop_token_ids))
@@ -79,7 +86,9 @@ class PartialRollout:
             own = sample_params(params, self.train_set[groups[i].sample_index])  # a task's per-sample length cap
             return await partial.advance(groups[i], client, own, prefix, self._score, bool(a.filter_uniform_groups))
 
-        run = self.pool.run(len(groups), run_group, rid_prefix=prefix, quota=quota)
+        t1 = time.perf_counter()
+        run = self.pool.run(len(groups), run_group, rid_prefix=prefix, quota=quota, in_flight=target)
+        t2 = time.perf_counter()
         states = [g if got is None else got for g, got in zip(groups, run.results)]
         counted = sorted(run.tickets.items(), key=lambda kv: kv[1])
         trained_idx = [i for i, t in counted if t <= quota]
@@ -105,7 +114,10 @@ class PartialRollout:
         tokens = sum(len(c.output_ids) for c in out.completions)
         out.metrics.update({k: float(v) for k, v in metrics.items()})
         out.metrics.update({
-            "rollout/groups_in_flight": float(len(groups)), "rollout/buffered_groups": float(len(self.buffer)),
+            "rollout/groups_in_flight": out.metrics.get("rollout/slots", float(target)),
+            "rollout/groups_issued": float(len(groups)), "rollout/buffered_groups": float(len(self.buffer)),
+            "rollout/groups_started": float(sum(1 for v in run.results if v is not None)),
+            "time/rollout_pool": t2 - t1, "time/rollout_bookkeeping": (t1 - t0) + (time.perf_counter() - t2),
             "rollout/offpolicy_token_frac": (total - lag[0]) / max(total, 1),
             "perf/trained_tokens_per_s": tokens / max(run.seconds, 1e-9), "rollout/max_new_tokens": float(budget),
             **{f"rollout/tokens_lag_{k}": float(v) for k, v in sorted(lag.items())}})

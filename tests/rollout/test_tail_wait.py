@@ -1,0 +1,110 @@
+"""The tail-wait fraction (`rollout/tail_wait_frac`): engines' slot-time spent empty after their queue drained.
+
+Checked against values computed by hand: on hand-built timelines (two engines), and on controlled pool runs over real
+gloo ranks whose group functions take known times: a synchronous-style call (every group runs to its end) and a
+quota call (partial rollout) whose unfinished groups are real reference-engine requests, aborted at the quota.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mtrain.dist import run_on_ranks
+from mtrain.rollout.pool import EngineTimeline, tail_wait_frac
+
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.2,
+              tie_word_embeddings=False)
+
+
+def test_hand_built_timelines():
+    # Engine A: 2 slots; groups [0,1], [0,4], [1,2]; drains at 2. Engine B: 1 slot; [0,3]; drains at 3. T = 4.
+    # A: from 2 to 4 one of 2 slots is busy -> 2 - 2/2 = 1.0 s empty.  B: from 3 to 4 its slot is empty -> 1.0 s.
+    # (1.0 + 1.0) / (2 engines x 4 s) = 0.25
+    a = EngineTimeline(slots=2, spans=[(0, 1), (0, 4), (1, 2)], drain_s=2, end_s=4)
+    b = EngineTimeline(slots=1, spans=[(0, 3)], drain_s=3, end_s=3)
+    assert tail_wait_frac([a, b]) == pytest.approx(0.25)
+    assert tail_wait_frac([a]) == pytest.approx(1.0 / 4)
+    # no tail at all: every slot busy until the end
+    assert tail_wait_frac([EngineTimeline(2, [(0, 2), (0, 2)], drain_s=2, end_s=2)]) == 0.0
+    # an engine that served nothing waits the whole window
+    assert tail_wait_frac([EngineTimeline(1, [(0, 2)], 2, 2), EngineTimeline(1, [], 0, 0.01)]) == pytest.approx(0.5)
+
+
+def _sync_run(rank, world):
+    import torch.distributed as dist
+
+    from mtrain.rollout.groups import EngineGroups
+    from mtrain.rollout.pool import RolloutPool
+    from mtrain.rollout.reference_engine import ReferenceEngine
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = EngineGroups(world, world, world)  # one engine over both ranks: its leader runs the groups
+    engine = ReferenceEngine(CONFIG, init_seed=3) if groups.is_leader(rank) else None
+    pool = RolloutPool(groups, rank, engine, max_groups_in_flight=2)
+    durations = [0.2, 0.8, 0.2]
+
+    async def fn(i, client):
+        await asyncio.sleep(durations[i])
+        return i
+
+    run = pool.run(3, fn, rid_prefix="s")
+    if engine is not None:
+        engine.shutdown()
+    return run.metrics(), run.timelines
+
+
+def test_controlled_synchronous_run():
+    # 2 slots, groups of 0.2, 0.8, 0.2 s: group 2 takes group 0's slot at 0.2 and ends at 0.4, when that slot finds
+    # the queue empty (drain). Group 1 ends at 0.8 = T. Empty slot-time after the drain: (0.8 - 0.4) - 0.4/2 = 0.2 s
+    # of 0.8 s -> 0.25.
+    for metrics, timelines in run_on_ranks(_sync_run, 2, timeout=120):
+        assert len(timelines) == 1 and timelines[0].slots == 2
+        assert timelines[0].drain_s == pytest.approx(0.4, abs=0.05)
+        assert metrics["rollout/tail_wait_frac"] == pytest.approx(0.25, abs=0.03)
+        assert "rollout/abort_wait_s" not in metrics
+
+
+def _quota_run(rank, world):
+    import torch.distributed as dist
+
+    from mtrain.rollout.groups import EngineGroups
+    from mtrain.rollout.pool import RolloutPool
+    from mtrain.rollout.protocol import Request, SamplingParams
+    from mtrain.rollout.reference_engine import ReferenceEngine
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = EngineGroups(world, world, world)
+    engine = ReferenceEngine(CONFIG, init_seed=3, decode_delay_s=0.01) if groups.is_leader(rank) else None
+    pool = RolloutPool(groups, rank, engine, max_groups_in_flight=4)
+
+    async def fn(i, client):
+        if i == 0:  # the one group that finishes: it meets the quota of 1 at 0.3 s
+            await asyncio.sleep(0.3)
+            return True, "done"
+        # the others are long requests (2000 tokens at >= 10 ms each): only the abort ends them
+        c = await client.generate(Request(rid=f"q-{i}-", prompt_ids=[1, 2, 3],
+                                          params=SamplingParams(max_new_tokens=2000, temperature=1.0, seed=i)))
+        return False, (c.finish_reason, len(c.output_ids))
+
+    run = pool.run(6, fn, rid_prefix="q", quota=1, in_flight=3)  # 3 of 6 in flight; 3 never start
+    if engine is not None:
+        engine.shutdown()
+    return run.metrics(), run.timelines, run.results, run.tickets
+
+
+def test_controlled_quota_run():
+    # 3 slots; group 0 counts at 0.3 s = the drain (the quota stops claiming); groups 1 and 2 are aborted and come
+    # back at T = 0.3 + a (the abort's latency). After the drain: slot-time (T - 0.3), of which groups 1 and 2 fill
+    # 2/3 -> empty (T - 0.3)/3; fraction (T - 0.3) / (3 T).
+    for metrics, timelines, results, tickets in run_on_ranks(_quota_run, 2, timeout=120):
+        (t,) = timelines
+        assert t.slots == 3 and tickets == {0: 1}
+        assert results[0] == "done" and results[3:] == [None, None, None]  # never started
+        assert all(r[0] == "abort" and r[1] < 2000 for r in results[1:3])
+        assert t.quota_s == pytest.approx(0.3, abs=0.05) and t.drain_s == pytest.approx(0.3, abs=0.05)
+        end = t.end_s
+        assert end - t.quota_s < 1.0  # aborted promptly, not run to their 2000 tokens (>= 20 s)
+        assert metrics["rollout/abort_wait_s"] == pytest.approx(end - t.quota_s)
+        assert metrics["rollout/tail_wait_frac"] == pytest.approx((end - 0.3) / (3 * end), abs=0.02)
