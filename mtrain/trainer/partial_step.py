@@ -6,15 +6,20 @@ docs/design-partial-rollout.md for versions, the buffer and the off-policy corre
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
+
+from mtrain.config import PARTIAL_OVER_SAMPLE
 
 from mtrain.data.chat import tokenize_prompts
 from mtrain.data.rewards import score_responses
 from mtrain.rollout import partial
 from mtrain.rollout.protocol import SamplingParams
 from mtrain.trainer.rollout_step import RolloutResult, sample_params, stop_ids
+
+log = logging.getLogger(__name__)
 
 
 class PartialRollout:
@@ -23,6 +28,7 @@ class PartialRollout:
         self.train_set, self.sampler, self.reward_fn = train_set, sampler, reward_fn
         self.buffer: list[partial.GroupState] = []
         self.next_uid = 0
+        self._warned_slots = False
 
     def state_dict(self) -> dict:
         return {"buffer": partial.to_state(self.buffer), "next_uid": self.next_uid}
@@ -70,7 +76,7 @@ class PartialRollout:
         # `target` groups stay in flight until the quota is met: a group that finishes hands its slot to the next
         # one at once (the reserve, up to `quota` more), so the engines do not run emptier as the step goes on.
         # Groups never started go back to the buffer untouched and start first next step.
-        target = math.ceil(quota * r.over_sample)
+        target = math.ceil(quota * (r.over_sample if r.over_sample is not None else PARTIAL_OVER_SAMPLE))
         while len(groups) < target + quota:
             groups += self._fresh(base_seed)
         metrics["rollout/resumed"] = sum(1 for g in self.buffer for s in g.samples
@@ -89,6 +95,12 @@ class PartialRollout:
         t1 = time.perf_counter()
         run = self.pool.run(len(groups), run_group, rid_prefix=prefix, quota=quota, in_flight=target)
         t2 = time.perf_counter()
+        slots = run.metrics().get("rollout/slots", float(target))
+        if slots < target and not self._warned_slots and self.pool.rank == 0:
+            self._warned_slots = True  # the over-sampled groups queue instead of running: most of the gain is lost
+            log.warning("partial rollout: %d groups should be in flight (rollout.prompts_per_step x over_sample) but "
+                        "the engines run %d at once (rollout.max_groups_in_flight=%d per engine); raise "
+                        "rollout.max_groups_in_flight", target, int(slots), self.pool.max_in_flight)
         states = [g if got is None else got for g, got in zip(groups, run.results)]
         counted = sorted(run.tickets.items(), key=lambda kv: kv[1])
         trained_idx = [i for i, t in counted if t <= quota]
