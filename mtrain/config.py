@@ -462,9 +462,6 @@ def validate(cfg: RunConfig) -> None:
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
-    _check(not (r.partial and mt.rollout_fn), "rollout.partial",
-           "partial rollout of multi-turn tool trajectories is not wired into the trainer yet (resume_group exists: "
-           "docs/design-tools.md); use one of rollout.partial and multi_turn.rollout_fn")
 
 
 def check_paths(cfg: RunConfig) -> None:

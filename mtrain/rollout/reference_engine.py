@@ -425,8 +425,8 @@ class ReferenceEngine(RolloutEngine):
         positions = torch.arange(length).unsqueeze(0)
         while True:
             # abort is checked between decoding steps (and before the prefill of a queued group)
-            for i in alive:
-                if self._is_aborted(reqs[i].rid):
+            for i in alive:  # a request that finished last step stays finished (its stop token is in the output)
+                if finish[i] is None and self._is_aborted(reqs[i].rid):
                     finish[i] = "abort"
             keep = [row for row, i in enumerate(alive) if finish[i] is None]
             if len(keep) != len(alive):
