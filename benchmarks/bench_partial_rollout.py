@@ -22,7 +22,7 @@ Wall time = the whole `train_step` (rollout, logprobs, train, weight sync, bookk
 Learning (--learn-steps N > 0): two separate `mtrain train` runs from the same weights (--learn-hf), synchronous and
 partial (over-sample = the first --over-sample, max_staleness=4), reward/mean per step of each.
 
-Writes $OUT/bench_partial_rollout.json when OUT is set.
+Writes $OUT/bench_partial_rollout.json (--json) when OUT is set.
 """
 from __future__ import annotations
 
@@ -119,19 +119,22 @@ def speed(args, work: Path, common: list[str]) -> dict:
 
 def learn(args, work: Path, common: list[str]) -> dict:
     curves = {}
+    in_flight = math.ceil(args.prompts * float(args.over_sample[0]))
     for name, extra in (("sync", []), ("partial", ["rollout.partial=true", f"rollout.over_sample={args.over_sample[0]}",
                                                    "rollout.offpolicy=tis", "rollout.max_staleness=4"])):
         run_dir = work / f"learn_{name}"
         cmd = torchrun(args.nproc) + ["-m", "mtrain", "train", str(CONFIG), f"model.hf_path={args.learn_hf or args.hf}",
                                       f"train.run_dir={run_dir}", f"train.steps={args.learn_steps}", *TASK, *common,
-                                      f"rollout.max_groups_in_flight={math.ceil(args.prompts * float(args.over_sample[0]))}",
+                                      f"rollout.max_groups_in_flight={in_flight}",
                                       *args.learn_overrides, *extra]
         check(subprocess.run(cmd, cwd=work, capture_output=True, text=True), f"learn_{name}", work)
         recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if line.strip() and "weight_version" in line]
         curves[name] = {"reward": [r["reward/mean"] for r in recs],
                         "response_len": [r["response_len/mean"] for r in recs],
-                        "step_s": [sum(r.get(k, 0.0) for k in PHASES) for r in recs]}
+                        "step_s": [sum(r.get(k, 0.0) for k in PHASES) for r in recs],
+                        "offpolicy_token_frac": [r.get("rollout/offpolicy_token_frac") for r in recs],
+                        "dropped_stale_groups": [r.get("rollout/dropped_stale_groups", 0.0) for r in recs]}
     return curves
 
 
@@ -141,8 +144,8 @@ def fmt(b: dict) -> str:
          f"{b['tail_wait_frac']:.2f} of rollout slot-time ({b['tail_wait_s']:.2f} s); trained length "
          f"{b['response_len']:.0f}")
     if "time/rollout_pool" in b:
-        s += (f"\n      pool {b['time/rollout_pool']:.2f} s, bookkeeping {b['time/rollout_bookkeeping']:.3f} s, abort wait "
-              f"{b.get('rollout/abort_wait_s') or 0:.3f} s, resumed {b['rollout/resumed']:.0f} samples "
+        s += (f"\n      pool {b['time/rollout_pool']:.2f} s, bookkeeping {b['time/rollout_bookkeeping']:.3f} s, "
+              f"abort wait {b.get('rollout/abort_wait_s') or 0:.3f} s, resumed {b['rollout/resumed']:.0f} samples "
               f"({b['rollout/resume_prefill_tokens']:.0f} prefill tokens), groups started "
               f"{b['rollout/groups_started']:.0f}, in flight {b['rollout/groups_in_flight']:.0f}, off-policy token "
               f"share {b['rollout/offpolicy_token_frac']:.2f}")
@@ -161,6 +164,7 @@ def main() -> int:
     ap.add_argument("--learn-steps", type=int, default=0, help="> 0: also the two reward curves (separate runs)")
     ap.add_argument("--learn-hf", default=None, help="model for the reward curves (default --hf)")
     ap.add_argument("--learn-set", dest="learn_overrides", nargs="*", default=[], help="key=value, learning runs only")
+    ap.add_argument("--json", default="bench_partial_rollout.json", help="file name under $OUT")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
     args = ap.parse_args()
     args.over_sample = [float(o) for o in args.over_sample.split(",")]
@@ -173,7 +177,7 @@ def main() -> int:
     def save() -> None:
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
-            Path(out, "bench_partial_rollout.json").write_text(json.dumps(res, indent=1))
+            Path(out, args.json).write_text(json.dumps(res, indent=1))
 
     if args.repeats > 0:
         res["speed"] = sp = speed(args, work, common)
