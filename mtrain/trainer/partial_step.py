@@ -35,7 +35,12 @@ class PartialRollout:
 
     def use_multi_turn(self, tools, rollout_fn, max_positions) -> None:
         """Groups are multi-turn tool trajectories (multi_turn.rollout_fn), resumed by its module's resume_group."""
-        self.multi_turn = (tools, rollout_fn, pmt.resume_fn_of(rollout_fn), max_positions)
+        from mtrain.config import ConfigError
+        try:
+            resume_fn = pmt.resume_fn_of(rollout_fn)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.multi_turn = (tools, rollout_fn, resume_fn, max_positions)
 
     def state_dict(self) -> dict:
         if self.multi_turn is not None:

@@ -144,3 +144,13 @@ def test_aborted_trajectories_resume_at_the_same_turn_across_a_checkpoint():
     total = sum(t.num_model_tokens for t in second.trajectories)
     assert abs(second.metrics["rollout/offpolicy_token_frac"] - old / total) < 1e-9
     assert second.metrics.get("rollout/tokens_lag_1", 0.0) == old
+
+
+def test_a_rollout_function_without_resume_group_is_refused():
+    import pytest
+
+    from mtrain.data.rewards import digit_share_reward
+    from mtrain.rollout.partial_multi_turn import resume_fn_of
+    assert resume_fn_of(rollout_fn) is resume_group
+    with pytest.raises(ValueError, match="mtrain.data.rewards:digit_share_reward: its module has no resume_group"):
+        resume_fn_of(digit_share_reward)
