@@ -32,41 +32,8 @@ def test_hand_built_timelines():
     assert tail_wait_frac([EngineTimeline(1, [(0, 2)], 2, 2), EngineTimeline(1, [], 0, 0.01)]) == pytest.approx(0.5)
 
 
-def _sync_run(rank, world):
-    import torch.distributed as dist
-
-    from mtrain.rollout.groups import EngineGroups
-    from mtrain.rollout.pool import RolloutPool
-    from mtrain.rollout.reference_engine import ReferenceEngine
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    groups = EngineGroups(world, world, world)  # one engine over both ranks: its leader runs the groups
-    engine = ReferenceEngine(CONFIG, init_seed=3) if groups.is_leader(rank) else None
-    pool = RolloutPool(groups, rank, engine, max_groups_in_flight=2)
-    durations = [0.2, 0.8, 0.2]
-
-    async def fn(i, client):
-        await asyncio.sleep(durations[i])
-        return i
-
-    run = pool.run(3, fn, rid_prefix="s")
-    if engine is not None:
-        engine.shutdown()
-    return run.metrics(), run.timelines
-
-
-def test_controlled_synchronous_run():
-    # 2 slots, groups of 0.2, 0.8, 0.2 s: group 2 takes group 0's slot at 0.2 and ends at 0.4, when that slot finds
-    # the queue empty (drain). Group 1 ends at 0.8 = T. Empty slot-time after the drain: (0.8 - 0.4) - 0.4/2 = 0.2 s
-    # of 0.8 s -> 0.25.
-    for metrics, timelines in run_on_ranks(_sync_run, 2, timeout=120):
-        assert len(timelines) == 1 and timelines[0].slots == 2
-        assert timelines[0].drain_s == pytest.approx(0.4, abs=0.05)
-        assert metrics["rollout/tail_wait_frac"] == pytest.approx(0.25, abs=0.03)
-        assert "rollout/abort_wait_s" not in metrics
-
-
-def _quota_run(rank, world):
+def _runs(rank, world):
+    """Both controlled calls on one pool: one engine over both ranks (its leader runs the groups)."""
     import torch.distributed as dist
 
     from mtrain.rollout.groups import EngineGroups
@@ -77,9 +44,13 @@ def _quota_run(rank, world):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups = EngineGroups(world, world, world)
     engine = ReferenceEngine(CONFIG, init_seed=3, decode_delay_s=0.01) if groups.is_leader(rank) else None
-    pool = RolloutPool(groups, rank, engine, max_groups_in_flight=4)
+    durations = [0.2, 0.8, 0.2]
 
-    async def fn(i, client):
+    async def timed(i, client):
+        await asyncio.sleep(durations[i])
+        return i
+
+    async def quota_fn(i, client):
         if i == 0:  # the one group that finishes: it meets the quota of 1 at 0.3 s
             await asyncio.sleep(0.3)
             return True, "done"
@@ -88,17 +59,35 @@ def _quota_run(rank, world):
                                           params=SamplingParams(max_new_tokens=2000, temperature=1.0, seed=i)))
         return False, (c.finish_reason, len(c.output_ids))
 
-    run = pool.run(6, fn, rid_prefix="q", quota=1, in_flight=3)  # 3 of 6 in flight; 3 never start
+    sync = RolloutPool(groups, rank, engine, max_groups_in_flight=2).run(3, timed, rid_prefix="s")
+    pool = RolloutPool(groups, rank, engine, max_groups_in_flight=4, namespace="mtrain/pool-q")
+    quota = pool.run(6, quota_fn, rid_prefix="q", quota=1, in_flight=3)  # 3 of 6 in flight; 3 never start
     if engine is not None:
         engine.shutdown()
-    return run.metrics(), run.timelines, run.results, run.tickets
+    return (sync.metrics(), sync.timelines), (quota.metrics(), quota.timelines, quota.results, quota.tickets)
 
 
-def test_controlled_quota_run():
+@pytest.fixture(scope="module")
+def runs():
+    return run_on_ranks(_runs, 2, timeout=120)
+
+
+def test_controlled_synchronous_run(runs):
+    # 2 slots, groups of 0.2, 0.8, 0.2 s: group 2 takes group 0's slot at 0.2 and ends at 0.4, when that slot finds
+    # the queue empty (drain). Group 1 ends at 0.8 = T. Empty slot-time after the drain: (0.8 - 0.4) - 0.4/2 = 0.2 s
+    # of 0.8 s -> 0.25.
+    for (metrics, timelines), _ in runs:
+        assert len(timelines) == 1 and timelines[0].slots == 2
+        assert timelines[0].drain_s == pytest.approx(0.4, abs=0.05)
+        assert metrics["rollout/tail_wait_frac"] == pytest.approx(0.25, abs=0.03)
+        assert "rollout/abort_wait_s" not in metrics
+
+
+def test_controlled_quota_run(runs):
     # 3 slots; group 0 counts at 0.3 s = the drain (the quota stops claiming); groups 1 and 2 are aborted and come
     # back at T = 0.3 + a (the abort's latency). After the drain: slot-time (T - 0.3), of which groups 1 and 2 fill
     # 2/3 -> empty (T - 0.3)/3; fraction (T - 0.3) / (3 T).
-    for metrics, timelines, results, tickets in run_on_ranks(_quota_run, 2, timeout=120):
+    for _, (metrics, timelines, results, tickets) in runs:
         (t,) = timelines
         assert t.slots == 3 and tickets == {0: 1}
         assert results[0] == "done" and results[3:] == [None, None, None]  # never started
