@@ -86,7 +86,9 @@ def speed(args, work: Path, common: list[str]) -> dict:
     plan = warm + (plan[len(warm):]) * args.repeats
     rows = args.prompts * args.samples
     in_flight = math.ceil(args.prompts * max(overs))
-    out_jsonl = work / "ab.jsonl"
+    # under $OUT when set: the steps written so far survive a run cut short by a time limit
+    out_jsonl = Path(os.environ["OUT"], "partial_ab_steps.jsonl") if os.environ.get("OUT") else work / "ab.jsonl"
+    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     cmd = torchrun(args.nproc) + [str(REPO / "benchmarks" / "partial_ab_worker.py"), "--plan",
                                   ",".join(f"{m}:{k}" for m, k in plan), str(out_jsonl), str(CONFIG),
                                   f"model.hf_path={args.hf}",
