@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
 PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync")
-PARTIAL_KEYS = ("time/rollout_pool", "time/rollout_bookkeeping", "rollout/abort_wait_s", "rollout/groups_started",
+PARTIAL_KEYS = ("time/rollout_pool", "time/rollout_bookkeeping", "time/abort_wait", "rollout/groups_started",
                 "rollout/resumed", "rollout/resume_prefill_tokens", "rollout/offpolicy_token_frac",
                 "rollout/buffered_groups", "rollout/dropped_stale_groups", "rollout/groups_in_flight")
 TASK = ["data.task=longtail", "reward.fn=mtrain.data.longtail:count_reward", "train.save_interval=0",
@@ -67,9 +67,9 @@ def breakdown(recs: list[dict]) -> dict:
     for k in PHASES:
         out[k] = mean(r.get(k, 0.0) for r in recs)
     out["other_s"] = out["wall_s"] - sum(out[k] for k in PHASES)
-    out["tail_wait_frac"] = mean(r.get("rollout/tail_wait_frac") for r in recs)
+    out["tail_wait_frac"] = mean(r.get("perf/tail_wait_frac") for r in recs)
     # slot-seconds empty per engine slot: the tail's cost in seconds of rollout
-    out["tail_wait_s"] = mean(r.get("rollout/tail_wait_frac", 0.0) * r.get("time/rollout_pool", r["time/rollout"])
+    out["tail_wait_s"] = mean(r.get("perf/tail_wait_frac", 0.0) * r.get("time/rollout_pool", r["time/rollout"])
                               for r in recs)
     out["response_len"] = mean(r["response_len/mean"] for r in recs)
     for k in PARTIAL_KEYS:
@@ -147,7 +147,7 @@ def fmt(b: dict) -> str:
          f"{b['response_len']:.0f}")
     if "time/rollout_pool" in b:
         s += (f"\n      pool {b['time/rollout_pool']:.2f} s, bookkeeping {b['time/rollout_bookkeeping']:.3f} s, "
-              f"abort wait {b.get('rollout/abort_wait_s') or 0:.3f} s, resumed {b['rollout/resumed']:.0f} samples "
+              f"abort wait {b.get('time/abort_wait') or 0:.3f} s, resumed {b['rollout/resumed']:.0f} samples "
               f"({b['rollout/resume_prefill_tokens']:.0f} prefill tokens), groups started "
               f"{b['rollout/groups_started']:.0f}, in flight {b['rollout/groups_in_flight']:.0f}, off-policy token "
               f"share {b['rollout/offpolicy_token_frac']:.2f}")

@@ -51,11 +51,11 @@ class PoolRun:
                "rollout/groups_per_engine_min": float(min(self.served)),
                "rollout/groups_per_engine_max": float(max(self.served))}
         if self.timelines:
-            out["rollout/tail_wait_frac"] = tail_wait_frac(self.timelines)
+            out["perf/tail_wait_frac"] = tail_wait_frac(self.timelines)
             out["rollout/slots"] = float(sum(t.slots for t in self.timelines))
             quota_at = [t.quota_s for t in self.timelines if t.quota_s is not None]
             if quota_at:  # from the quota being met to the last aborted group coming back
-                out["rollout/abort_wait_s"] = max(t.end_s for t in self.timelines) - min(quota_at)
+                out["time/abort_wait"] = max(t.end_s for t in self.timelines) - min(quota_at)
         return out
 
 

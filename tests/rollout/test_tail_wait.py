@@ -1,4 +1,4 @@
-"""The tail-wait fraction (`rollout/tail_wait_frac`): engines' slot-time spent empty after their queue drained.
+"""The tail-wait fraction (`perf/tail_wait_frac`): engines' slot-time spent empty after their queue drained.
 
 Checked against values computed by hand: on hand-built timelines (two engines), and on controlled pool runs over real
 gloo ranks whose group functions take known times: a synchronous-style call (every group runs to its end) and a
@@ -79,8 +79,8 @@ def test_controlled_synchronous_run(runs):
     for (metrics, timelines), _ in runs:
         assert len(timelines) == 1 and timelines[0].slots == 2
         assert timelines[0].drain_s == pytest.approx(0.4, abs=0.05)
-        assert metrics["rollout/tail_wait_frac"] == pytest.approx(0.25, abs=0.03)
-        assert "rollout/abort_wait_s" not in metrics
+        assert metrics["perf/tail_wait_frac"] == pytest.approx(0.25, abs=0.03)
+        assert "time/abort_wait" not in metrics
 
 
 def test_controlled_quota_run(runs):
@@ -95,5 +95,5 @@ def test_controlled_quota_run(runs):
         assert t.quota_s == pytest.approx(0.3, abs=0.05) and t.drain_s == pytest.approx(0.3, abs=0.05)
         end = t.end_s
         assert end - t.quota_s < 1.0  # aborted promptly, not run to their 2000 tokens (>= 20 s)
-        assert metrics["rollout/abort_wait_s"] == pytest.approx(end - t.quota_s)
-        assert metrics["rollout/tail_wait_frac"] == pytest.approx((end - 0.3) / (3 * end), abs=0.02)
+        assert metrics["time/abort_wait"] == pytest.approx(end - t.quota_s)
+        assert metrics["perf/tail_wait_frac"] == pytest.approx((end - 0.3) / (3 * end), abs=0.02)

@@ -220,7 +220,7 @@ def test_partial_rollout_of_multi_turn_trajectories_trains(tmp_path):
     for records, state in res:
         assert state["kind"] == "multi_turn" and state == res[0][1]  # every rank holds the same buffer
         for rec in records:
-            assert rec["rollout/groups_in_flight"] == 4 and "rollout/tail_wait_frac" in rec
+            assert rec["rollout/groups_in_flight"] == 4 and "perf/tail_wait_frac" in rec
             assert rec["logprob_diff/max_abs"] <= 2e-5 and any(k.startswith("tools/") for k in rec)
         assert records[0]["rollout/offpolicy_token_frac"] == 0.0
 
