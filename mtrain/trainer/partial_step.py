@@ -12,7 +12,7 @@ import math
 import time
 from collections import Counter
 
-from mtrain.config import PARTIAL_OVER_SAMPLE
+from mtrain.config import PARTIAL_OVER_SAMPLE, ConfigError
 
 from mtrain.data.chat import tokenize_prompts
 from mtrain.data.rewards import score_responses
@@ -35,7 +35,6 @@ class PartialRollout:
 
     def use_multi_turn(self, tools, rollout_fn, max_positions) -> None:
         """Groups are multi-turn tool trajectories (multi_turn.rollout_fn), resumed by its module's resume_group."""
-        from mtrain.config import ConfigError
         try:
             resume_fn = pmt.resume_fn_of(rollout_fn)
         except ValueError as e:
@@ -50,7 +49,7 @@ class PartialRollout:
     def load_state_dict(self, state: dict) -> None:
         kind = state.get("kind", "single_turn")
         if kind != ("multi_turn" if self.multi_turn is not None else "single_turn"):
-            raise ValueError(f"rollout.partial: the checkpoint's buffer holds {kind} groups; this run is "
+            raise ConfigError(f"rollout.partial: the checkpoint's buffer holds {kind} groups; this run is "
                              f"{'multi_turn' if self.multi_turn is not None else 'single_turn'} "
                              "(multi_turn.rollout_fn changed): resume with the same setting or start a new run_dir")
         if kind == "multi_turn":

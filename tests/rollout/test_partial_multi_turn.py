@@ -154,3 +154,15 @@ def test_a_rollout_function_without_resume_group_is_refused():
     assert resume_fn_of(rollout_fn) is resume_group
     with pytest.raises(ValueError, match="mtrain.data.rewards:digit_share_reward: its module has no resume_group"):
         resume_fn_of(digit_share_reward)
+
+
+def test_a_buffer_of_the_other_kind_is_refused():
+    import pytest
+
+    from mtrain.config import ConfigError
+    from mtrain.trainer.partial_step import PartialRollout
+    single = PartialRollout(None, None, TOK, DATA, None, reward)
+    with pytest.raises(ConfigError, match="holds multi_turn groups; this run is single_turn"):
+        single.load_state_dict({"kind": "multi_turn", "buffer": [], "next_uid": 0})
+    single.load_state_dict({"buffer": [], "next_uid": 3})  # a single-turn checkpoint (no kind: written before it)
+    assert single.next_uid == 3
