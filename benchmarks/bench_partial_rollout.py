@@ -67,7 +67,7 @@ def breakdown(recs: list[dict]) -> dict:
     for k in PHASES:
         out[k] = mean(r.get(k, 0.0) for r in recs)
     out["other_s"] = out["wall_s"] - sum(out[k] for k in PHASES)
-    out["tail_wait_frac"] = mean(r.get("perf/tail_wait_frac") for r in recs)
+    out["tail_wait_frac"] = mean(r.get("perf/tail_wait_frac") for r in recs) or 0.0
     # slot-seconds empty per engine slot: the tail's cost in seconds of rollout
     out["tail_wait_s"] = mean(r.get("perf/tail_wait_frac", 0.0) * r.get("time/rollout_pool", r["time/rollout"])
                               for r in recs)
