@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # FP8 rollout (issue 15) and partial rollout (issue 11) on one H200; results into $OUT. From the repo root, `.gpu/`
 # carried. PARTS picks: fp8 (sync vs bf16 + bit-equality, tiny DeepSeek-V3 and Llama-8B), fp8loop (GRPO with an FP8
-# engine), partial (synchronous vs partial rollout on the longtail task).
+# engine), partial (synchronous vs partial rollout on the longtail task: trained tokens/s with its spread and
+# per-phase times, one job, about 3.5 min), partial_learn (both modes' reward curves over 12 steps, two runs from the
+# same weights, about 4 min: a digit-share reward that a random model can climb, on the same heavy-tailed lengths).
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-round2}
@@ -23,10 +25,21 @@ if [[ $parts == *" fp8loop "* ]]; then
         > "$out/log_fp8loop_wrapper.txt" 2>&1); echo "== fp8loop: exit $?"; tail -n 8 "$out/log_fp8loop_wrapper.txt"
 fi
 if [[ $parts == *" partial "* ]]; then
+    # One job (about 3.5 min): interleaved blocks of 3 steps, synchronous vs partial at over_sample 2 and 4, 3 repeats.
     work=/tmp/mtrain-partial-hf && rm -rf "$work"
     (cd /tmp && python -m mtrain init-tiny --out "$work" --arch llama --set hidden_size=512 head_dim=64 \
         num_attention_heads=8 num_key_value_heads=2 intermediate_size=1024 vocab_size=4096 max_position_embeddings=2048 >/dev/null)
-    (cd /tmp && step partial 420 python "$repo/benchmarks/bench_partial_rollout.py" --hf "$work" --steps 6 \
-        --prompts 32 --samples 8 --over-sample 2 model.dtype=bfloat16 engine.kind=sglang train.micro_batch_size=32 \
+    (cd /tmp && step partial 330 python "$repo/benchmarks/bench_partial_rollout.py" --hf "$work" --repeats 3 --block 3 \
+        --over-sample 2,4 --prompts 32 --samples 8 model.dtype=bfloat16 engine.kind=sglang train.micro_batch_size=32 \
         engine.mem_fraction_static=0.3 rollout.max_new_tokens=1024 data.longtail.median_count=20)
+fi
+if [[ $parts == *" partial_learn "* ]]; then
+    work=/tmp/mtrain-partial-hf
+    [ -f "$work/config.json" ] || (cd /tmp && python -m mtrain init-tiny --out "$work" --arch llama --set hidden_size=512 \
+        head_dim=64 num_attention_heads=8 num_key_value_heads=2 intermediate_size=1024 vocab_size=4096 \
+        max_position_embeddings=2048 >/dev/null)
+    (cd /tmp && step partial_learn 300 python "$repo/benchmarks/bench_partial_rollout.py" --hf "$work" \
+        --json bench_partial_rollout_learn.json --repeats 0 --learn-steps 12 --over-sample 2 --prompts 32 --samples 8 \
+        model.dtype=bfloat16 engine.kind=sglang train.micro_batch_size=32 engine.mem_fraction_static=0.3 \
+        rollout.max_new_tokens=1024 data.longtail.median_count=20 --learn-set optim.lr=3e-4 reward.fn=mtrain.data.rewards:digit_share_reward)
 fi

@@ -85,12 +85,19 @@ class RolloutConfig:
     # Partial rollout (docs/design-partial-rollout.md): over-sample, train on the first prompts_per_step groups that
     # finish, keep the rest (with the weight version of every token) in a buffer and resume them next step.
     partial: bool = False
-    over_sample: float = 1.0  # groups in flight / groups trained (>= 1; with partial)
+    # groups kept in flight / groups trained (>= 1; partial only; null = PARTIAL_OVER_SAMPLE with partial, where
+    # the engines run at most max_groups_in_flight groups each)
+    over_sample: float | None = None
     offpolicy: Literal["mask", "tis"] = "mask"  # tokens of older versions: out of the loss, or TIS (algo.tis_cap)
     max_staleness: int | None = None  # drop buffered groups with tokens more than this many versions old
     max_new_tokens_start: int | None = None  # growing length budget: start here, reach max_new_tokens ...
     max_new_tokens_ramp_steps: int = 0  # ... linearly over this many steps (0 = no ramp)
 
+
+# Partial rollout's default over-sampling: twice the trained groups in flight. On the longtail task the H200 A/B
+# (docs/results.md, issue 11) and the model in benchmarks/sim_partial_rollout.py put most of the gain in keeping the
+# slots full past the tail; 2 adds ~25 % over 1 there, 4 another ~10 % at the price of more off-policy tokens.
+PARTIAL_OVER_SAMPLE = 2.0
 
 ALGO_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp")
 # Paper defaults per algorithm. Any knob the user sets explicitly wins over its preset.
@@ -400,9 +407,9 @@ def validate(cfg: RunConfig) -> None:
            f"must be > 1 or null, got {a.dual_clip_c}")
     _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
     _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
-    _check(r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight / groups trained), got "
-           f"{r.over_sample}")
-    _check(r.partial or r.over_sample == 1.0, "rollout.over_sample", "needs rollout.partial=true")
+    _check(r.over_sample is None or r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight "
+           f"/ groups trained), got {r.over_sample}")
+    _check(r.partial or r.over_sample is None, "rollout.over_sample", "needs rollout.partial=true")
     _check(not r.partial or r.offpolicy != "tis" or a.tis_cap is not None, "rollout.offpolicy",
            "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
     _check(r.max_staleness is None or r.max_staleness >= 0, "rollout.max_staleness",
@@ -481,9 +488,6 @@ def validate(cfg: RunConfig) -> None:
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
-    _check(not (r.partial and mt.rollout_fn), "rollout.partial",
-           "partial rollout of multi-turn tool trajectories is not wired into the trainer yet (resume_group exists: "
-           "docs/design-tools.md); use one of rollout.partial and multi_turn.rollout_fn")
     _check(a.routing_replay != "rollout" or not (mt.rollout_fn or cfg.serve.agent), "algo.routing_replay",
            "trajectories (multi_turn.rollout_fn, serve.agent) do not carry routed experts yet: replay works with "
            "single-turn rollouts, partial or not (docs/design-routing-replay.md)")
@@ -665,10 +669,13 @@ def switch_data_source(file_tree: dict, tree: dict, overrides) -> list[str]:
 
 
 def resolve_presets(cfg: RunConfig) -> RunConfig:
-    """Fill the algorithm knobs left at None from ALGO_PRESETS[cfg.algo.name] (in place)."""
+    """Fill the algorithm knobs left at None from ALGO_PRESETS[cfg.algo.name] (in place), and
+    rollout.over_sample with PARTIAL_OVER_SAMPLE when partial rollout is on."""
     for k, v in ALGO_PRESETS[cfg.algo.name].items():
         if getattr(cfg.algo, k) is None:
             setattr(cfg.algo, k, v)
+    if cfg.rollout.partial and cfg.rollout.over_sample is None:
+        cfg.rollout.over_sample = PARTIAL_OVER_SAMPLE
     return cfg
 
 

@@ -15,6 +15,7 @@ mask`) or kept with truncated importance weights (`tis`, `algo.tis_cap`): see th
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -120,6 +121,7 @@ def to_state(groups: list[GroupState]) -> list[dict[str, Any]]:
 
 
 def from_state(state: list[dict[str, Any]]) -> list[GroupState]:
+    state = copy.deepcopy(state)  # the samples grow in place as they resume: never into the caller's state
     return [GroupState(**{**g, "samples": [SampleState(**s) for s in g["samples"]]}) for g in state]
 
 

@@ -456,8 +456,8 @@ class ReferenceEngine(RolloutEngine):
         routed: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: [tokens, L, k] per forward
         while True:
             # abort is checked between decoding steps (and before the prefill of a queued group)
-            for i in alive:
-                if self._is_aborted(reqs[i].rid):
+            for i in alive:  # a request that finished last step stays finished (its stop token is in the output)
+                if finish[i] is None and self._is_aborted(reqs[i].rid):
                     finish[i] = "abort"
             keep = [row for row, i in enumerate(alive) if finish[i] is None]
             if len(keep) != len(alive):

@@ -111,6 +111,8 @@ class Trainer:
         if cfg.multi_turn.rollout_fn:  # multi-turn tool rollouts (docs/design-tools.md)
             from mtrain.rollout.agents.setup import build_tool_server, load_rollout_fn
             self.tools, self.rollout_fn = build_tool_server(cfg.multi_turn), load_rollout_fn(cfg.multi_turn.rollout_fn)
+            if self.partial is not None:  # aborted trajectories wait in the buffer and resume at the same turn
+                self.partial.use_multi_turn(self.tools, self.rollout_fn, self.max_positions)
         self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, groups=d.groups,
                                engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
                                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,

@@ -196,6 +196,35 @@ def test_multi_turn_tool_rollouts_train_through_the_pool(hf_dirs, tmp_path):
         [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[0]]
 
 
+def _partial_multi_turn_steps(rank, world, hf, run_dir):
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    over = {"multi_turn.rollout_fn": "mtrain.rollout.agents.multi_turn:rollout_group", "multi_turn.max_turns": 2,
+            "multi_turn.max_total_tokens": 700, "train.steps": 2, "rollout.prompts_per_step": 2,
+            "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2, "rollout.max_prompt_len": 600,
+            "rollout.partial": "true", "rollout.max_new_tokens": 48}
+    t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
+    records = [t.train_step() for _ in range(2)]
+    state = t.partial.state_dict()
+    t.close()
+    return records, state
+
+
+def test_partial_rollout_of_multi_turn_trajectories_trains(tmp_path):
+    """rollout.partial with multi_turn.rollout_fn: two engines, 4 tool-rollout groups in flight per step, the quota
+    of 2 trained (the batch from trajectories, old-version tokens masked), the rest buffered as trajectories
+    (tests/rollout/test_partial_multi_turn.py checks resumption itself)."""
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides={"max_position_embeddings": 1024})
+    res = run_on_ranks(_partial_multi_turn_steps, 2, hf, tmp_path / "run", timeout=400)
+    for records, state in res:
+        assert state["kind"] == "multi_turn" and state == res[0][1]  # every rank holds the same buffer
+        for rec in records:
+            assert rec["rollout/groups_in_flight"] == 4 and "perf/tail_wait_frac" in rec
+            assert rec["logprob_diff/max_abs"] <= 2e-5 and any(k.startswith("tools/") for k in rec)
+        assert records[0]["rollout/offpolicy_token_frac"] == 0.0
+
+
 def _agent_steps(rank, world, hf, run_dir):
     from mtrain.config import load_config
     from mtrain.trainer.loop import Trainer
