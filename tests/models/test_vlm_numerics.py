@@ -1,0 +1,59 @@
+"""Qwen2.5-VL on Megatron-core (language model with MRoPE + transformers' vision tower, loaded through the layout
+tables) gives transformers' `Qwen2_5_VLForConditionalGeneration` logits on rows with images of different sizes,
+float32 within 1e-4 relative, at TP1 and TP2; our MRoPE position ids equal transformers' get_rope_index."""
+import pytest
+import torch
+
+from mtrain.dist import run_on_ranks
+from mtrain.models.mrope import ImageTokenError, mrope_position_ids
+
+from vlm_reference import hf_vlm, image_batch
+
+
+def _megatron_logits(rank, world, cfg, state, par, tokens, pixels, grid, positions):
+    from mtrain.dist import init_distributed
+    from mtrain.layouts import model_layout
+    from mtrain.models import build_model, forward_logits
+    from mtrain.reshard.megatron_side import load_hf_into_megatron
+    init_distributed(**par)
+    chunks, _ = build_model(cfg, params_dtype=torch.float32)
+    load_hf_into_megatron(model_layout(cfg), chunks, lambda n: state[n], rank)
+    out = forward_logits(chunks, tokens, position_ids=positions,
+                         images={"pixel_values": pixels, "image_grid_thw": grid})
+    return None if out is None else out.detach()
+
+
+@pytest.mark.parametrize("par, world", [(dict(tp=1), 1), (dict(tp=2), 2)], ids=["tp1", "tp2"])
+def test_megatron_vlm_logits_equal_transformers(par, world):
+    cfg, model, state = hf_vlm()
+    tokens, pixels, grid, token_types = image_batch(cfg)
+    with torch.no_grad():
+        want = model(input_ids=tokens, pixel_values=pixels, image_grid_thw=grid,
+                     mm_token_type_ids=token_types).logits.float()
+    positions = mrope_position_ids(tokens, grid, cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"])
+    outs = run_on_ranks(_megatron_logits, world, cfg, state, par, tokens, pixels, grid, positions, timeout=600)
+    got = [o for o in outs if o is not None]
+    assert got
+    for g in got:
+        assert g.shape == want.shape
+        err = (g - want).abs().max() / want.abs().max()
+        assert err < 1e-4, f"{par}: max relative logit error {err:.2e}"
+
+
+def test_mrope_position_ids_equal_transformers_get_rope_index():
+    cfg, model, _ = hf_vlm()
+    for grids in ([[(1, 4, 6)], [(1, 8, 4), (1, 4, 4)]], [[(1, 2, 2), (1, 6, 2)], []], [[(1, 10, 2)], [(1, 2, 8)]]):
+        tokens, _, grid, token_types = image_batch(cfg, grids=grids)
+        want, _ = model.model.get_rope_index(tokens, mm_token_type_ids=token_types, image_grid_thw=grid)
+        assert torch.equal(mrope_position_ids(tokens, grid, cfg["image_token_id"], 2), want), grids
+
+
+def test_mrope_position_ids_refuse_placeholders_and_grids_that_disagree():
+    cfg, _, _ = hf_vlm()
+    tokens, _, grid, _ = image_batch(cfg)
+    with pytest.raises(ImageTokenError, match="only 2 image grid"):
+        mrope_position_ids(tokens, grid[:2], cfg["image_token_id"], 2)
+    with pytest.raises(ImageTokenError, match="4 image grid"):
+        mrope_position_ids(tokens, torch.cat([grid, grid[:1]]), cfg["image_token_id"], 2)
+    with pytest.raises(ImageTokenError, match="needs 16 placeholder"):
+        mrope_position_ids(tokens, torch.tensor([[1, 8, 8], [1, 8, 4], [1, 4, 4]]), cfg["image_token_id"], 2)
