@@ -35,23 +35,7 @@ def hf_vlm(arch: str = "qwen2_5_vl", seed: int = 0, attn: str = "eager"):
 
 
 def image_batch(cfg: dict, grids=GRIDS, seed: int = 2):
-    """tokens [B, S] (text, then per image <vision_start> placeholders <vision_end>, then text; rows padded to one
-    length with text), pixel_values [patches, 3*2*14*14], image_grid_thw [N, 3], mm_token_type_ids [B, S]."""
-    g = torch.Generator().manual_seed(seed)
-    vc = cfg["vision_config"]
-    merge, patch_dim = vc["spatial_merge_size"], 3 * vc["temporal_patch_size"] * vc["patch_size"] ** 2
-    text_hi = min(cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"])
-    rows, all_grids = [], []
-    for row_grids in grids:
-        ids = torch.randint(3, text_hi, (3,), generator=g).tolist()
-        for t, h, w in row_grids:
-            ids += [cfg["vision_start_token_id"]] + [cfg["image_token_id"]] * (t * h * w // merge ** 2)
-            ids += [cfg["vision_end_token_id"]] + torch.randint(3, text_hi, (2,), generator=g).tolist()
-            all_grids.append((t, h, w))
-        rows.append(ids)
-    s = max(len(r) for r in rows) + 2
-    tokens = torch.stack([torch.tensor(r + torch.randint(3, text_hi, (s - len(r),), generator=g).tolist())
-                          for r in rows])
-    grid = torch.tensor(all_grids, dtype=torch.long)
-    pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
-    return tokens, pixels, grid, (tokens == cfg["image_token_id"]).int()
+    """(tokens, pixel_values, image_grid_thw, mm_token_type_ids) of mtrain.models.vlm_probe.probe_batch."""
+    from mtrain.models.vlm_probe import probe_batch
+    b = probe_batch(cfg, grids=grids, seed=seed)
+    return b["tokens"], b["pixel_values"], b["image_grid_thw"], b["mm_token_type_ids"]
