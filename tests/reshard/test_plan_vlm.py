@@ -95,3 +95,55 @@ def test_nested_transformers5_config_gives_the_same_table():
     a, b = model_layout(flat), model_layout(nested)
     assert [(w.key, w.shape, w.hf, w.sglang, w.megatron) for w in a.weights] == \
            [(w.key, w.shape, w.hf, w.sglang, w.megatron) for w in b.weights]
+
+
+def _pull_sync_check(layout, cfg, hf, mcore, t, engine_tp, rank=0, only_local=True):
+    from mtrain.reshard import pull_protocol as P
+    from mtrain.reshard.executor import Executor
+    from mtrain.reshard.pull import PullPlan
+    from test_pull import engine_params, run_sync
+    plan = build_plan(layout, t, SGLangLayout(tp=engine_tp), colocate=lambda r: 0)
+    ex = Executor(plan, rank, lambda ref: mcore[(ref.rank, ref.chunk, ref.name)], dtype=torch.float32,
+                  src_everywhere=only_local, backend="torch", bucket_bytes=4096)
+    pull = PullPlan(ex)
+    params = {r: engine_params(plan, r, torch.float32) for r in range(engine_tp)} if rank == 0 else {}
+    states = {r: P.PullState() for r in range(engine_tp)}
+    run_sync(pull, params, states, P.PullSender(engine_tp), engine_tp)
+    bad = []
+    for r, got in params.items():
+        want = {**sglang_rank_params(hf, cfg, r, engine_tp), **sglang_vision_params(hf, cfg, r, engine_tp)}
+        assert set(got) == set(want)
+        bad += [f"engine rank {r}: {n}" for n, v in want.items() if not torch.equal(got[n], v)]
+    return bad
+
+
+@pytest.mark.parametrize("train, engine_tp", [("tp2", 2), ("tp2pp2", 4)])
+def test_vlm_pull_in_one_process_equals_sglang_slicing(train, engine_tp):
+    t = TRAIN[train]
+    cfg = tiny_config("qwen2_5_vl")
+    layout = model_layout(cfg)
+    hf = random_state(layout)
+    mcore = reshard_in_memory(build_plan(layout, HFLayout(), t), lambda ref: hf[ref.name], dtype=torch.float32,
+                              backend="torch")
+    assert not _pull_sync_check(layout, cfg, hf, mcore, t, engine_tp)
+
+
+def _pull_rank(rank, world, engine_tp):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = TRAIN["tp2pp2"]
+    cfg = tiny_config("qwen2_5_vl")
+    layout = model_layout(cfg)
+    hf = random_state(layout)
+    mcore = reshard_in_memory(build_plan(layout, HFLayout(), t), lambda ref: hf[ref.name], dtype=torch.float32,
+                              backend="torch")
+    mine = {k: v for k, v in mcore.items() if k[0] == rank}  # only this rank's shards: the rest travels
+    bad = _pull_sync_check(layout, cfg, hf, mine, t, engine_tp, rank=rank, only_local=False)
+    dist.destroy_process_group()
+    return bad
+
+
+def test_vlm_pull_over_gloo_ranks_equals_sglang_slicing():
+    from mtrain.dist import run_on_ranks
+    for bad in run_on_ranks(_pull_rank, 4, 2, timeout=300):
+        assert not bad, bad[:5]
