@@ -168,6 +168,16 @@ class LongtailTaskConfig:
 
 
 @dataclass
+class CountShapesTaskConfig:
+    """'How many red shapes are in the image?' over generated pictures (mtrain/data/count_shapes.py)."""
+    num_train: int = 1024
+    num_eval: int = 64
+    min_size: int = 56  # image width and height in pixels, each drawn from [min_size, max_size]
+    max_size: int = 112
+    max_shapes: int = 6
+
+
+@dataclass
 class DataConfig:
     train_path: str | None = None  # .jsonl / .json / .parquet
     eval_path: str | None = None
@@ -176,9 +186,15 @@ class DataConfig:
     apply_chat_template: bool = True
     system_prompt: str | None = None
     drop_overlong_prompts: bool = False  # False: a prompt longer than rollout.max_prompt_len is an error
-    task: Literal["arithmetic", "longtail"] | None = None  # a generated task instead of train_path/eval_path
+    task: Literal["arithmetic", "longtail", "count_shapes"] | None = None  # a generated task, not train/eval_path
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
     longtail: LongtailTaskConfig = field(default_factory=LongtailTaskConfig)
+    count_shapes: CountShapesTaskConfig = field(default_factory=CountShapesTaskConfig)
+    # Vision models (docs/design-vlm-data.md): a record's image paths (relative to its file; `<image>` in the prompt
+    # marks each) and the pixel budget per image: the processor resizes within it, and an image with more pixels is
+    # an error before the run starts (None: the model's preprocessor_config.json max_pixels).
+    image_key: str = "images"
+    max_pixels: int | None = None
     shuffle: bool = True
     seed: int = 0
 
@@ -350,6 +366,12 @@ def validate(cfg: RunConfig) -> None:
               "data.longtail.num_train", "data.longtail.median_count", "data.longtail.max_count",
               "train.eval_samples", "sync.bucket_mb")
     _at_least(cfg, 0, "data.longtail.num_eval", "data.longtail.sigma")
+    _at_least(cfg, 1, "data.count_shapes.num_train", "data.count_shapes.max_shapes")
+    _at_least(cfg, 0, "data.count_shapes.num_eval")
+    _at_least(cfg, 28, "data.count_shapes.min_size")  # one 28 x 28 merged token at least
+    _check(d.count_shapes.max_size >= d.count_shapes.min_size, "data.count_shapes.max_size",
+           f"must be >= data.count_shapes.min_size ({d.count_shapes.min_size}), got {d.count_shapes.max_size}")
+    _at_least(cfg, 28 * 28, "data.max_pixels", optional=True)
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
     _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")

@@ -22,11 +22,22 @@ def load_datasets(cfg) -> tuple[list[PromptSample], list[PromptSample]]:
         a = d.arithmetic
         return make_arithmetic_splits(a.num_train, a.num_eval, seed=d.seed, max_operand=a.max_operand,
                                       num_operands=a.num_operands, ops=a.ops)
+    if d.task == "count_shapes":
+        from mtrain.data.count_shapes import make_count_shapes_splits
+        from mtrain.data.vision import check_samples, pixel_budget
+        c = d.count_shapes
+        train, evals = make_count_shapes_splits(c.num_train, c.num_eval, seed=d.seed, min_size=c.min_size,
+                                                max_size=c.max_size, max_shapes=c.max_shapes)
+        check_samples(train + evals, pixel_budget(cfg))
+        return train, evals
     if d.task == "longtail":
         from mtrain.data.longtail import make_longtail_splits
         t = d.longtail
         return make_longtail_splits(t.num_train, t.num_eval, seed=d.seed, median_count=t.median_count, sigma=t.sigma,
                                     max_count=t.max_count)
-    train = load_prompts(d.train_path, d.prompt_key, d.answer_key)
-    evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else []
+    from mtrain.data.vision import pixel_budget
+    budget = pixel_budget(cfg)
+    train = load_prompts(d.train_path, d.prompt_key, d.answer_key, image_key=d.image_key, max_pixels=budget)
+    evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key, image_key=d.image_key,
+                         max_pixels=budget) if d.eval_path else []
     return train, evals

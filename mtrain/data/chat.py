@@ -21,8 +21,9 @@ class PromptError(ValueError):
 @dataclass(frozen=True)
 class TokenizedPrompt:
     sample: PromptSample
-    text: str  # exactly what the ids encode (template applied)
-    ids: list[int]
+    text: str  # exactly what the ids encode (template applied; one image token per image)
+    ids: list[int]  # with images: each image token expanded to its image's token count
+    vision: Any = None  # mtrain.data.vision.VisionInputs when the sample has images
 
 
 def to_messages(prompt: str | list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
@@ -59,15 +60,23 @@ def tokenize_prompts(samples: Sequence[PromptSample], tokenizer: Any, *, max_pro
     sample, or (drop_overlong) left out with one warning that counts them."""
     out, dropped = [], []
     for s in samples:
-        text, ids = render_prompt(tokenizer, s.prompt, apply_chat_template=apply_chat_template,
-                                  system_prompt=system_prompt, sample_id=s.index)
+        vision = None
+        if getattr(s, "images", ()):
+            if not hasattr(tokenizer, "vision_inputs"):
+                raise PromptError(f"sample {s.index}: the sample has {len(s.images)} image(s) but the model has no "
+                                  f"vision tower (its config.json has no vision_config/image_token_id)")
+            text, ids, vision = tokenizer.render(s.prompt, s.images, apply_chat_template=apply_chat_template,
+                                                 system_prompt=system_prompt, sample_id=s.index)
+        else:
+            text, ids = render_prompt(tokenizer, s.prompt, apply_chat_template=apply_chat_template,
+                                      system_prompt=system_prompt, sample_id=s.index)
         if len(ids) > max_prompt_len:
             if not drop_overlong:
                 raise PromptError(f"sample {s.index}: prompt has {len(ids)} tokens > rollout.max_prompt_len="
                                   f"{max_prompt_len}; raise the limit or set data.drop_overlong_prompts=true")
             dropped.append(s.index)
             continue
-        out.append(TokenizedPrompt(sample=s, text=text, ids=ids))
+        out.append(TokenizedPrompt(sample=s, text=text, ids=ids, vision=vision))
     if dropped:
         log.warning("dropped %d of %d prompts longer than %d tokens (first: sample %d)",
                     len(dropped), len(samples), max_prompt_len, dropped[0])

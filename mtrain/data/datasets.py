@@ -3,6 +3,10 @@
 A record holds a prompt (a string, or a list of chat messages {"role", "content"} as in verl's parquet files)
 and an answer (anything the reward function understands; the default one compares numbers/strings).
 Keys may be dotted paths into nested records: answer_key="reward_model.ground_truth".
+Images: with `image_key` (data.image_key), a record may list image files (a path or a list; relative paths are
+relative to the data file); the prompt marks each with `<image>` (mtrain/data/vision.py). Every image is checked
+while the file is read -- present, readable, within `max_pixels`, placeholders matching -- so a bad record stops the
+run before any work, with its file and line named.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ class PromptSample:
     prompt: str | list[dict[str, str]]  # text, or chat messages
     answer: Any
     metadata: dict[str, Any] = field(default_factory=dict)  # the rest of the record, for reward functions
+    # Images in prompt order, one per `<image>` in the prompt: file paths, PIL images or generated pictures
+    # (anything with `size` and `to_pil()`); mtrain/data/vision.py renders them.
+    images: tuple[Any, ...] = ()
 
 
 _MISSING = object()
@@ -93,9 +100,26 @@ def _records_parquet(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, d
         yield f"{path}: row {i}", rec
 
 
+def _check_images(rec: dict, prompt: Any, path: Path, where: str, key: str, max_pixels: int | None
+                  ) -> tuple[str, ...]:
+    from mtrain.data.vision import VisionError, check_image, check_placeholders, resolve_images
+
+    value = _get(rec, key)
+    try:
+        images = resolve_images(None if value is _MISSING else value, path.parent, where, key)
+        check_placeholders(prompt, len(images), where)
+        for image in images:
+            check_image(image, max_pixels, where)
+    except VisionError as e:
+        raise DatasetError(str(e)) from None
+    return images
+
+
 def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
-                 limit: int | None = None) -> list[PromptSample]:
-    """Read every record of `path` into PromptSamples (index = position in the file)."""
+                 limit: int | None = None, image_key: str | None = None,
+                 max_pixels: int | None = None) -> list[PromptSample]:
+    """Read every record of `path` into PromptSamples (index = position in the file). image_key: the records'
+    image list (checked here: files present and within max_pixels pixels, one `<image>` placeholder each)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"prompt file not found: {path}")
@@ -123,8 +147,13 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
             values.append(v)
         prompt = _check_prompt(values[0], where, prompt_key)
         top = {prompt_key.split(".")[0], answer_key.split(".")[0]}
+        images: tuple[str, ...] = ()
+        if image_key is not None:
+            images = _check_images(rec, prompt, path, where, image_key, max_pixels)
+            top.add(image_key.split(".")[0])
         meta = {k: v for k, v in rec.items() if k not in top}
-        samples.append(PromptSample(index=len(samples), prompt=prompt, answer=values[1], metadata=meta))
+        samples.append(PromptSample(index=len(samples), prompt=prompt, answer=values[1], metadata=meta,
+                                    images=images))
     if not samples:
         raise DatasetError(f"{path}: no records")
     return samples

@@ -50,7 +50,7 @@ class Batcher:
             if fut.cancelled():
                 continue
             fut.set_result(Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
-                                      finish_reason="abort", weight_version=-1))
+                                      finish_reason="abort", weight_version=-1, vision=req.vision))
 
     def pause(self) -> None:
         with self._cv:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -75,6 +75,9 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # Images of the prompt (mtrain.data.vision.VisionInputs): pixel values and patch grids computed once by the
+    # processor; prompt_ids already hold each image's expanded image tokens. None: a text-only request.
+    vision: Any = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Completion:
     # Per output token, the weight version that produced it; None = all weight_version. A sample resumed across a
     # weight sync (partial rollout) spans several versions.
     token_versions: list[int] | None = None
+    vision: Any = None  # the request's VisionInputs, passed through so the trainer's batch keeps the images
 
     @property
     def versions(self) -> list[int]:

@@ -5,6 +5,11 @@ seeded generators, temperature/top-k/top-p, stop ids), really receives weights t
 *on-disk* layout ("hf"), and really frees/reallocates its weight memory, with the same failure modes as SGLang
 (generate on released or half-synced weights is an error, not silent garbage). It is not fast and not a
 substitute for SGLang on GPU.
+
+Vision-language configs (a `vision_config` and an `image_token_id`: Qwen2.5-VL) run transformers' image-text class
+(Qwen2_5_VLForConditionalGeneration): a request's `vision` (mtrain.data.vision.VisionInputs, computed once by the
+processor) gives the pixel values and patch grids of the prefill, and positions are the model's own multimodal
+RoPE indices (transformers' get_rope_index), continued through decoding with each row's rope delta.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.batcher import Batcher
@@ -105,8 +110,9 @@ class ReferenceEngine(RolloutEngine):
         with torch.random.fork_rng(devices=[]):  # random init must not disturb the caller's RNG stream
             torch.manual_seed(init_seed)
             # eager attention and experts: the plainest paths, identical math for any batch composition
-            model = AutoModelForCausalLM.from_config(self._config, dtype=dtype, attn_implementation="eager",
-                                                     experts_implementation="eager")
+            auto = AutoModelForImageTextToText if self._is_vlm(self._config) else AutoModelForCausalLM
+            model = auto.from_config(self._config, dtype=dtype, attn_implementation="eager",
+                                     experts_implementation="eager")
         self._model = model.eval().requires_grad_(False)
         self._views = hf_disk_views(self._model)
         self._allow_dtype_cast = allow_dtype_cast
@@ -115,7 +121,8 @@ class ReferenceEngine(RolloutEngine):
             storages.setdefault(t.untyped_storage().data_ptr(), (t, t.untyped_storage().nbytes()))
         self._storages = list(storages.values())  # (tensor owning it, bytes) once per storage
         self._vocab = int(self._model.get_output_embeddings().weight.shape[0])
-        self._max_positions = getattr(self._config, "max_position_embeddings", None)
+        self._vlm = self._is_vlm(self._config)
+        self._max_positions = getattr(self._config.get_text_config(), "max_position_embeddings", None)
         self._version = 0
         self._stale: set[str] = set()  # names not written since weights were resumed
         self._sync_open = False  # update_weights called, finish_weight_update not yet
@@ -127,6 +134,10 @@ class ReferenceEngine(RolloutEngine):
         self._progress: dict[str, int] = {}  # in-flight rid -> tokens generated so far
         self._aborted: set[str] = set()
         self._batcher: Batcher | None = None  # started by the first submit()
+
+    @staticmethod
+    def _is_vlm(config: PretrainedConfig) -> bool:
+        return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
 
     @classmethod
     def from_pretrained(cls, hf_dir: str, **kwargs: Any) -> "ReferenceEngine":
@@ -388,11 +399,55 @@ class ReferenceEngine(RolloutEngine):
         bad = [t for t in req.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab]
         if bad:
             raise EngineError(f"generate: request {req.rid!r} has token ids outside [0, {self._vocab}): {bad[:5]}")
+        self._check_vision(req)
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if self._max_positions is not None and total > self._max_positions:
             raise EngineError(f"generate: request {req.rid!r}: prompt length {len(req.prompt_ids)} + max_new_tokens "
                               f"{req.params.max_new_tokens} = {total} exceeds max_position_embeddings "
                               f"{self._max_positions}")
+
+    def _check_vision(self, req: Request) -> None:
+        """Images only for a vision model, and their tokens in the prompt exactly as the processor expanded them."""
+        if req.vision is None:
+            if self._vlm and self._config.image_token_id in req.prompt_ids:
+                raise EngineError(f"generate: request {req.rid!r} has image tokens ({self._config.image_token_id}) in "
+                                  f"its prompt but no vision inputs")
+            return
+        from mtrain.data.vision import VisionError, VisionInputs
+        if not self._vlm:
+            raise EngineError(f"generate: request {req.rid!r} carries images but the model "
+                              f"({self._config.model_type}) has no vision tower")
+        if not isinstance(req.vision, VisionInputs):
+            raise EngineError(f"generate: request {req.rid!r}: vision must be a VisionInputs, got "
+                              f"{type(req.vision).__name__}")
+        if req.vision.image_token_id != self._config.image_token_id:
+            raise EngineError(f"generate: request {req.rid!r}: vision inputs use image token {req.vision.image_token_id},"
+                              f" the model {self._config.image_token_id}")
+        try:
+            req.vision.check_ids(req.prompt_ids, what=f"request {req.rid!r}")
+        except VisionError as e:
+            raise EngineError(f"generate: {e}") from None
+
+    def _vision_prefill(self, reqs: list[Request], input_ids: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """The prefill's vision arguments (pixel values and grids of every row, in row order), its [3, B, L] mRoPE
+        positions and each row's rope delta (decoding position = sequence position + delta), from transformers'
+        get_rope_index row by row (a text-only row gets 0, 1, 2, ... and delta 0)."""
+        from mtrain.data.vision import VisionInputs
+        positions, deltas = [], []
+        for row, req in enumerate(reqs):
+            ids = input_ids[row:row + 1]
+            if req.vision is None:
+                positions.append(torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1))
+                deltas.append(torch.zeros((1, 1), dtype=torch.long))
+                continue
+            pos, delta = self._model.model.get_rope_index(
+                ids, mm_token_type_ids=req.vision.mm_token_type_ids(ids), image_grid_thw=req.vision.image_grid_thw)
+            positions.append(pos)
+            deltas.append(delta.view(1, 1).long())
+        merged = VisionInputs.concat([r.vision for r in reqs])
+        kwargs = {} if merged is None else {"pixel_values": merged.pixel_values,
+                                            "image_grid_thw": merged.image_grid_thw}
+        return kwargs, torch.cat(positions, dim=1), torch.cat(deltas)
 
     def _check_ready(self) -> None:
         if self._released:
@@ -423,6 +478,7 @@ class ReferenceEngine(RolloutEngine):
         length = len(reqs[0].prompt_ids)
         input_ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
         positions = torch.arange(length).unsqueeze(0)
+        vision_kwargs, deltas = {}, None
         while True:
             # abort is checked between decoding steps (and before the prefill of a queued group)
             for i in alive:
@@ -435,8 +491,18 @@ class ReferenceEngine(RolloutEngine):
                 if cache.get_seq_length() > 0:
                     cache.batch_select_indices(torch.tensor(keep))
                 input_ids, alive = input_ids[keep], [alive[row] for row in keep]
-            logits = self._model(input_ids=input_ids, position_ids=positions.expand(len(alive), -1),
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+                if deltas is not None:
+                    deltas = deltas[keep]
+            prefill = cache.get_seq_length() == 0
+            if self._vlm and prefill:  # [3, B, L] multimodal positions of the rows still alive; images enter here only
+                vision_kwargs, position_ids, deltas = self._vision_prefill([reqs[i] for i in alive], input_ids)
+            elif self._vlm:
+                position_ids = (positions + deltas).view(1, -1, 1).expand(3, -1, -1)
+                vision_kwargs = {}
+            else:
+                position_ids = positions.expand(len(alive), -1)
+            logits = self._model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1, **vision_kwargs).logits[:, -1, :].float()
             next_ids = []
             for row, i in enumerate(alive):
                 params = reqs[i].params
@@ -459,5 +525,6 @@ class ReferenceEngine(RolloutEngine):
             if all(finish[i] is not None for i in alive):
                 break
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
-                           finish_reason=finish[i], weight_version=self._version)  # type: ignore[arg-type]
+                           finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
+                           vision=r.vision)
                 for i, r in enumerate(reqs)]

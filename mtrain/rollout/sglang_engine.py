@@ -58,6 +58,7 @@ from mtrain.rollout.sglang_loader import (
 )
 from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine's public helpers
     _marker_tensor,
+    sglang_image_data,
     completion_from_output,
     engine_server_args,
     serialize_bucket,
@@ -224,10 +225,11 @@ class SGLangEngine(RolloutEngine):
         if srid in self._aborted:
             return None
         seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
+        images = sglang_image_data(req)  # None for text; one "processor_output" item for all of a prompt's images
         try:
             return await self._engine.async_generate(
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                return_logprob=True, rid=srid)
+                return_logprob=True, rid=srid, **({"image_data": images} if images is not None else {}))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
@@ -273,7 +275,7 @@ class SGLangEngine(RolloutEngine):
     def _completion(self, req: Request, out: Any) -> Completion:
         if out is None:
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
-                              finish_reason="abort", weight_version=self._weight_version)
+                              finish_reason="abort", weight_version=self._weight_version, vision=req.vision)
         return completion_from_output(req, out, self._weight_version)
 
     def abort(self, rid_prefix: str | None = None) -> None:

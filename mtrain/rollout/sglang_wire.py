@@ -105,6 +105,39 @@ def to_sglang_sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
     return out
 
 
+def sglang_image_data(req: Request) -> list[dict[str, Any]] | None:
+    """A request's images as SGLang 0.5.17 takes them with token ids (skip_tokenizer_init): ONE item holding every
+    image's processor output, so SGLang keeps our expanded ids and never re-runs the HF processor.
+
+    Source (sglang/srt/, 0.5.17):
+    - multimodal/processors/base_processor.py:899-923 (load_mm_data): when the prompt is a list of ids and every
+      item is preprocessed, the ids are returned as given (no decode + re-tokenize, which may not round-trip);
+      a raw image instead takes the decode path (926-957 -> legacy_load_mm_data, 1077+).
+    - base_processor.py:679-705: an item is preprocessed when its "format" is "processor_output".
+    - base_processor.py:834-855 (_validate_one_modality): such an item must be the only one in image_data.
+    - base_processor.py:1227-1315 (collect_mm_items_from_processor_output): keys map to the image modality by name
+      (ATTR_NAME_TO_MODALITY, 300-302: pixel_values, image_grid_thw); pixel_values becomes the item's feature.
+    - base_processor.py:1599-1609 + 1203-1216: offsets = runs of image_token_id in our ids; managers/mm_utils.py:
+      1733-1800 (get_new_expanded_mm_items) splits the item per image by prod(image_grid_thw) patches -- so each
+      image's run must be exactly its t*h*w / merge^2 tokens (VisionInputs.check_ids).
+    - multimodal/processors/qwen_vl.py:835-854: mRoPE positions from our expanded ids and the grids
+      (MRotaryEmbedding.get_rope_index); models/qwen2_5_vl.py:671-676 casts pixel_values to the tower's dtype.
+    - managers/tokenizer_manager.py:466-489: the multimodal processor exists even with skip_tokenizer_init, built
+      from the model folder's HF processor (3702-3730): the folder needs its processor files.
+    """
+    if req.vision is None:
+        return None
+    from mtrain.data.vision import VisionError, VisionInputs
+    if not isinstance(req.vision, VisionInputs):
+        raise EngineError(f"request {req.rid!r}: vision must be a VisionInputs, got {type(req.vision).__name__}")
+    try:
+        req.vision.check_ids(req.prompt_ids, what=f"request {req.rid!r}")
+    except VisionError as e:
+        raise EngineError(str(e)) from None
+    return [{"format": "processor_output", "pixel_values": req.vision.pixel_values,
+             "image_grid_thw": req.vision.image_grid_thw}]
+
+
 def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
     """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
     meta = out.get("meta_info", {})
@@ -127,7 +160,7 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
-                      finish_reason=_FINISH[kind], weight_version=version)
+                      finish_reason=_FINISH[kind], weight_version=version, vision=req.vision)
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from mtrain.trainer.batch import RolloutBatch
+from mtrain.trainer.batch import RolloutBatch, vision_rows
 
 SegmentKind = Literal["prompt", "model", "env"]
 
@@ -61,6 +61,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the session's call log
     sample: Any = None  # the PromptSample
+    vision: Any = None  # the prompt's images (mtrain.data.vision.VisionInputs); the prompt segment holds their tokens
 
     @property
     def tokens(self) -> list[int]:
@@ -148,4 +149,4 @@ def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int =
             pos += n
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
                         torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]),
-                        torch.tensor(lengths), versions)
+                        torch.tensor(lengths), versions, vision_rows([t.vision for t in trajectories]))

@@ -47,6 +47,9 @@ class AgentRollout:
     def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
         from mtrain.rollout.agents.openai_agent import agent_group_fn
 
+        with_images = [s.index for s in samples if getattr(s, "images", ())]
+        if with_images:  # the OpenAI front takes text messages only
+            raise ValueError(f"sample {with_images[0]} has images: serve.agent rollouts do not support image prompts")
         run = self.pool.run(len(samples), agent_group_fn(self.fronts, self.agent, samples, n, rid_prefix=rid_prefix),
                             rid_prefix=rid_prefix)
         trajectories = [t for group in run.results for t in group]

@@ -11,6 +11,7 @@ per-token field (weight versions, routed experts) is added to the dataclass and 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class RolloutBatch:
     response_lens: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B] long: prompt + response tokens (the rest of the row is padding)
     versions: torch.Tensor  # [B, T-1] long: the weight version that generated each response token (-1 off the mask)
+    # Vision models: each row's images (mtrain.data.vision.VisionRows: a VisionInputs or None per row); None when
+    # no row has images. tokens[b] holds row b's expanded image tokens.
+    vision: Any = None
 
     PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions")
 
@@ -34,12 +38,31 @@ class RolloutBatch:
         return self.tokens.shape[0]
 
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                               for f in fields(self)})
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
         """Rows of several batches of the same width, in order (a step's minibatches, for its metrics)."""
-        return RolloutBatch(**{f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)})
+        out = {f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)
+               if f.name != "vision"}
+        return RolloutBatch(**out, vision=vision_rows_cat(batches))
+
+
+def vision_rows_cat(batches: list["RolloutBatch"]):
+    """The vision rows of several batches in order (text-only batches contribute None rows)."""
+    if all(b.vision is None for b in batches):
+        return None
+    from mtrain.data.vision import VisionRows
+    return VisionRows.cat([b.vision if b.vision is not None else VisionRows([None] * b.size) for b in batches])
+
+
+def vision_rows(items: list) -> Any:
+    """RolloutBatch.vision for per-row VisionInputs-or-None (None when no row has images)."""
+    if all(v is None for v in items):
+        return None
+    from mtrain.data.vision import VisionRows
+    return VisionRows(items)
 
 
 def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1
@@ -62,7 +85,8 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
             engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
             versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions)
+                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions,
+                        vision_rows([c.vision for c in completions]))
 
 
 def dp_rows(seq_lens: torch.Tensor, dp_rank: int, dp_size: int, by_tokens: bool) -> torch.Tensor | slice:

@@ -9,8 +9,12 @@ import torch
 from mtrain.layouts.table import ModelLayout
 
 
-def load_tokenizer(hf_dir: Path, hf_config: dict):
-    """The model's HF tokenizer; a tiny random model without tokenizer files gets the character tokenizer."""
+def load_tokenizer(hf_dir: Path, hf_config: dict, max_pixels: int | None = None):
+    """The model's HF tokenizer; a tiny random model without tokenizer files gets the character tokenizer. A vision
+    model gets a VisionProcessor (its tokenizer + image processor, pixel budget `max_pixels` = data.max_pixels)."""
+    from mtrain.data.vision import is_vision_config, load_vision_processor
+    if is_vision_config(hf_config):
+        return load_vision_processor(hf_dir, hf_config, max_pixels)
     if any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(hf_dir))

@@ -83,7 +83,7 @@ class Trainer:
         if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
             raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
                               f"the model's context (max_position_embeddings={self.max_positions})")
-        self.tokenizer = load_tokenizer(hf_dir, self.hf_config)
+        self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
         self.train_set, self.eval_set = load_datasets(cfg)
         self.reward_fn = load_reward_fn(cfg.reward.fn)
         self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,

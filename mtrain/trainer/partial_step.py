@@ -38,6 +38,9 @@ class PartialRollout:
                                    drop_overlong=d.drop_overlong_prompts)
         out = []
         for p in prompts:
+            if p.vision is not None:  # the buffer (and its checkpoint) would have to keep the pixel values
+                raise ValueError(f"sample {p.sample.index} has images: rollout.partial does not support image prompts "
+                                 f"yet; set rollout.partial=false")
             out.append(partial.new_group(self.next_uid, p.sample.index, p.ids, n, base_seed))
             self.next_uid += 1
         return out

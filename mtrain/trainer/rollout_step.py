@@ -42,12 +42,12 @@ def sample_params(params: SamplingParams, sample) -> SamplingParams:
 
 
 def group_requests(prompt_ids: list[int], index: int, n: int, params: SamplingParams, base_seed: int,
-                   rid_prefix: str, width: int) -> list[Request]:
+                   rid_prefix: str, width: int, vision=None) -> list[Request]:
     """The n requests of group `index`: seeds base_seed + index*n + j (as `expand_samples`), so a group samples
     the same tokens whichever engine serves it; rids f"{prefix}-{index:0W}-{j:0W}-" (none a prefix of another)."""
     sw = len(str(n - 1))
     return [Request(rid=f"{rid_prefix}-{index:0{width}d}-{j:0{sw}d}-", prompt_ids=list(prompt_ids),
-                    params=replace(params, seed=base_seed + index * n + j)) for j in range(n)]
+                    params=replace(params, seed=base_seed + index * n + j), vision=vision) for j in range(n)]
 
 
 def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int, seed: int, rid_prefix: str,
@@ -74,7 +74,8 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
     width = len(str(max(len(prompts) - 1, 0)))
 
     async def one_group(i: int, client: EngineClient):
-        reqs = group_requests(prompts[i].ids, i, n, sample_params(params, prompts[i].sample), seed, rid_prefix, width)
+        reqs = group_requests(prompts[i].ids, i, n, sample_params(params, prompts[i].sample), seed, rid_prefix, width,
+                              vision=prompts[i].vision)
         completions = await asyncio.gather(*(client.generate(q) for q in reqs))
         aborted = [c.rid for c in completions if c.finish_reason == "abort"]
         if aborted:  # partial outputs of a stopped engine must never be scored and trained on
@@ -117,6 +118,10 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
     from mtrain.rollout.agents.setup import make_context
 
     r = cfg.rollout
+    with_images = [s.index for s in samples if getattr(s, "images", ())]
+    if with_images:  # tool turns re-render the conversation: images would need re-expanding in every turn
+        raise PromptError(f"sample {with_images[0]} has images: multi-turn rollouts (rollout.fn / agents) do not "
+                          f"support image prompts yet; use the single-turn rollout")
     params = SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
     width = len(str(max(len(samples) - 1, 0)))
