@@ -5,7 +5,8 @@ A text token advances all three positions by one. An image of grid (t, h, w) pat
 placeholder tokens (m = spatial_merge_size); the image's tokens, in order, get temporal index `start + frame`,
 height `start + row`, width `start + col` (start = the position after the text before it), and the text after it
 starts at `start + max(h/m, w/m)` (for an image t = 1 patch frame; transformers' images never space frames out).
-Images are consumed in order: a run of placeholder tokens may hold several images back to back.
+Images are consumed in order: a run of placeholder tokens may hold several images back to back. Only the prompt
+holds images: a placeholder id the model generated (`prompt_lens`) is a text token, as the engines treat it.
 """
 from __future__ import annotations
 
@@ -22,11 +23,21 @@ def image_token_counts(grid_thw: torch.Tensor, merge: int) -> list[int]:
     return [t * (h // merge) * (w // merge) for t, h, w in g]
 
 
+def image_mask(tokens: torch.Tensor, image_token_id: int, prompt_lens=None) -> torch.Tensor:
+    """[B, S] bool: the image placeholders of each row's prompt (all of them when prompt_lens is None)."""
+    mask = tokens == image_token_id
+    if prompt_lens is not None:
+        mask &= torch.arange(tokens.shape[1]).unsqueeze(0) < torch.as_tensor(prompt_lens).reshape(-1, 1)
+    return mask
+
+
 def mrope_position_ids(tokens: torch.Tensor, grid_thw: torch.Tensor | None, image_token_id: int, merge: int,
-                       lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+                       lengths: torch.Tensor | list[int] | None = None,
+                       prompt_lens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
     """[3, B, S] position ids of `tokens` [B, S]. `grid_thw` [N, 3]: the images of all rows, row by row, in the
     order their placeholders appear. `lengths` [B]: real tokens per row (the rest is right padding, which continues
-    the text positions: causal attention never lets a real token see it)."""
+    the text positions: causal attention never lets a real token see it). `prompt_lens` [B]: placeholders are
+    looked for before these positions only (default: anywhere)."""
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     b, s = tokens.shape
@@ -34,16 +45,16 @@ def mrope_position_ids(tokens: torch.Tensor, grid_thw: torch.Tensor | None, imag
     grids = torch.as_tensor(grid_thw).reshape(-1, 3).tolist() if counts else []
     out = torch.empty(3, b, s, dtype=torch.long)
     img = 0
-    rows = tokens.tolist()
+    is_image = image_mask(tokens, image_token_id, prompt_lens).tolist()
     for r in range(b):
         n = int(lengths[r]) if lengths is not None else s
-        row = rows[r]
+        row = is_image[r]
         pos = torch.empty(3, s, dtype=torch.long)
         i, cur = 0, 0
         while i < n:
-            if row[i] != image_token_id:
+            if not row[i]:
                 j = i
-                while j < n and row[j] != image_token_id:
+                while j < n and not row[j]:
                     j += 1
                 pos[:, i:j] = torch.arange(cur, cur + j - i)
                 cur += j - i
@@ -54,7 +65,7 @@ def mrope_position_ids(tokens: torch.Tensor, grid_thw: torch.Tensor | None, imag
                                       f"image grid(s) were given")
             t, h, w = grids[img]
             k = counts[img]
-            if i + k > n or any(x != image_token_id for x in row[i:i + k]):
+            if i + k > n or not all(row[i:i + k]):
                 raise ImageTokenError(f"row {r}: image {img} (grid {t}x{h}x{w}) needs {k} placeholder tokens at "
                                       f"position {i}; the row has fewer there")
             hh, ww = h // merge, w // merge

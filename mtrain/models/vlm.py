@@ -67,10 +67,12 @@ class VisionLanguageModel(GPTModel):
         return out.pooler_output
 
     def embed(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
-              image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
-        """Token embeddings [s(/tp), b, h] with image rows replaced."""
+              image_grid_thw: Optional[torch.Tensor], image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token embeddings [s(/tp), b, h] with image rows replaced. `image_mask` [b, s]: the placeholders that
+        hold images (default: every image token; the trainer passes the prompts' only, as a generated
+        placeholder id is a text token to the engines)."""
         text = self.embedding(input_ids=input_ids, position_ids=None)
-        mask = input_ids == self.image_token_id
+        mask = (input_ids == self.image_token_id) if image_mask is None else image_mask.to(torch.bool)
         n_tokens = int(mask.sum())
         if pixel_values is None or image_grid_thw is None or len(image_grid_thw) == 0:
             if n_tokens:
@@ -93,7 +95,7 @@ class VisionLanguageModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None,
-                **kwargs):
+                image_mask: Optional[torch.Tensor] = None, **kwargs):
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)

@@ -57,3 +57,18 @@ def test_mrope_position_ids_refuse_placeholders_and_grids_that_disagree():
         mrope_position_ids(tokens, torch.cat([grid, grid[:1]]), cfg["image_token_id"], 2)
     with pytest.raises(ImageTokenError, match="needs 16 placeholder"):
         mrope_position_ids(tokens, torch.tensor([[1, 8, 8], [1, 8, 4], [1, 4, 4]]), cfg["image_token_id"], 2)
+
+
+def test_generated_placeholder_ids_are_text():
+    """A response may sample the placeholder id; engines embed it as text at the next text position."""
+    cfg, model, _ = hf_vlm()
+    tokens, _, grid, token_types = image_batch(cfg, grids=[[(1, 4, 6)]])
+    prompt_len = tokens.shape[1]
+    tokens = torch.cat([tokens, torch.tensor([[cfg["image_token_id"], 5, cfg["image_token_id"]]])], dim=1)
+    pos = mrope_position_ids(tokens, grid, cfg["image_token_id"], 2, prompt_lens=[prompt_len])
+    want, _ = model.model.get_rope_index(tokens[:, :prompt_len], mm_token_type_ids=token_types, image_grid_thw=grid)
+    assert torch.equal(pos[:, :, :prompt_len], want)
+    last = int(want[0, 0, -1])
+    assert pos[:, 0, prompt_len:].tolist() == [[last + 1, last + 2, last + 3]] * 3
+    with pytest.raises(ImageTokenError):  # without prompt_lens the generated ids would be taken for an image
+        mrope_position_ids(tokens, grid, cfg["image_token_id"], 2)
