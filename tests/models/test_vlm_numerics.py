@@ -1,6 +1,6 @@
 """Qwen2.5-VL on Megatron-core (language model with MRoPE + transformers' vision tower, loaded through the layout
 tables) gives transformers' `Qwen2_5_VLForConditionalGeneration` logits on rows with images of different sizes,
-float32 within 1e-4 relative, at TP1 and TP2; our MRoPE position ids equal transformers' get_rope_index."""
+float32 within 1e-4 relative, at TP1, TP2 and PP2 (the vision tower on the first stage only, MRoPE positions on both); our MRoPE position ids equal transformers' get_rope_index."""
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ def _megatron_logits(rank, world, cfg, state, par, tokens, pixels, grid, positio
     return None if out is None else out.detach()
 
 
-@pytest.mark.parametrize("par, world", [(dict(tp=1), 1), (dict(tp=2), 2)], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("par, world", [(dict(tp=1), 1), (dict(tp=2), 2), (dict(pp=2), 2)], ids=["tp1", "tp2", "pp2"])
 def test_megatron_vlm_logits_equal_transformers(par, world):
     cfg, model, state = hf_vlm()
     tokens, pixels, grid, token_types = image_batch(cfg)

@@ -79,6 +79,11 @@ def test_vision_heads_not_dividing_engine_tp_are_refused():
         build_plan(model_layout(cfg), MegatronLayout(), SGLangLayout(tp=4))
 
 
+def test_fp8_engine_for_a_vlm_is_refused():
+    with pytest.raises(LayoutError, match="FP8 engine for a vision-language model"):
+        build_plan(model_layout(tiny_config("qwen2_5_vl")), MegatronLayout(), SGLangLayout(tp=1, fp8=True))
+
+
 def test_vision_output_width_must_match_text_hidden():
     cfg = tiny_config("qwen2_5_vl")
     cfg["vision_config"] = dict(cfg["vision_config"], out_hidden_size=48)
