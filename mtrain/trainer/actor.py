@@ -79,9 +79,9 @@ class Actor:
         self.vision = None  # a vision-language model: MRoPE positions and images per micro-batch
         if map_hf_config(hf_config).vision:
             from mtrain.trainer.vision_inputs import VisionBatcher
-            if cfg.train.max_tokens_per_micro_batch is not None:
-                raise ModelConfigError("train.max_tokens_per_micro_batch: packed micro-batches are not supported for "
-                                       "vision-language models yet (their MRoPE positions are per row): leave it unset")
+            if par.cp > 1:
+                raise ModelConfigError(f"parallel.cp={par.cp}: context parallelism is not supported for "
+                                       "vision-language models yet (MRoPE positions per packed token)")
             self.vision = VisionBatcher(hf_config)
         elif cfg.model.train_vision:
             raise ModelConfigError(f"model.train_vision=true but {hf_config.get('model_type')} has no vision tower")
@@ -141,7 +141,8 @@ class Actor:
         def step(data_iter, model):
             mb = next(data_iter)
             if "pack" in mb:
-                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"])
+                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"],
+                            **mb.get("images", {}))
             else:
                 pos = mb.get("position_ids")  # MRoPE [3, b, s] of a vision-language model
                 if pos is None:
@@ -206,6 +207,8 @@ class Actor:
                     d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
                 d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
                          packed_seq_params=pk.packed_seq_params(dev), width=width)
+                if self.vision is not None:  # MRoPE positions [3, 1, S] and the stream's images
+                    d.update(self.vision.packed_inputs(batch, pk, width, dev))
                 if cp > 1:  # this rank's positions of the stream, and the token each of them predicts
                     mine = pk.cp_indices(cp, cp_rank).to(dev)
                     labels = torch.roll(d["tokens"], -1, dims=1)
@@ -214,7 +217,7 @@ class Actor:
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)
                 if self.vision is not None:
-                    d.update(self.vision.micro_inputs(batch, rows, d["tokens"], dev))
+                    d.update(self.vision.micro_inputs(batch, rows, dev))
             out.append(d)
         return out
 

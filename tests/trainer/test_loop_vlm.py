@@ -3,7 +3,7 @@ count_shapes task, the reference engine running transformers' Qwen2_5_VLForCondi
 (2 gloo ranks) recomputing logprobs with the images, MRoPE and the frozen (or trained) vision tower, weights synced
 into the engine through the planner after every step. Checked: first-step KL 0 and clip fraction 0, engine-vs-trainer
 logprob gap <= 1e-5 (float32) in every step, the language model's weights move in the engine while a frozen vision
-tower's stay bit-equal to the checkpoint, and a trained one moves."""
+tower's stay bit-equal to the checkpoint, and a trained one moves; padded and packed (THD) micro-batches."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,12 +42,20 @@ def _steps(rank, world, hf, run_dir, extra):
     return out
 
 
-@pytest.mark.parametrize("train_vision", [False, True], ids=["frozen_vision", "trained_vision"])
-def test_vlm_grpo_tp2_kl0_logprobs_match_engine(tiny_vlm, tmp_path, train_vision):
-    res = run_on_ranks(_steps, 2, tiny_vlm, tmp_path / "run", {"model.train_vision": train_vision}, timeout=400)
+@pytest.mark.parametrize("train_vision, packed", [(False, False), (True, True)],
+                         ids=["frozen_vision-padded", "trained_vision-packed"])
+def test_vlm_grpo_tp2_kl0_logprobs_match_engine(tiny_vlm, tmp_path, train_vision, packed):
+    extra = {"model.train_vision": train_vision}
+    if packed:  # token-budget micro-batches: MRoPE positions and image masks packed along the THD stream
+        extra["train.max_tokens_per_micro_batch"] = 300
+    res = run_on_ranks(_steps, 2, tiny_vlm, tmp_path / "run", extra, timeout=400)
     lead = res[0]
     first = lead["records"][0]
-    assert first["kl/mean"] == 0.0 and first["ppo/approx_kl"] == 0.0 and first["ppo/clipfrac"] == 0.0
+    # A trained tower runs with autograd in the policy's forward and without it in the frozen reference policy's:
+    # torch's attention may take another kernel then (seen: KL 3e-14). A frozen tower gives exactly 0.
+    bound = 1e-12 if train_vision else 0.0
+    assert abs(first["kl/mean"]) <= bound and abs(first["ppo/approx_kl"]) <= bound, first
+    assert first["ppo/clipfrac"] == 0.0
     for step, r in enumerate(lead["records"], 1):
         assert r["logprob_diff/max_abs"] <= 1e-5, (step, r["logprob_diff/max_abs"])
         assert r["grad_norm"] > 0
