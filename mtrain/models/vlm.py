@@ -40,6 +40,19 @@ def build_vision_tower(vision_config: dict, dtype: torch.dtype) -> torch.nn.Modu
     return tower
 
 
+def scatter_images(text: torch.Tensor, images: torch.Tensor, mask: torch.Tensor, sp_rank: int = 0,
+                   sp_size: int = 1) -> torch.Tensor:
+    """Token embeddings `text` [s/sp_size, b, h] (this rank's sequence slice under sequence parallelism) with the
+    placeholders of `mask` [b, s] replaced by `images` rows, taken in row-major (batch, sequence) order over the
+    whole sequence (transformers' masked_scatter)."""
+    b, s = mask.shape
+    # the image row that fills each placeholder: its rank among placeholders in (batch, sequence) order
+    index = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).reshape(b, s)
+    n = s // sp_size
+    mask, index = mask[:, sp_rank * n:(sp_rank + 1) * n], index[:, sp_rank * n:(sp_rank + 1) * n]
+    return torch.where(mask.t().unsqueeze(-1), images[index.t()], text)  # [s, b, 1] like the embeddings
+
+
 class VisionLanguageModel(GPTModel):
     """GPTModel + the vision tower on the first stage. Parameter names of the language model are GPTModel's; the
     tower's are `vision.<transformers name>` (the layout tables, mtrain/layouts/vlm.py)."""
@@ -83,15 +96,10 @@ class VisionLanguageModel(GPTModel):
             raise ImageTokenError(f"{len(image_grid_thw)} image(s) make {expected} image tokens but the batch holds "
                                   f"{n_tokens} placeholder tokens")
         images = self.image_embeddings(pixel_values, image_grid_thw).to(text.dtype)
-        b, s = input_ids.shape
-        # the image row that fills each placeholder: its rank among placeholders in (batch, sequence) order
-        index = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).reshape(b, s)
         if self.config.sequence_parallel:
-            tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            n = s // tp
-            mask, index = mask[:, r * n:(r + 1) * n], index[:, r * n:(r + 1) * n]
-        mask_sb = mask.t().unsqueeze(-1)  # [s, b, 1] like the embeddings
-        return torch.where(mask_sb, images[index.t()], text)
+            return scatter_images(text, images, mask, ps.get_tensor_model_parallel_rank(),
+                                  ps.get_tensor_model_parallel_world_size())
+        return scatter_images(text, images, mask)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None,

@@ -72,3 +72,23 @@ def test_generated_placeholder_ids_are_text():
     assert pos[:, 0, prompt_len:].tolist() == [[last + 1, last + 2, last + 3]] * 3
     with pytest.raises(ImageTokenError):  # without prompt_lens the generated ids would be taken for an image
         mrope_position_ids(tokens, grid, cfg["image_token_id"], 2)
+
+
+def test_image_scatter_under_sequence_parallelism_is_the_slice_of_the_full_one():
+    """Each sequence-parallel rank replaces its own slice's placeholders with the right image rows (the CPU local
+    spec cannot run sequence parallelism end to end: its norms refuse it)."""
+    from mtrain.models.vlm import scatter_images
+    g = torch.Generator().manual_seed(0)
+    b, s, h = 2, 12, 5
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    mask[0, 2:7] = True
+    mask[1, 5:11] = True
+    text = torch.randn(s, b, h, generator=g)
+    images = torch.randn(int(mask.sum()), h, generator=g)
+    full = scatter_images(text, images, mask)
+    want = text.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), images).transpose(0, 1)  # transformers' way
+    assert torch.equal(full, want)
+    for sp in (2, 3, 4):
+        n = s // sp
+        parts = [scatter_images(text[r * n:(r + 1) * n], images, mask, r, sp) for r in range(sp)]
+        assert torch.equal(torch.cat(parts), full), sp
