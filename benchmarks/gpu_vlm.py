@@ -15,6 +15,8 @@
 4. GRPO with images: `torchrun --nproc-per-node 1 -m mtrain train examples/qwen2_5_vl/tiny_cpu.yaml` on the same
    model (count_shapes task: PIL images of different sizes), --steps steps; per step the engine-vs-trainer logprob
    gap (bf16 on GPU), KL, reward and the step's time split, from the run's metrics.jsonl.
+5. (GPU) The release's shape, Qwen2.5-VL-7B (examples/qwen2_5_vl/qwen2_5_vl_7b_config.json, random weights, SGLang
+   with dummy weights): pull and push sync times against the copy floor of the same run (--skip-7b skips it).
 Writes OUT/gpu_vlm.json (and the run's log and metrics); exit 1 if a parameter differs or the loop fails.
 GPU prerequisites beyond the SGLang bundle (docs/design-vlm-data.md): torchvision, Pillow, einops.
 """
@@ -93,7 +95,6 @@ def sync_check(model_dir: Path, cpu: bool, repeats: int) -> dict:
     res: dict = {}
     cfg = json.loads((model_dir / "config.json").read_text())
     dtype = torch.float32 if cpu else torch.bfloat16
-    init_distributed()
     chunks, _ = build_model(cfg, params_dtype=dtype)
     layout = model_layout(cfg)
     disk = load_file(str(model_dir / "model.safetensors"))
@@ -133,8 +134,55 @@ def sync_check(model_dir: Path, cpu: bool, repeats: int) -> dict:
     del eng, chunks
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    return res
+
+
+def sync_timing_7b(work: Path, repeats: int) -> dict:
+    """Step 5: sync time of the release's shape (examples/qwen2_5_vl/qwen2_5_vl_7b_config.json: 7.6 B language model
+    + 0.67 B vision tower, bf16), Megatron (random) -> SGLang (dummy weights), pull and push, against the copy floor
+    measured in the same run (every weight read and written once). Bit-equality is the tiny model's check above."""
+    from mtrain.layouts import model_layout
+    from mtrain.models import build_model
+    from mtrain.rollout.groups import EngineGroups
+    from mtrain.rollout.sglang_engine import SGLangEngine
+    from mtrain.tiny_vlm import write_tiny_vlm_processor
+    from mtrain.trainer.sync import WeightSync
+
+    cfg = json.loads((CONFIG.parent / "qwen2_5_vl_7b_config.json").read_text())
+    d = work / "qwen2_5_vl_7b"
+    write_tiny_vlm_processor(d)  # SGLang builds the model's processor at start, even with skip_tokenizer_init
+    (d / "config.json").write_text(json.dumps(cfg))
+    chunks, _ = build_model(cfg, params_dtype=torch.bfloat16)
+    n = sum(p.numel() for c in chunks for p in c.parameters())
+    res: dict = {"params": n, "vision_params": sum(p.numel() for c in chunks for k, p in c.named_parameters()
+                                                   if k.startswith("vision."))}
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    bw = 2 * a.numel() * 2 / statistics.median(timed(lambda: b.copy_(a), 10))
+    del a, b
+    res["copy_GBps"] = bw / 1e9
+    res["floor_s"] = 2 * n * 2 / bw
+    t0 = time.perf_counter()
+    eng = SGLangEngine(str(d), tp_size=1, mem_fraction_static=0.35, load_format="dummy",
+                       server_args={"dtype": "bfloat16"})
+    res["engine_start_s"] = time.perf_counter() - t0
+    layout = model_layout(cfg)
+    version = [0]
+    for mode in ("pull", "push"):
+        ws = WeightSync(layout, chunks, eng, groups=EngineGroups(1, 1, 1), engine_kind="sglang", dtype=torch.bfloat16,
+                        bucket_bytes=512 << 20, backend="auto", device="cuda", mode=mode)
+
+        def run():
+            version[0] += 1
+            ws.sync(version[0])
+
+        res[f"{mode}_first_s"] = timed(run, 1)[0]
+        res[f"{mode}_s_runs"] = timed(run, repeats)
+        res[f"{mode}_s"] = statistics.median(res[f"{mode}_s_runs"])
+        res[f"{mode}_over_floor"] = res[f"{mode}_s"] / res["floor_s"]
+    eng.shutdown()
+    del eng, chunks
+    torch.cuda.empty_cache()
     return res
 
 
@@ -174,6 +222,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="reference engine, float32 (what CI can run)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-7b", action="store_true", help="GPU: skip the Qwen2.5-VL-7B-shaped sync timing")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +245,15 @@ def main() -> int:
     model_dir = write_tiny_vlm(work / "tiny-vlm", seed=0, overrides=TINY_VLM_GPU_OVERRIDES)
     res: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "engine": "sglang" if gpu else "reference",
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
+    from mtrain.dist import init_distributed
+    init_distributed()
     res["sync"] = sync_check(model_dir, args.cpu, args.repeats)
+    if gpu and not args.skip_7b:
+        try:
+            res["sync_7b"] = sync_timing_7b(work, args.repeats)
+        except Exception as e:  # noqa: BLE001 - recorded; the checks above and the GRPO run still count
+            res["sync_7b"] = {"error": f"{type(e).__name__}: {e}"}
+    (out / "gpu_vlm.json").write_text(json.dumps(res, indent=1, default=str))  # kept if the GRPO run hangs
     res["grpo"] = grpo(model_dir, work, out, args.cpu, args.steps)
     (out / "gpu_vlm.json").write_text(json.dumps(res, indent=1, default=str))
 
@@ -207,6 +264,11 @@ def main() -> int:
     for mode in ("pull", "push"):
         print(f"{mode}: bit-equal to the fresh load: {not s[f'{mode}_mismatched']} ({s[f'{mode}_garbled_params']} "
               f"params garbled before); sync {s[f'{mode}_s'] * 1e3:.2f} ms (first {s[f'{mode}_first_s'] * 1e3:.1f} ms)")
+    if "sync_7b" in res:
+        t = res["sync_7b"]
+        print("7B-shaped sync: " + (t["error"] if "error" in t else
+              f"{t['params'] / 1e9:.2f} B params; pull {t['pull_s'] * 1e3:.1f} ms ({t['pull_over_floor']:.2f}x the "
+              f"copy floor {t['floor_s'] * 1e3:.1f} ms), push {t['push_s'] * 1e3:.1f} ms ({t['push_over_floor']:.2f}x)"))
     for r in g["steps"]:
         print(f"step {r['step']}: logprob gap mean {r.get('logprob_diff/mean_abs', float('nan')):.2e} max "
               f"{r.get('logprob_diff/max_abs', float('nan')):.2e} kl {r.get('kl/mean', 0):.2e} "

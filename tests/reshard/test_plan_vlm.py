@@ -152,3 +152,26 @@ def test_vlm_pull_over_gloo_ranks_equals_sglang_slicing():
     from mtrain.dist import run_on_ranks
     for bad in run_on_ranks(_pull_rank, 4, 2, timeout=300):
         assert not bad, bad[:5]
+
+
+def test_release_shaped_7b_plan_shapes():
+    """Qwen2.5-VL-7B's shape (examples/qwen2_5_vl/qwen2_5_vl_7b_config.json, the release's config.json): the vision
+    MLP's 3420 is padded to 3424 in SGLang, heads 16 split over engine TP 4; training TP 4, PP 2 (the tower on
+    stage 0 only); planned from shapes alone."""
+    import json
+    from pathlib import Path
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "examples/qwen2_5_vl/qwen2_5_vl_7b_config.json").read_text())
+    layout = model_layout(cfg)
+    plan = build_plan(layout, MegatronLayout(tp=4, pp=2), SGLangLayout(tp=4))
+    shapes = {k[2]: ref.shape for k, ref in plan.dst_tensors.items() if k[0] == 3}
+    assert shapes["visual.blocks.0.mlp.gate_up_proj.weight"] == (2 * 3424 // 4, 1280)
+    assert shapes["visual.blocks.31.mlp.down_proj.weight"] == (1280, 3424 // 4)
+    assert shapes["visual.blocks.0.attn.qkv_proj.weight"] == (3 * 1280 // 4, 1280)
+    assert shapes["visual.patch_embed.proj.weight"] == (1280, 3, 2, 14, 14)
+    assert shapes["visual.merger.mlp.0.weight"] == (5120 // 4, 5120)
+    assert shapes["model.layers.27.self_attn.qkv_proj.weight"] == ((28 + 2 * 4) * 128 // 4, 3584)
+    assert shapes["lm_head.weight"] == (152064 // 4, 3584)
+    src = {k[2] for k in plan.src_tensors if k[0] in (4, 5, 6, 7)}  # pipeline stage 1 holds no vision weights
+    assert src and not any(n.startswith("vision.") for n in src)
+    vision = sum(w.shape2d[0] * w.shape2d[1] for w in layout.weights if w.key.startswith("V"))
+    assert 0.6e9 < vision < 0.7e9, vision  # the release's 0.67 B-parameter vision tower
