@@ -51,7 +51,11 @@ def main() -> int:
         dist.all_reduce(x, group=group)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # NCCL is asynchronous: the wait (and the watchdog's abort) happen here
-        outcome = "completed (no fault seen: a bug)"
+        waited = time.monotonic() - t0
+        # NCCL: the peer never joined, so the all-reduce cannot have completed; the watchdog aborted the communicator
+        # (it then takes the process down: about 60 s after the timeout on torch 2.11)
+        outcome = ("returned after NCCL's watchdog aborted the communicator" if dist.get_backend() == "nccl"
+                   and waited >= args.timeout_s else "completed (no fault seen: a bug)")
     except Exception as e:  # noqa: BLE001 - reporting what the backend raised is the point
         outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     print(json.dumps({"rank": rank, "fault": args.fault, "backend": dist.get_backend(),

@@ -15,8 +15,8 @@ step() {  # name timeout cmd...
     grep -v -i "warn" "$out/log_$name.txt" | grep -v "steps:" | tail -n 14
 }
 if [[ $parts == *" fp8 "* ]]; then
-    step fp8_dsv3tiny 150 python benchmarks/gpu_fp8_sync.py --model dsv3tiny --disk
-    step fp8_llama8b 240 python benchmarks/gpu_fp8_sync.py --model llama8b --contiguous-params
+    step fp8_dsv3tiny 240 python benchmarks/gpu_fp8_sync.py --out "$out" --model dsv3tiny --disk --diag-rows 0
+    step fp8_llama8b 420 python benchmarks/gpu_fp8_sync.py --out "$out" --model llama8b --contiguous-params
 fi
 if [[ $parts == *" fp8loop "* ]]; then
     (OUT=$out STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 timeout 200 bash benchmarks/gpu_rl_loop.sh \

@@ -48,7 +48,8 @@ def quantize_fp8_blockwise(t: torch.Tensor, block: int | tuple[int, int] = 128) 
     nr, nc = -(-rows // br), -(-cols // bc)
     x = torch.nn.functional.pad(t.to(torch.float32), (0, nc * bc - cols, 0, nr * br - rows))
     amax = x.view(nr, br, nc, bc).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA torch computes `t / 448.0` as t * float32(1/448), one ulp off (kernels/fp8.py)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     s_full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     q = (t.to(torch.float32) / s_full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale

@@ -295,6 +295,12 @@ def build_and_load(cfg: dict, mtp: bool, dtype: torch.dtype, mcore_dir: str, con
     return chunks
 
 
+def chunks_device(chunks) -> torch.device:
+    """Where build_model put the chunks (CUDA when there is a GPU): the converters' executors gather there, so a
+    conversion on a GPU machine neither mixes devices nor copies every source tensor to the host first."""
+    return next(p for c in chunks for p in c.parameters()).device
+
+
 def return_freed_memory() -> None:
     """Make glibc give large freed blocks back to the OS in this process.
 

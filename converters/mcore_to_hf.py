@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .mcore_io import (build_and_load, check_dist_checkpoint, checkpoint_facts, config_dtype, copy_side_files,
+from .mcore_io import (build_and_load, chunks_device, check_dist_checkpoint, checkpoint_facts, config_dtype, copy_side_files,
                        dtype_name, layout_for, rank_error, run_ranks)
 from .output_dir import check_output_dir
 from .safetensors_io import ShardedWriter
@@ -38,13 +38,13 @@ def export_rank(rank: int, world: int, job: dict) -> int:
     plan = build_plan(layout_for(cfg, mtp), MegatronLayout(), HFLayout())
     src = tensor_lookup(chunks)
     executor = Executor(plan, 0, lambda ref: src(ref).detach(), dtype=dtype, backend="torch",
-                        bucket_bytes=job["bucket_bytes"])
+                        bucket_bytes=job["bucket_bytes"], device=chunks_device(chunks))
     writer = ShardedWriter(job["out"], max_shard_bytes=job["shard_bytes"], overwrite=job["overwrite"])
     try:
         with torch.no_grad():
             for bucket in tqdm(executor.stream(), total=len(executor.buckets), desc="mcore-to-hf", unit="bucket"):
                 for name, tensor in bucket.get(0, []):
-                    writer.add(name, tensor.clone())  # the executor reuses its buffer for the next bucket
+                    writer.add(name, tensor.to("cpu", copy=True))  # the executor reuses its buffer for the next bucket
         copy_side_files(Path(job["side_files"]), writer.path)
         set_config_dtype(writer.path / "config.json", dtype)
         writer.commit()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .mcore_io import (build_and_load, check_dist_checkpoint, checkpoint_facts, copy_side_files, dtype_name,
+from .mcore_io import (build_and_load, chunks_device, check_dist_checkpoint, checkpoint_facts, copy_side_files, dtype_name,
                        layout_for, rank_error, run_ranks)
 from .output_dir import AtomicDir
 
@@ -54,12 +54,12 @@ def export_rank(rank: int, world: int, job: dict) -> list[int]:
     sizes = []
     for r in tqdm(range(job["tp"]), desc="mcore-to-sglang", unit="engine rank"):
         executor = Executor(_only_rank(plan, r), 0, lambda ref: src(ref).detach(), dtype=dtype, backend="torch",
-                            bucket_bytes=job["bucket_bytes"])
+                            bucket_bytes=job["bucket_bytes"], device=chunks_device(chunks))
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for bucket in executor.stream():
                 for name, t in bucket.get(r, []):
-                    tensors[name] = t.clone()  # the executor reuses its buffer for the next bucket
+                    tensors[name] = t.to("cpu", copy=True)  # the executor reuses its buffer for the next bucket
         save_file(tensors, str(Path(job["out"]) / rank_file(r)), metadata={"format": "pt", "engine_rank": str(r),
                                                                           "engine_tp": str(job["tp"]),
                                                                           "engine_ep": str(job["ep"])})

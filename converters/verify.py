@@ -72,7 +72,7 @@ def megatron_logits_rank(rank: int, world: int, job: dict):
                          images=probe and {k: probe[k] for k in ("pixel_values", "image_grid_thw")})
     if out is None or ps.get_tensor_model_parallel_rank() != 0:
         return None
-    return out.float()
+    return out.float().cpu()  # the parent compares on the host (the chunks are on CUDA on a GPU machine)
 
 
 def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -91,7 +91,10 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> 
     pad[..., :n, :k] = x
     blocks = pad.view(*lead, nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = amax / FP8_MAX
+    # A tensor divisor, never the Python float: CUDA torch turns `tensor / cpu_scalar` into tensor * (1/scalar)
+    # (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), which is one ulp off amax/448 for about half of all
+    # blocks; the format (and the Triton kernel's div_rn) is the IEEE quotient, on every device.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale > 0, blocks / safe, blocks * 0.0).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(*lead, nb * bn, kb * bk)[..., :n, :k].to(FP8)

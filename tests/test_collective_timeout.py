@@ -17,6 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5.0
 GPU = __import__("torch").cuda.device_count() >= 2  # the same test on 2 GPUs runs NCCL (init_distributed picks it)
+# NCCL on torch 2.11: the watchdog detects the timeout on time, then takes the process down about 60 s later (2 x H200,
+# docs/results.md section 18); until then rank 0's host has returned from the all-reduce and only its synchronize waits.
+NCCL_TEARDOWN_S = 70.0
 
 
 def run(fault: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
@@ -40,7 +43,7 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
         assert wall < 120
         return
     assert "Timed out" in rec["outcome"] or GPU, rec
-    assert TIMEOUT_S - 0.5 <= rec["waited_s"] <= TIMEOUT_S + 10, rec
+    assert TIMEOUT_S - 0.5 <= rec["waited_s"] <= TIMEOUT_S + (NCCL_TEARDOWN_S if GPU else 10), rec
     assert wall < 120  # start-up, the timeout, torchrun stopping the stalled rank: no hang
 
 
@@ -49,5 +52,5 @@ def test_a_dead_rank_ends_the_job_at_once(tmp_path):
     p, rec, wall = run("die", tmp_path)
     assert p.returncode != 0
     # gloo sees a closed connection at once; NCCL may wait for its timeout unless torchrun ends the job first
-    assert rec is None or rec["waited_s"] < (TIMEOUT_S + 10 if GPU else TIMEOUT_S), rec
+    assert rec is None or rec["waited_s"] < (TIMEOUT_S + NCCL_TEARDOWN_S if GPU else TIMEOUT_S), rec
     assert wall < 120

@@ -4,7 +4,7 @@ A record holds a prompt (a string, or a list of chat messages {"role", "content"
 and an answer (anything the reward function understands; the default one compares numbers/strings).
 Keys may be dotted paths into nested records: answer_key="reward_model.ground_truth".
 Images: with `image_key` (data.image_key), a record may list image files (a path or a list; relative paths are
-relative to the data file); the prompt marks each with `<image>` (mtrain/data/vision.py). Every image is checked
+relative to the data file; or embedded {"bytes", "path"} images as in verl's parquet files); the prompt marks each with `<image>` (mtrain/data/vision.py). Every image is checked
 while the file is read -- present, readable, within `max_pixels`, placeholders matching -- so a bad record stops the
 run before any work, with its file and line named.
 """

@@ -30,11 +30,14 @@ from typing import Any, Sequence
 
 import torch
 
+from mtrain.data.datasets import DatasetError
+
 IMAGE_PLACEHOLDER = "<image>"
 
 
-class VisionError(ValueError):
-    """An image or an image prompt that cannot be used; the message names the sample and the file."""
+class VisionError(DatasetError):
+    """An image or an image prompt that cannot be used; the message names the sample and the file. A DatasetError:
+    the preflight check and `mtrain train` report it as one line, before any work."""
 
 
 # ---------------------------------------------------------------- the carried tensors
@@ -92,10 +95,14 @@ class VisionInputs:
             raise VisionError(f"{what}: image token runs {runs} do not match the images' token counts "
                               f"{self.tokens_per_image} (image_token_id {self.image_token_id})")
 
-    def mm_token_type_ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """transformers' mm_token_type_ids for `ids` (1 on image tokens, 0 elsewhere)."""
+    def mm_token_type_ids(self, ids: Sequence[int] | torch.Tensor, prompt_len: int | None = None) -> torch.Tensor:
+        """transformers' mm_token_type_ids for `ids` (1 on the prompt's image tokens, 0 elsewhere). Image token ids
+        after the first `prompt_len` tokens are text: a model may sample <|image_pad|>, and engines embed it as text."""
         t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
-        return (t == self.image_token_id).to(torch.int32)
+        out = (t == self.image_token_id).to(torch.int32)
+        if prompt_len is not None:
+            out[..., prompt_len:] = 0
+        return out
 
     @staticmethod
     def concat(items: Sequence["VisionInputs | None"]) -> "VisionInputs | None":
@@ -113,6 +120,15 @@ class VisionInputs:
             return first
         return VisionInputs(torch.cat([v.pixel_values for v in present]),
                             torch.cat([v.image_grid_thw for v in present]), first.image_token_id, first.merge_size)
+
+
+def image_token_mask(tokens: torch.Tensor, prompt_lens: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[B, T] bool: where a batch's image features go -- image tokens inside each row's prompt only. A sampled
+    <|image_pad|> in a response is a text token (SGLang takes image slots from the prompt's offsets; the reference
+    engine decodes without pixel values), so the trainer must embed it as text too. prompt_lens = seq_lens -
+    response_lens of a RolloutBatch."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return (tokens == image_token_id) & (positions[None, :] < prompt_lens.to(tokens.device)[:, None])
 
 
 class VisionRows:
@@ -161,8 +177,11 @@ def image_pixels(image: Any, where: str) -> tuple[int, int]:
     """(width, height) of a file (read from its header, not decoded) or a PIL image."""
     from PIL import Image, UnidentifiedImageError
 
-    if isinstance(image, Image.Image) or hasattr(image, "to_pil"):  # to_pil: a generated picture (count_shapes)
-        return tuple(image.size)
+    if isinstance(image, Image.Image) or hasattr(image, "to_pil"):  # to_pil: generated (count_shapes) or embedded
+        try:
+            return tuple(image.size)
+        except (UnidentifiedImageError, OSError) as e:
+            raise VisionError(f"{where}: cannot read {image}: {e}") from None
     path = Path(image)
     if not path.is_file():
         raise VisionError(f"{where}: image file not found: {path}")
@@ -176,7 +195,7 @@ def image_pixels(image: Any, where: str) -> tuple[int, int]:
 def check_image(image: Any, max_pixels: int | None, where: str) -> None:
     """Exists, readable, within the pixel budget (data.max_pixels)."""
     w, h = image_pixels(image, where)
-    name = f"image {image}" if isinstance(image, (str, Path)) else "the image"
+    name = f"image {image}" if isinstance(image, (str, Path, EncodedImage)) else "the image"
     if max_pixels is not None and w * h > max_pixels:
         raise VisionError(f"{where}: {name} has {w}x{h} = {w * h} pixels, more than the pixel budget "
                           f"data.max_pixels={max_pixels}; resize the image or raise data.max_pixels (the processor "
@@ -200,14 +219,54 @@ def open_image(image: Any, where: str):
         raise VisionError(f"{where}: cannot read image {image}: {e}") from None
 
 
-def resolve_images(value: Any, base_dir: Path, where: str, key: str) -> tuple[str, ...]:
-    """A record's image list (a path string or a list of them; relative paths are relative to the data file)."""
+@dataclass(frozen=True, eq=False)
+class EncodedImage:
+    """An image stored inside a data file (HF datasets' Image feature, verl's parquet: {"bytes": ..., "path": ...}):
+    decoded when the processor opens it; `name` (its path field, if any) appears in messages."""
+    data: bytes
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"<embedded image {self.name or f'of {len(self.data)} bytes'}>"
+
+    def _open(self):
+        import io
+
+        from PIL import Image
+
+        return Image.open(io.BytesIO(self.data))
+
+    @property
+    def size(self) -> tuple[int, int]:
+        with self._open() as im:
+            return im.size
+
+    def to_pil(self):
+        with self._open() as im:
+            return im.convert("RGB")
+
+
+def resolve_images(value: Any, base_dir: Path, where: str, key: str) -> tuple[Any, ...]:
+    """A record's images: a path string or a list of them (relative paths are relative to the data file), or
+    embedded images as HF datasets / verl parquet files hold them ({"bytes": ..., "path": ...}; bytes win, a dict
+    with only a path is a path)."""
     if value is None:
         return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(p, str) and p for p in items):
-        raise VisionError(f"{where}: '{key}' must be an image path or a list of image paths, got {value!r:.120}")
-    return tuple(str(p if Path(p).is_absolute() else base_dir / p) for p in items)
+    items = [value] if isinstance(value, (str, dict)) else value
+    if not isinstance(items, (list, tuple)):
+        items = [None]  # refused below
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("bytes"), (bytes, bytearray)) and item["bytes"]:
+            out.append(EncodedImage(bytes(item["bytes"]), str(item.get("path") or "")))
+            continue
+        if isinstance(item, dict) and isinstance(item.get("path"), str):
+            item = item["path"]
+        if not isinstance(item, str) or not item:
+            raise VisionError(f"{where}: '{key}' must be an image path, a list of image paths or embedded images "
+                              f"({{'bytes': ..., 'path': ...}}), got {value!r:.120}")
+        out.append(str(item if Path(item).is_absolute() else base_dir / item))
+    return tuple(out)
 
 
 def to_content_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

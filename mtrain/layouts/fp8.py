@@ -7,7 +7,17 @@ embedding, head, norms, biases and routers stay in the model dtype). This module
   (layers/quantization/fp8.py, create_fp8_weight_ and create_fp8_moe_weight_);
 - the divisibility rules SGLang enforces when it builds the layers (`validate_block_quant_shapes`; FusedMoE:
   `intermediate_size_per_partition % 128`), checked here at planning time so that a bad engine TP is refused with
-  one clear error naming the weight, before any engine starts.
+  one clear error naming the weight, before any engine starts;
+- the block math: scale = amax(|block|) / 448 as the IEEE float32 quotient, values e4m3fn(clamp(float32(x /
+  scale))) rounded to nearest even (mtrain.kernels.fp8; DeepSeek's release format);
+- what SGLang does to these parameters after loading them: nothing, on CUDA sm90 with the engine arguments mtrain
+  uses (`rollout/fp8_engine.SERVER_ARGS`: fp8_gemm_runner_backend "triton"; the device bundle has no deep_gemm).
+  So the checkpoint's tensors, fused and sliced by the loader, are what the engine holds, and a sync writes exactly
+  those. The transforms SGLang has, all off there (docs/fp8.md, "After load", cites the lines): UE8M0 requantization
+  of scales for DeepGEMM (Blackwell only: DEEPGEMM_SCALE_UE8M0), ROCm's e4m3fnuz normalisation, MXFP8 conversion,
+  CPU/AMX and Marlin (sm80-88) repacking, aiter shuffles. One of them on (another GPU, DeepGEMM forced) changes the
+  dtype, shape or layout the engine-side loader checks, or marks the scale `format_ue8m0` (REQUANTIZED_MARK):
+  the sync is then refused with one clear error instead of writing a format SGLang no longer reads.
 """
 from __future__ import annotations
 
@@ -19,6 +29,9 @@ from mtrain.layouts.table import Part, Weight
 
 BLOCK = (128, 128)  # weight_block_size of DeepSeek-V3's and Qwen3's FP8 releases; the only one SGLang's path takes
 SCALE_SUFFIX = "_scale_inv"
+# The attribute SGLang sets on a scale it requantized to UE8M0 after load (fp8_utils.requant_block_scale_ue8m0_for_
+# deepgemm, the MoE/linear process_weights_after_loading): such a layer no longer holds amax/448 float32 scales.
+REQUANTIZED_MARK = "format_ue8m0"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; SGLang has none, the front and the engines share this one
 
 
 class EngineError(RuntimeError):
@@ -37,6 +38,8 @@ class SamplingParams:
         finish "stop"). Put the model's EOS ids here: the reference engine stops on these ids only, while
         SGLang also stops on the config's / generation_config's eos_token_id; with EOS listed, both agree.
     seed: seeds this request's own sampler so results do not depend on batching; None = engine's choice.
+    top_logprobs: per output token, also return the this-many most likely tokens with their logprobs (same
+        distribution as `Completion.logprobs`; OpenAI's limit, 0..20). 0 = none.
     """
 
     max_new_tokens: int = 64
@@ -45,6 +48,7 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         # Accept a list for convenience but store a tuple, so the frozen instance stays hashable.
@@ -62,6 +66,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"SamplingParams.top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +107,9 @@ class Completion:
     # Per output token, the weight version that produced it; None = all weight_version. A sample resumed across a
     # weight sync (partial rollout) spans several versions.
     token_versions: list[int] | None = None
+    # Per output token, the request's `top_logprobs` most likely (token id, logprob) pairs, most likely first; None
+    # when the request asked for none.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     vision: Any = None  # the request's VisionInputs, passed through so the trainer's batch keeps the images
 
     @property
@@ -110,6 +121,9 @@ class Completion:
         if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
             raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
                              f"{len(self.token_versions)} token versions")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
+            raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
+                             f"{len(self.top_logprobs)} top-logprob lists")
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"

@@ -28,6 +28,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.batcher import Batcher
 from mtrain.rollout.protocol import MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams
+from mtrain.rollout.vision_requests import check_vision_request, vision_prefill
 
 
 def as_hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
@@ -89,6 +90,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     pos = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=probs.numel() - 1))
     token = int(order[pos])
     return token, float(logp[token])
+
+
+def top_alternatives(logits: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
+    """The `params.top_logprobs` most likely (token, logprob) of a float32 [vocab] logits row, in the distribution
+    `sample_token`'s logprob comes from (log_softmax(logits / T); T = 1 when greedy), most likely first."""
+    logp = torch.log_softmax(logits if params.greedy else logits / params.temperature, dim=-1)
+    values, ids = torch.topk(logp, params.top_logprobs)
+    return [(int(i), float(v)) for i, v in zip(ids, values)]
 
 
 class ReferenceEngine(RolloutEngine):
@@ -399,55 +408,12 @@ class ReferenceEngine(RolloutEngine):
         bad = [t for t in req.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab]
         if bad:
             raise EngineError(f"generate: request {req.rid!r} has token ids outside [0, {self._vocab}): {bad[:5]}")
-        self._check_vision(req)
+        check_vision_request(req, self._config.image_token_id if self._vlm else None, self._config.model_type)
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if self._max_positions is not None and total > self._max_positions:
             raise EngineError(f"generate: request {req.rid!r}: prompt length {len(req.prompt_ids)} + max_new_tokens "
                               f"{req.params.max_new_tokens} = {total} exceeds max_position_embeddings "
                               f"{self._max_positions}")
-
-    def _check_vision(self, req: Request) -> None:
-        """Images only for a vision model, and their tokens in the prompt exactly as the processor expanded them."""
-        if req.vision is None:
-            if self._vlm and self._config.image_token_id in req.prompt_ids:
-                raise EngineError(f"generate: request {req.rid!r} has image tokens ({self._config.image_token_id}) in "
-                                  f"its prompt but no vision inputs")
-            return
-        from mtrain.data.vision import VisionError, VisionInputs
-        if not self._vlm:
-            raise EngineError(f"generate: request {req.rid!r} carries images but the model "
-                              f"({self._config.model_type}) has no vision tower")
-        if not isinstance(req.vision, VisionInputs):
-            raise EngineError(f"generate: request {req.rid!r}: vision must be a VisionInputs, got "
-                              f"{type(req.vision).__name__}")
-        if req.vision.image_token_id != self._config.image_token_id:
-            raise EngineError(f"generate: request {req.rid!r}: vision inputs use image token {req.vision.image_token_id},"
-                              f" the model {self._config.image_token_id}")
-        try:
-            req.vision.check_ids(req.prompt_ids, what=f"request {req.rid!r}")
-        except VisionError as e:
-            raise EngineError(f"generate: {e}") from None
-
-    def _vision_prefill(self, reqs: list[Request], input_ids: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor]:
-        """The prefill's vision arguments (pixel values and grids of every row, in row order), its [3, B, L] mRoPE
-        positions and each row's rope delta (decoding position = sequence position + delta), from transformers'
-        get_rope_index row by row (a text-only row gets 0, 1, 2, ... and delta 0)."""
-        from mtrain.data.vision import VisionInputs
-        positions, deltas = [], []
-        for row, req in enumerate(reqs):
-            ids = input_ids[row:row + 1]
-            if req.vision is None:
-                positions.append(torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1))
-                deltas.append(torch.zeros((1, 1), dtype=torch.long))
-                continue
-            pos, delta = self._model.model.get_rope_index(
-                ids, mm_token_type_ids=req.vision.mm_token_type_ids(ids), image_grid_thw=req.vision.image_grid_thw)
-            positions.append(pos)
-            deltas.append(delta.view(1, 1).long())
-        merged = VisionInputs.concat([r.vision for r in reqs])
-        kwargs = {} if merged is None else {"pixel_values": merged.pixel_values,
-                                            "image_grid_thw": merged.image_grid_thw}
-        return kwargs, torch.cat(positions, dim=1), torch.cat(deltas)
 
     def _check_ready(self) -> None:
         if self._released:
@@ -468,6 +434,7 @@ class ReferenceEngine(RolloutEngine):
         """Decode requests that share one prompt length, in lock step, with one KV cache."""
         outputs: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[float]] = [[] for _ in reqs]
+        tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
         finish: list[str | None] = [None] * len(reqs)
         gens = []
         for req in reqs:
@@ -495,7 +462,7 @@ class ReferenceEngine(RolloutEngine):
                     deltas = deltas[keep]
             prefill = cache.get_seq_length() == 0
             if self._vlm and prefill:  # [3, B, L] multimodal positions of the rows still alive; images enter here only
-                vision_kwargs, position_ids, deltas = self._vision_prefill([reqs[i] for i in alive], input_ids)
+                vision_kwargs, position_ids, deltas = vision_prefill(self._model, [reqs[i] for i in alive], input_ids)
             elif self._vlm:
                 position_ids = (positions + deltas).view(1, -1, 1).expand(3, -1, -1)
                 vision_kwargs = {}
@@ -509,6 +476,8 @@ class ReferenceEngine(RolloutEngine):
                 token, logprob = sample_token(logits[row], params, gens[i])
                 outputs[i].append(token)
                 logprobs[i].append(logprob)
+                if tops[i] is not None:
+                    tops[i].append(top_alternatives(logits[row], params))
                 next_ids.append(token)
                 if token in params.stop_token_ids:
                     finish[i] = "stop"
@@ -526,5 +495,5 @@ class ReferenceEngine(RolloutEngine):
                 break
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
                            finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
-                           vision=r.vision)
+                           top_logprobs=tops[i], vision=r.vision)
                 for i, r in enumerate(reqs)]

@@ -48,6 +48,7 @@ from mtrain.rollout.protocol import (
     Request,
     RolloutEngine,
 )
+from mtrain.rollout.vision_requests import check_vision_request
 from mtrain.rollout.sglang_loader import (
     DUMP_PARAMS,
     DUMP_PREFIX,
@@ -106,6 +107,7 @@ class SGLangEngine(RolloutEngine):
         self._dead: str | None = None
         self._engine = None
         self._seeds = random.Random(random_seed)
+        self._image_token_id, self._model_type = _vision_of(model_path)  # (None, type) for a text model
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
@@ -225,11 +227,13 @@ class SGLangEngine(RolloutEngine):
         if srid in self._aborted:
             return None
         seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
+        check_vision_request(req, self._image_token_id, self._model_type)  # as the reference engine refuses
         images = sglang_image_data(req)  # None for text; one "processor_output" item for all of a prompt's images
         try:
             return await self._engine.async_generate(
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                return_logprob=True, rid=srid, **({"image_data": images} if images is not None else {}))
+                return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
+                **({"image_data": images} if images is not None else {}))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
@@ -475,6 +479,17 @@ class SGLangEngine(RolloutEngine):
 
 
 _LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
+
+
+def _vision_of(model_path: str) -> tuple[int | None, str]:
+    """(image_token_id or None, model_type) from the model folder's config.json (a VLM declares vision_config)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None, "unknown"
+    vlm = isinstance(cfg.get("vision_config"), dict) and cfg.get("image_token_id") is not None
+    return (int(cfg["image_token_id"]) if vlm else None), str(cfg.get("model_type", "unknown"))
 
 
 def _on_sigquit(signum: int, frame: Any) -> None:

@@ -43,7 +43,7 @@ import torch
 
 from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
 from mtrain.kernels.fp8 import FP8, SRC_DTYPES
-from mtrain.layouts.fp8 import BLOCK, SCALE_SUFFIX
+from mtrain.layouts.fp8 import BLOCK, REQUANTIZED_MARK, SCALE_SUFFIX
 
 LOAD_DIRECT = "mtrain.rollout.sglang_loader.load_direct"
 DUMP_PARAMS = "mtrain.rollout.sglang_loader.dump_params"
@@ -180,6 +180,10 @@ def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, sca
     if scale.dtype != torch.float32 or list(scale.shape) != want or not scale.is_contiguous():
         raise LoaderError(f"{scale_name}: expected a contiguous float32 {tuple(want)} scale ({block[0]}x{block[1]} "
                           f"blocks), the engine has {scale.dtype} {tuple(scale.shape)}")
+    if getattr(scale, REQUANTIZED_MARK, False):
+        raise LoaderError(f"{scale_name}: SGLang requantized this layer's scales to UE8M0 for DeepGEMM after loading "
+                          "(DeepGEMM on Blackwell, or forced); mtrain writes amax/448 float32 scales: run the FP8 "
+                          "engine on Hopper with fp8_gemm_runner_backend=triton (docs/fp8.md)")
     if not view.is_contiguous():
         raise LoaderError(f"{name}: the engine's FP8 parameter is not contiguous")
     return BlockFp8(scale.data.view(-1), tuple(view.shape), (int(block[0]), int(block[1])))

@@ -160,7 +160,21 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
-                      finish_reason=_FINISH[kind], weight_version=version, vision=req.vision)
+                      finish_reason=_FINISH[kind], weight_version=version, vision=req.vision,
+                      top_logprobs=top_logprobs_from_meta(req, meta, len(output_ids)))
+
+
+def top_logprobs_from_meta(req: Request, meta: Mapping[str, Any], n_tokens: int) -> list | None:
+    """`meta_info["output_top_logprobs"]` (per position a list of (logprob, token_id, text) tuples; SGLANG-APIS.md
+    section 6) as the protocol's [(token, logprob), ...] per output token, most likely first."""
+    k = req.params.top_logprobs
+    if not k:
+        return None
+    rows = meta.get("output_top_logprobs") or []
+    if len(rows) != n_tokens or any(row is None or len(row) < k for row in rows):
+        raise EngineError(f"request {req.rid!r}: asked for {k} top logprobs per token, SGLang returned "
+                          f"{len(rows)} rows for {n_tokens} tokens (or a row with fewer than {k})")
+    return [sorted(((int(e[1]), float(e[0])) for e in row), key=lambda p: -p[1])[:k] for row in rows]
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:

@@ -51,11 +51,30 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return f"{loc}: {msg}{more}" if loc else f"{msg}{more}", loc or None
 
 
+def _token_text(front: OpenAIFront, token: int) -> str:
+    return front.tokenizer.decode([token], skip_special_tokens=False)
+
+
 def _logprobs_content(front: OpenAIFront, ch: Choice) -> list[dict[str, Any]]:
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = _token_text(front, t)
+        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
+    tops = ch.top_logprobs or [[] for _ in ch.output_ids]
+    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(ch.output_ids, ch.logprobs, tops)]
+
+
+def _legacy_top_logprobs(front: OpenAIFront, ch: Choice) -> list[dict[str, float]] | None:
+    """The completions API's per-token {token text: logprob} of the most likely tokens. Two ids can decode to the
+    same text; the more likely one is kept, as a dict can hold one."""
+    if ch.top_logprobs is None:
+        return None
     out = []
-    for t, lp in zip(ch.output_ids, ch.logprobs):
-        s = front.tokenizer.decode([t], skip_special_tokens=False)
-        out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+    for top in ch.top_logprobs:
+        d: dict[str, float] = {}
+        for t, lp in top:
+            d.setdefault(_token_text(front, t), float(lp))
+        out.append(d)
     return out
 
 
@@ -192,9 +211,9 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         def lp(ch: Choice):
             if req.logprobs is None:
                 return None
-            toks = [front.tokenizer.decode([t], skip_special_tokens=False) for t in ch.output_ids]
+            toks = [_token_text(front, t) for t in ch.output_ids]
             return {"tokens": toks, "token_logprobs": [float(x) for x in ch.logprobs],
-                    "top_logprobs": None, "text_offset": None}
+                    "top_logprobs": _legacy_top_logprobs(front, ch), "text_offset": None}
 
         choices = [{"index": ch.index, "text": ch.text, "finish_reason": ch.finish_reason, "logprobs": lp(ch)}
                    for ch in res.choices]

@@ -31,6 +31,7 @@ class Choice:
     finish_reason: str  # stop | length | tool_calls | abort
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     content: str | None = None  # chat: the message content (text before the tool calls)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when the request asked for them
 
 
 @dataclass
@@ -94,7 +95,8 @@ class OpenAIFront:
                              code="context_length_exceeded")
         seed0 = req.seed if req.seed is not None else secrets.randbelow(2 ** 31)
         return [SamplingParams(max_new_tokens=budget, temperature=float(req.temperature), top_p=float(req.top_p),
-                               stop_token_ids=self.stops, seed=seed0 + j) for j in range(req.n)]
+                               stop_token_ids=self.stops, seed=seed0 + j, top_logprobs=req.top_logprobs_wanted)
+                for j in range(req.n)]
 
     async def _generate(self, prompt_ids: list[int], params: list[SamplingParams],
                         session: S.Session | None) -> list[Completion]:
@@ -151,7 +153,8 @@ class OpenAIFront:
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
-            ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text)
+            ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text,
+                        top_logprobs=_cut(c.top_logprobs, len(ids)))
             if parser is not None:
                 parsed = parser.parse(text)
                 if parsed.calls:
@@ -187,7 +190,8 @@ class OpenAIFront:
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
-            choices.append(Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish))
+            choices.append(Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish,
+                                  top_logprobs=_cut(c.top_logprobs, len(ids))))
             if session is not None:
                 b = S.record(session, plan, [], "completions", {"role": "completion", "content": text}, ids,
                              c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish)
@@ -195,3 +199,7 @@ class OpenAIFront:
         if session is not None:
             session.calls += 1
         return Result(prompt, choices, branches)
+
+
+def _cut(top: list | None, n: int) -> list | None:
+    return None if top is None else top[:n]

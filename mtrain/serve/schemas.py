@@ -10,6 +10,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from mtrain.rollout.protocol import MAX_TOP_LOGPROBS
+
 
 class FrontError(Exception):
     """One OpenAI-style error: HTTP status, message, type, param (the offending field), code."""
@@ -134,7 +136,7 @@ class ChatRequest(_Sampling):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=0)  # the engines return the sampled token's only
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
@@ -152,15 +154,26 @@ class ChatRequest(_Sampling):
             raise ValueError("tool_choice='auto' needs tools")
         return self
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule: top_logprobs needs logprobs=true
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
     @property
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=1)  # 0 or 1: the sampled token's logprob only
+    # the legacy API's logprobs=N: the sampled token's logprob plus the N most likely tokens' (OpenAI allows 0..5)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = Field(None, ge=1, le=1)
@@ -189,3 +202,7 @@ class CompletionRequest(_Sampling):
     @property
     def budget(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0

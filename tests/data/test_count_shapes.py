@@ -62,3 +62,25 @@ def test_reward_and_bad_settings():
     assert count_shapes_reward("none", "4") == 0.0
     with pytest.raises(ValueError, match="count_shapes task"):
         make_count_shapes_splits(5, 0, seed=0, min_size=20)
+
+
+def test_shipped_jsonl_with_image_files_is_right():
+    """examples/data/shapes/train.jsonl: image paths relative to the file; each answer counted from the PNG pixels."""
+    import re
+    from pathlib import Path
+
+    from PIL import Image
+
+    from mtrain.data.datasets import load_prompts
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "data" / "shapes" / "train.jsonl"
+    samples = load_prompts(path, image_key="images", max_pixels=140 * 140)
+    assert len(samples) == 9 and max(len(s.images) for s in samples) == 2
+    for s in samples:
+        color = (re.search(r"How many (\w+ )?shapes", s.prompt).group(1) or "").strip()
+        total = 0
+        for image in s.images:
+            pixels = np.asarray(Image.open(image).convert("RGB"))
+            names = [color] if color in COLORS else list(COLORS)
+            total += sum(components((pixels == COLORS[c]).all(-1)) for c in names)
+        assert s.answer == str(total), s

@@ -57,3 +57,24 @@ def test_batch_positions_and_bad_runs(setup):
     assert pos[:, 1].tolist() == [list(range(tokens.shape[1]))] * 3
     with pytest.raises(VisionError, match="mrope_positions: image token runs"):
         mrope_positions(p.ids[:-3] + [p.vision.image_token_id], p.vision)
+
+
+def test_image_token_sampled_in_the_response_is_text(setup):
+    """prompt_len: a response's <|image_pad|> takes text positions (as in the engines), equal to transformers'
+    get_rope_index told by mm_token_type_ids that it is text."""
+    from mtrain.data.vision import image_token_mask
+
+    proc, model = setup
+    [p] = tokenize_prompts([PromptSample(0, "<image>?", "1", images=(noise(84, 56, 1),))], proc, max_prompt_len=1000)
+    img = p.vision.image_token_id
+    ids = p.ids + [40, img, img, 41]
+    full = torch.tensor([ids])
+    want, want_delta = model.get_rope_index(full, mm_token_type_ids=p.vision.mm_token_type_ids(full, len(p.ids)),
+                                            image_grid_thw=p.vision.image_grid_thw)
+    got, delta = mrope_positions(ids, p.vision, prompt_len=len(p.ids))
+    assert torch.equal(got, want[:, 0]) and delta == int(want_delta)
+    assert got[:, -3:].tolist() == [[len(p.ids) + delta + k for k in (1, 2, 3)]] * 3
+    with pytest.raises(VisionError):  # without prompt_len the response's tokens would be a third image run
+        mrope_positions(ids, p.vision)
+    mask = image_token_mask(full, torch.tensor([len(p.ids)]), img)
+    assert int(mask.sum()) == sum(p.vision.tokens_per_image) and not mask[0, len(p.ids):].any()

@@ -14,7 +14,7 @@ from mtrain.config import load_config
 from mtrain.data import DatasetError, PromptSample, load_datasets, load_prompts
 from mtrain.data.chat import PromptError, tokenize_prompts
 from mtrain.data.tiny_tokenizer import CharTokenizer
-from mtrain.data.vision import VisionError, VisionInputs, VisionRows, load_vision_processor
+from mtrain.data.vision import EncodedImage, VisionError, VisionInputs, VisionRows, load_vision_processor
 from mtrain.tiny_vlm import TINY_MAX_PIXELS, tiny_vlm_config, write_tiny_vlm
 
 
@@ -121,7 +121,7 @@ def test_jsonl_images_resolve_relative_to_the_file(tmp_path, monkeypatch, vlm_di
      r"the prompt has 0 image placeholder\(s\) '<image>' but the sample has 1 image\(s\) \(fewer placeholders"),
     ({"prompt": "<image>?", "answer": "1"}, r"has 1 image placeholder\(s\).*but the sample has 0 image\(s\)"),
     ({"prompt": "<image>?", "answer": "1", "images": ["not_image.png"]}, r"train.jsonl:1: cannot read image"),
-    ({"prompt": "<image>?", "answer": "1", "images": [3]}, r"'images' must be an image path or a list of image paths"),
+    ({"prompt": "<image>?", "answer": "1", "images": [3]}, r"'images' must be an image path, a list of image paths or embedded images"),
 ])
 def test_bad_image_records_are_one_error_naming_file_and_line(tmp_path, record, message):
     write_png(tmp_path / "ok.png", 50, 50)
@@ -189,3 +189,57 @@ def test_batches_carry_vision_rows():
     assert RolloutBatch.concat([text_only, batch]).vision.items == [None, v, None]
     t = Trajectory("t", [Segment("prompt", [1, 5, 5, 5, 5]), Segment("model", [7], [-1.0], [0])], reward=1.0, vision=v)
     assert to_batch([t], pad_id=0).vision.items == [v]
+
+
+def test_released_style_preprocessor_config(tmp_path, vlm_dir):
+    """A folder whose preprocessor_config.json is written as Qwen2.5-VL's release writes it (min/max_pixels, no
+    `size`): the budget and the resize follow it (Qwen's smart_resize, restated here), data.max_pixels overrides."""
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(vlm_dir / f, tmp_path / f)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}))
+    proc = load_vision_processor(tmp_path, tiny_vlm_config(), None)
+    assert proc.max_pixels == 12845056
+    w, h = 1000, 700  # 700000 pixels: kept near its size (multiples of 28)
+    v = proc.vision_inputs([picture(w, h, 9)], "s")
+    assert v.image_grid_thw.tolist() == [[1, round(h / 28) * 2, round(w / 28) * 2]]
+    small = load_vision_processor(tmp_path, tiny_vlm_config(), 100_000)
+    with pytest.raises(VisionError, match="more than the pixel budget data.max_pixels=100000"):
+        small.vision_inputs([picture(w, h, 9)], "s")
+    # within the budget, but rounding to multiples of 28 overshoots it (448 x 448 > 200000): floored into it
+    mid = load_vision_processor(tmp_path, tiny_vlm_config(), 200_000)
+    beta = math.sqrt(447 * 447 / 200_000)
+    side = math.floor(447 / beta / 28) * 28  # 420
+    assert mid.vision_inputs([picture(447, 447, 1)], "s").image_grid_thw.tolist() == [[1, side // 14, side // 14]]
+
+
+def test_parquet_with_embedded_images_as_verl_writes_them(tmp_path, vlm_dir):
+    """verl / HF datasets parquet: images as [{"bytes": <png>, "path": name}]; decoded by the processor exactly as
+    the same file read from disk; a corrupt one is one error naming the row."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    png = write_png(tmp_path / "a.png", 70, 50)
+    data = png.read_bytes()
+    rows = [{"prompt": "<image>how many?", "answer": "2", "images": [{"bytes": data, "path": "a.png"}]},
+            {"prompt": "<image>again?", "answer": "1", "images": [{"bytes": None, "path": str(png)}]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    samples = load_prompts(tmp_path / "train.parquet", image_key="images", max_pixels=10_000)
+    proc = load_vision_processor(vlm_dir, tiny_vlm_config(), None)
+    embedded, on_disk = tokenize_prompts(samples, proc, max_prompt_len=1000)
+    assert samples[1].images == (str(png),) and isinstance(samples[0].images[0], EncodedImage)
+    assert torch.equal(embedded.vision.pixel_values, on_disk.vision.pixel_values)
+    buf = io.BytesIO()
+    picture(200, 100, 0).save(buf, format="PNG")
+    for bad, message in ((b"not a png", r"row 0: cannot read <embedded image x.png>"),
+                         (buf.getvalue(), r"row 0: image <embedded image x.png> has 200x100 = 20000 pixels")):
+        pq.write_table(pa.Table.from_pylist([{"prompt": "<image>?", "answer": "1",
+                                              "images": [{"bytes": bad, "path": "x.png"}]}]), tmp_path / "bad.parquet")
+        with pytest.raises(DatasetError, match=message):
+            load_prompts(tmp_path / "bad.parquet", image_key="images", max_pixels=10_000)

@@ -8,7 +8,7 @@ from PIL import Image
 
 from mtrain.data.chat import tokenize_prompts
 from mtrain.data.datasets import PromptSample
-from mtrain.data.vision import VisionInputs, load_vision_processor
+from mtrain.data.vision import load_vision_processor
 from mtrain.rollout.protocol import EngineError, Request, SamplingParams
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.sglang_wire import completion_from_output, sglang_image_data
@@ -41,15 +41,27 @@ def prompts(proc):
 
 
 def hf_logprobs(model, prompt_ids, output_ids, vision):
+    """transformers' forward of prompt + output. A random model may sample <|image_pad|>: such a token is text (the
+    engines embed it as text), which transformers' forward cannot express from ids (it counts every image token as
+    an image slot), so that case goes through its embeddings, get_image_features and get_rope_index directly."""
     full = torch.tensor([prompt_ids + output_ids])
-    kwargs = {}
-    if vision is not None:
-        kwargs = dict(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
-                      mm_token_type_ids=vision.mm_token_type_ids(full))
-    with torch.no_grad():
-        logits = model(input_ids=full, **kwargs).logits[0].double()
-    lp = torch.log_softmax(logits, -1)
     p = len(prompt_ids)
+    with torch.no_grad():
+        if vision is not None and IMAGE_TOKEN in output_ids:
+            emb = model.get_input_embeddings()(full)
+            mask = full == IMAGE_TOKEN
+            mask[:, p:] = False
+            emb[mask] = torch.cat(model.model.get_image_features(vision.pixel_values, vision.image_grid_thw)
+                                  .pooler_output).to(emb.dtype)
+            pos, _ = model.model.get_rope_index(full, mm_token_type_ids=vision.mm_token_type_ids(full, p),
+                                                image_grid_thw=vision.image_grid_thw)
+            logits = model(inputs_embeds=emb, position_ids=pos).logits[0].double()
+        elif vision is not None:
+            logits = model(input_ids=full, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+                           mm_token_type_ids=vision.mm_token_type_ids(full)).logits[0].double()
+        else:
+            logits = model(input_ids=full).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
     return [float(lp[p - 1 + k, t]) for k, t in enumerate(output_ids)]
 
 
@@ -77,6 +89,35 @@ def test_generates_with_images_and_logprobs_equal_hf_forward(setup):
     # batching does not change a request's tokens (seeded per request)
     alone = engine.generate([reqs[1]])[0]
     assert alone.output_ids == outs[1].output_ids and alone.logprobs == pytest.approx(outs[1].logprobs, abs=1e-5)
+
+
+def test_sampled_image_token_is_text(setup):
+    """A response holding <|image_pad|>: the engine embedded it as text; the HF statement above agrees, and it
+    agrees with transformers' plain forward on a response without one."""
+    from transformers import AutoModelForImageTextToText
+
+    d, proc, engine = setup
+    p = prompts(proc)[0]
+    model = AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    found = None
+    for seed in range(200):  # sample until a response holds the image token (a random model emits it at ~1/104)
+        c = engine.generate([Request("x-", p.ids, SamplingParams(max_new_tokens=8, seed=seed), vision=p.vision)])[0]
+        if IMAGE_TOKEN in c.output_ids[:-1]:
+            found = c
+            break
+    assert found is not None
+    ref = hf_logprobs(model, p.ids, found.output_ids, p.vision)
+    assert max(abs(a - b) for a, b in zip(ref, found.logprobs)) <= 1e-5
+    clean = found.output_ids[:found.output_ids.index(IMAGE_TOKEN)]
+    if clean:  # the manual path equals transformers' own forward where both apply
+        full = torch.tensor([p.ids + clean])
+        with torch.no_grad():
+            plain = model(input_ids=full, pixel_values=p.vision.pixel_values, image_grid_thw=p.vision.image_grid_thw,
+                          mm_token_type_ids=p.vision.mm_token_type_ids(full)).logits[0, len(p.ids) - 1:-1]
+        lp = torch.log_softmax(plain.double(), -1)
+        want = [float(lp[k, t]) for k, t in enumerate(clean)]
+        assert max(abs(a - b) for a, b in zip(want, found.logprobs)) <= 1e-5
 
 
 def test_image_requests_that_cannot_run_are_refused(setup, tmp_path):
@@ -125,3 +166,14 @@ def test_sglang_image_item_splits_back_into_each_images_own_inputs(setup):
         sglang_image_data(bad)
     out = {"output_ids": [7], "meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": "length"}}
     assert completion_from_output(req, out, 0).vision is p.vision
+
+
+def test_sglang_engine_reads_the_models_image_token(setup, tmp_path):
+    """The SGLang engine refuses the same image requests as the reference engine (check_vision_request before
+    SGLang sees them); it learns the image token from the folder's config.json, without importing SGLang."""
+    from mtrain.rollout.sglang_engine import _vision_of
+    from mtrain.tiny_hf import write_tiny_hf
+
+    d, _, _ = setup
+    assert _vision_of(str(d)) == (IMAGE_TOKEN, "qwen2_5_vl")
+    assert _vision_of(str(write_tiny_hf("qwen2", tmp_path / "q"))) == (None, "qwen2")

@@ -101,3 +101,23 @@ def test_push_errors_name_the_parameter_and_write_nothing():
         L.apply_copies(plan, params)
     assert (params["x.weight_scale_inv"] == -1).all()
     assert np.all(params["x.weight"].view(torch.uint8).numpy() == 0)
+
+
+def test_a_scale_sglang_requantized_to_ue8m0_is_refused_by_pull_and_push():
+    """SGLang marks a scale it requantized for DeepGEMM (Blackwell) `format_ue8m0`: no amax/448 write may land."""
+    from mtrain.layouts.fp8 import REQUANTIZED_MARK
+
+    for how in ("pull", "push"):
+        params = fp8_params()
+        params[W + "_scale_inv"] = torch.nn.Parameter(params[W + "_scale_inv"], requires_grad=False)
+        setattr(params[W + "_scale_inv"], REQUANTIZED_MARK, True)
+        w = torch.randn(256, 200).to(torch.bfloat16)
+        with pytest.raises(L.LoaderError, match=r"requantized this layer's scales to UE8M0"):
+            if how == "pull":
+                n = w.numel()
+                P.run_pull(params, pull_payload([[W, [256, 200]]], [[0, 0, n, 0, n, 1, n, 0]],
+                                                [[0, W + "_scale_inv", [2, 2], [128, 128]]], [w.view(-1)]),
+                           P.PullState())
+            else:
+                L.apply_copies(L.plan_copies(params, [(W, w)]), params)
+        assert untouched(params)

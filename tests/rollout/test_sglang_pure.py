@@ -269,3 +269,21 @@ def test_completion_from_sglang_output():
         completion_from_output(req, _out([5], [-0.5], None), 0)
     with pytest.raises(EngineError, match="weight_version 'default' is not an int"):
         completion_from_output(req, _out([5], [-0.5], {"type": "length"}, "default"), 0)
+
+
+def test_top_logprobs_from_sglang_output():
+    """meta_info["output_top_logprobs"] as tokenizer_manager.detokenize_top_logprobs_tokens builds it with
+    skip_tokenizer_init: per position a list of (logprob, token_id, None) (SGLANG-APIS.md section 6)."""
+    from mtrain.rollout.sglang_engine import completion_from_output
+
+    req = Request("r-0-", [1, 2], SamplingParams(top_logprobs=2))
+    out = _out([5, 2], [-0.5, -1.25], {"type": "length"})
+    out["meta_info"]["output_top_logprobs"] = [[(-0.5, 5, None), (-1.5, 9, None)],
+                                               [(-2.5, 7, None), (-0.25, 4, None), (-1.25, 2, None)]]
+    c = completion_from_output(req, out, 0)
+    assert c.top_logprobs == [[(5, -0.5), (9, -1.5)], [(4, -0.25), (2, -1.25)]]  # most likely first, k kept
+    assert completion_from_output(Request("r-1-", [1], SamplingParams()), _out([5], [-0.5], {"type": "length"}),
+                                  0).top_logprobs is None
+    out["meta_info"]["output_top_logprobs"] = [[(-0.5, 5, None), (-1.5, 9, None)], None]
+    with pytest.raises(EngineError, match="asked for 2 top logprobs per token"):
+        completion_from_output(req, out, 0)

@@ -178,8 +178,12 @@ def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(server):
          openai.BadRequestError, 400, "context length"),  # the prompt alone is longer than the context
         (lambda: c.chat.completions.create(**{**good, "messages": [{"role": "wizard", "content": "x"}]}),
          openai.BadRequestError, 400, "role"),
-        (lambda: c.chat.completions.create(**good, logprobs=True, top_logprobs=5), openai.BadRequestError, 400,
+        (lambda: c.chat.completions.create(**good, logprobs=True, top_logprobs=21), openai.BadRequestError, 400,
          "top_logprobs"),
+        (lambda: c.chat.completions.create(**good, top_logprobs=3), openai.BadRequestError, 400,
+         "top_logprobs needs logprobs=true"),
+        (lambda: c.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=6), openai.BadRequestError,
+         400, "logprobs"),
         (lambda: c.chat.completions.create(**good, presence_penalty=1.0), openai.BadRequestError, 400,
          "presence_penalty"),
         (lambda: c.chat.completions.create(**good, tool_choice="required"), openai.BadRequestError, 400, "required"),
