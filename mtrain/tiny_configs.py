@@ -5,6 +5,8 @@ than a TP-4 engine (SGLang replicates KV heads), biases, tied embeddings, MoE wi
 experts, MLA with and without q-LoRA, and an MTP layer. `NUMERICS_CONFIGS` / `numerics_config` (the Megatron
 model tests against transformers): values differ between architectures (eps, theta, head_dim != hidden/heads,
 dense layers mixed into Qwen3-MoE, yarn) so that a config mapping that ignores one shows up.
+`TINY["qwen2_5_vl"]` is a layout/numerics fixture (awkward vision sizes); the runnable tiny Qwen2.5-VL with its
+tokenizer and image processor is mtrain.tiny_vlm (`mtrain init-tiny --arch qwen2_5_vl`).
 """
 from __future__ import annotations
 
