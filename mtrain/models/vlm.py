@@ -50,7 +50,9 @@ def scatter_images(text: torch.Tensor, images: torch.Tensor, mask: torch.Tensor,
     index = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).reshape(b, s)
     n = s // sp_size
     mask, index = mask[:, sp_rank * n:(sp_rank + 1) * n], index[:, sp_rank * n:(sp_rank + 1) * n]
-    return torch.where(mask.t().unsqueeze(-1), images[index.t()], text)  # [s, b, 1] like the embeddings
+    # [s, b, 1] like the embeddings; contiguous: the gathered rows come in (b, s) memory order, and a pipeline stage
+    # sends its output (which keeps the input's layout) with isend, which needs contiguous tensors
+    return torch.where(mask.t().unsqueeze(-1), images[index.t()], text).contiguous()
 
 
 class VisionLanguageModel(GPTModel):

@@ -1,6 +1,6 @@
 """GRPO with images end to end on CPU: a tiny random Qwen2.5-VL (mtrain.tiny_vlm, with its processor), the
-count_shapes task, the reference engine running transformers' Qwen2_5_VLForConditionalGeneration, Megatron at TP2
-(2 gloo ranks) recomputing logprobs with the images, MRoPE and the frozen (or trained) vision tower, weights synced
+count_shapes task, the reference engine running transformers' Qwen2_5_VLForConditionalGeneration, Megatron at PP2 or
+TP2 (2 gloo ranks) recomputing logprobs with the images, MRoPE and the frozen (or trained) vision tower, weights synced
 into the engine through the planner after every step. Checked: first-step KL 0 and clip fraction 0, engine-vs-trainer
 logprob gap <= 1e-5 (float32) in every step, the language model's weights move in the engine while a frozen vision
 tower's stay bit-equal to the checkpoint, and a trained one moves; padded and packed (THD) micro-batches."""
@@ -28,7 +28,7 @@ def _steps(rank, world, hf, run_dir, extra):
     from mtrain.config import load_config
     from mtrain.rollout.reference_engine import hf_disk_views
     from mtrain.trainer.loop import Trainer
-    overrides = {"model.hf_path": hf, "train.run_dir": run_dir, "train.steps": 2, "parallel.tp": 2, **extra}
+    overrides = {"model.hf_path": hf, "train.run_dir": run_dir, "train.steps": 2, **extra}
     t = Trainer(load_config(CONFIG, [f"{k}={v}" for k, v in overrides.items()]))
     records = [t.train_step() for _ in range(2)]
     out = {"records": records}
@@ -42,10 +42,10 @@ def _steps(rank, world, hf, run_dir, extra):
     return out
 
 
-@pytest.mark.parametrize("train_vision, packed", [(False, False), (True, True)],
-                         ids=["frozen_vision-padded", "trained_vision-packed"])
-def test_vlm_grpo_tp2_kl0_logprobs_match_engine(tiny_vlm, tmp_path, train_vision, packed):
-    extra = {"model.train_vision": train_vision}
+@pytest.mark.parametrize("train_vision, packed, par", [(False, False, "parallel.pp"), (True, True, "parallel.tp")],
+                         ids=["pp2-frozen_vision-padded", "tp2-trained_vision-packed"])
+def test_vlm_grpo_kl0_logprobs_match_engine(tiny_vlm, tmp_path, train_vision, packed, par):
+    extra = {"model.train_vision": train_vision, par: 2}
     if packed:  # token-budget micro-batches: MRoPE positions and image masks packed along the THD stream
         extra["train.max_tokens_per_micro_batch"] = 300
     res = run_on_ranks(_steps, 2, tiny_vlm, tmp_path / "run", extra, timeout=400)
