@@ -132,6 +132,10 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     adv_eps: float = 1e-6
     tis_cap: float | None = None  # truncated importance sampling cap for engine-vs-trainer logprob mismatch
+    # MoE routing replay (docs/design-routing-replay.md): "rollout" (R3) = engines record every token's routed experts
+    # and the trainer's routers replay them in the logprob pass and the update; "trainer" = the update replays the
+    # old-policy scoring pass's own routing; "off" = each forward routes itself
+    routing_replay: Literal["off", "rollout", "trainer"] = "off"
 
 
 @dataclass
@@ -483,6 +487,9 @@ def validate(cfg: RunConfig) -> None:
     _check(not (r.partial and mt.rollout_fn), "rollout.partial",
            "partial rollout of multi-turn tool trajectories is not wired into the trainer yet (resume_group exists: "
            "docs/design-tools.md); use one of rollout.partial and multi_turn.rollout_fn")
+    _check(a.routing_replay != "rollout" or not (mt.rollout_fn or cfg.serve.agent), "algo.routing_replay",
+           "trajectories (multi_turn.rollout_fn, serve.agent) do not carry routed experts yet: replay works with "
+           "single-turn rollouts, partial or not (docs/design-routing-replay.md)")
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -543,6 +550,8 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
             return _coerce(value, non_none[0], key)
         raise ConfigError(f"{key}: unsupported union type {t}")  # not used by the tree above
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not {_type_name(t)}")
         return value

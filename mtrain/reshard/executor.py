@@ -161,22 +161,25 @@ class Executor:
         """Send my pieces that others own; return per peer (received buffer, its pieces in order).
         recv_buffer(peer, numel, fp32) supplies the receive buffers (default: fresh ones)."""
         send, recv = self.transfers(bucket)
+        # One batch_isend_irecv, not single isend/irecv: NCCL with an eagerly initialised default group (device_id
+        # set) serialises unbatched P2P ops on a group, so two ranks that each send to the other first deadlock
+        # (2 x H200, 2026-11-30: training PP2 -> engine TP2, both ranks stuck after NCCL's "unbatched P2P" warning).
         ops, out, keep = [], {}, []
         for peer in sorted(send):
             ps = send[peer]
             buf = torch.empty(sum(p.numel for p in ps), dtype=self._dtype(bucket), device=self.device)
             self._pack(buf, ps, cache_key=("pack", id(bucket), peer))
             keep.append(buf)
-            ops.append(dist.isend(buf, peer, group=self.group))
+            ops.append(dist.P2POp(dist.isend, buf, peer, group=self.group))
         for peer in sorted(recv):
             ps = recv[peer]
             n = sum(p.numel for p in ps)
             buf = (torch.empty(n, dtype=self._dtype(bucket), device=self.device) if recv_buffer is None
                    else recv_buffer(peer, n, bucket.fp32))
             out[peer] = (buf, ps)
-            ops.append(dist.irecv(buf, peer, group=self.group))
-        for op in ops:
-            op.wait()
+            ops.append(dist.P2POp(dist.irecv, buf, peer, group=self.group))
+        for work in (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
         return out
 
     def local_sources(self, pieces: list[Piece], in_place: bool = False) -> tuple[list[torch.Tensor], dict[Key, int]]:

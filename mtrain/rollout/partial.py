@@ -20,6 +20,7 @@ from typing import Any
 
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import Completion, Request, SamplingParams
+from mtrain.rollout.routing import merge_resumed
 
 
 @dataclass
@@ -30,6 +31,9 @@ class SampleState:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" once finished
     resumes: int = 0  # how many times it was continued after an abort
+    # routing replay: [prompt + outputs - 1, layers, top_k] routed experts, each token's row kept from the request
+    # that first fed it (like its weight version); None when the engine records none
+    routing: Any = None
 
 
 @dataclass
@@ -52,7 +56,8 @@ class GroupState:
     def completions(self) -> list[Completion]:
         return [Completion(rid=f"g{self.uid}-{j}", prompt_ids=list(self.prompt_ids), output_ids=list(s.output_ids),
                            logprobs=list(s.logprobs), finish_reason=s.finish_reason or "abort",
-                           weight_version=max(s.versions, default=0), token_versions=list(s.versions))
+                           weight_version=max(s.versions, default=0), token_versions=list(s.versions),
+                           routed_experts=s.routing if s.output_ids else None)
                 for j, s in enumerate(self.samples)]
 
 
@@ -80,6 +85,9 @@ def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix
 def apply(group: GroupState, j: int, c: Completion) -> None:
     """Append what a (possibly aborted) request generated to sample j, with the version of every new token."""
     s = group.samples[j]
+    if c.output_ids:  # a request aborted before it produced anything brings no routing and changes none
+        rows = len(group.prompt_ids) + len(s.output_ids) + len(c.output_ids) - 1
+        s.routing = c.routed_experts if not s.output_ids else merge_resumed(s.routing, c.routed_experts, rows)
     s.output_ids += list(c.output_ids)
     s.logprobs += list(c.logprobs)
     s.versions += c.versions

@@ -111,6 +111,9 @@ class Completion:
     # when the request asked for none.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     vision: Any = None  # the request's VisionInputs, passed through so the trainer's batch keeps the images
+    # Routing replay (mtrain/rollout/routing.py): [prompt + output - 1, layers, top_k] logical expert ids of every input
+    # token, when the engine records them; None otherwise.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def versions(self) -> list[int]:
@@ -124,6 +127,10 @@ class Completion:
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
             raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
                              f"{len(self.top_logprobs)} top-logprob lists")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.prompt_ids) + len(
+                self.output_ids) - 1:
+            raise ValueError(f"Completion {self.rid!r}: routed experts cover {self.routed_experts.shape[0]} tokens, "
+                             f"expected prompt + output - 1 = {len(self.prompt_ids) + len(self.output_ids) - 1}")
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"

@@ -112,8 +112,11 @@ class ReferenceEngine(RolloutEngine):
     tp_size = 1
 
     def __init__(self, config: dict[str, Any] | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
-                 init_seed: int = 0, allow_dtype_cast: bool = False, decode_delay_s: float = 0.0) -> None:
-        """decode_delay_s: sleep this long per decoding step (a test hook: a slow engine in a pool)."""
+                 init_seed: int = 0, allow_dtype_cast: bool = False, decode_delay_s: float = 0.0,
+                 record_routing: bool = False) -> None:
+        """decode_delay_s: sleep this long per decoding step (a test hook: a slow engine in a pool).
+        record_routing: return every input token's routed experts (`Completion.routed_experts`, routing replay),
+        read from the model's own MoE blocks as they run (`mtrain.rollout.routing_capture`)."""
         self._config = as_hf_config(config)
         self._decode_delay_s = float(decode_delay_s)
         with torch.random.fork_rng(devices=[]):  # random init must not disturb the caller's RNG stream
@@ -143,6 +146,10 @@ class ReferenceEngine(RolloutEngine):
         self._progress: dict[str, int] = {}  # in-flight rid -> tokens generated so far
         self._aborted: set[str] = set()
         self._batcher: Batcher | None = None  # started by the first submit()
+        self._routing = None
+        if record_routing:
+            from mtrain.rollout.routing_capture import RoutingRecorder
+            self._routing = RoutingRecorder(self._model, self._config.to_dict())
 
     @staticmethod
     def _is_vlm(config: PretrainedConfig) -> bool:
@@ -446,6 +453,7 @@ class ReferenceEngine(RolloutEngine):
         input_ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
         positions = torch.arange(length).unsqueeze(0)
         vision_kwargs, deltas = {}, None
+        routed: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: [tokens, L, k] per forward
         while True:
             # abort is checked between decoding steps (and before the prefill of a queued group)
             for i in alive:
@@ -468,8 +476,13 @@ class ReferenceEngine(RolloutEngine):
                 vision_kwargs = {}
             else:
                 position_ids = positions.expand(len(alive), -1)
+            if self._routing is not None:
+                self._routing.start(input_ids.shape)
             logits = self._model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
                                  logits_to_keep=1, **vision_kwargs).logits[:, -1, :].float()
+            if self._routing is not None:
+                for row, rows in enumerate(self._routing.finish()):
+                    routed[alive[row]].append(rows)
             next_ids = []
             for row, i in enumerate(alive):
                 params = reqs[i].params
@@ -495,5 +508,7 @@ class ReferenceEngine(RolloutEngine):
                 break
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
                            finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
-                           top_logprobs=tops[i], vision=r.vision)
+                           top_logprobs=tops[i], vision=r.vision,
+                           # none for a request aborted before its prefill, as SGLang gives none for one aborted in its queue
+                           routed_experts=torch.cat(routed[i]) if self._routing is not None and routed[i] else None)
                 for i, r in enumerate(reqs)]

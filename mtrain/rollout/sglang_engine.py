@@ -85,7 +85,10 @@ class SGLangEngine(RolloutEngine):
         random_seed: int = 0,
         deterministic: bool = False,
         server_args: Mapping[str, Any] | None = None,
+        routing=None,
     ) -> None:
+        """routing: a `mtrain.rollout.routing.RoutingShape` to return every request's routed experts (routing
+        replay): the server starts with `enable_return_routed_experts` and each request asks for them."""
         try:
             import sglang
             from sglang.srt.managers import io_struct
@@ -108,10 +111,11 @@ class SGLangEngine(RolloutEngine):
         self._engine = None
         self._seeds = random.Random(random_seed)
         self._image_token_id, self._model_type = _vision_of(model_path)  # (None, type) for a text model
+        self._routing = routing
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
-                                    deterministic=deterministic, extra=server_args)
+                                    deterministic=deterministic, extra=server_args, routed_experts=routing is not None)
         # A further node's part of an engine spanning nodes (node_rank > 0): its schedulers serve that node's TP ranks
         # and take every request and weight call from node 0's part by SGLang's own broadcast; this object only
         # holds them. SGLang would block in the constructor unless told not to (engine.py:1105-1132).
@@ -233,7 +237,8 @@ class SGLangEngine(RolloutEngine):
             return await self._engine.async_generate(
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
                 return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
-                **({"image_data": images} if images is not None else {}))
+                **({"image_data": images} if images is not None else {}),
+                **({"return_routed_experts": True} if self._routing is not None else {}))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
@@ -280,7 +285,7 @@ class SGLangEngine(RolloutEngine):
         if out is None:
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
                               finish_reason="abort", weight_version=self._weight_version, vision=req.vision)
-        return completion_from_output(req, out, self._weight_version)
+        return completion_from_output(req, out, self._weight_version, routing=self._routing)
 
     def abort(self, rid_prefix: str | None = None) -> None:
         """Abort our in-flight requests whose rid starts with rid_prefix (all when None). Thread-safe: may be

@@ -37,6 +37,7 @@ def engine_server_args(
     random_seed: int,
     deterministic: bool = False,
     extra: Mapping[str, Any] | None = None,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
     args: dict[str, Any] = dict(
@@ -69,6 +70,8 @@ def engine_server_args(
         custom_sigquit_handler=_launch_sigquit_handler,
         log_level="error",
     )
+    if routed_experts:  # routing replay: requests may then ask for meta_info["routed_experts"] (server_args.py:3364)
+        args["enable_return_routed_experts"] = True
     for k, v in (extra or {}).items():
         if k == "custom_weight_loader":
             args[k] = list(args[k]) + [x for x in v if x not in args[k]]
@@ -138,8 +141,12 @@ def sglang_image_data(req: Request) -> list[dict[str, Any]] | None:
              "image_grid_thw": req.vision.image_grid_thw}]
 
 
-def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int) -> Completion:
-    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion."""
+def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int, routing=None) -> Completion:
+    """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion.
+
+    routing: the model's `mtrain.rollout.routing.RoutingShape` when the engine returns routed experts
+    (`enable_return_routed_experts`): `meta_info["routed_experts"]` (base64 int32 [prompt + output - 1, L, k]) is
+    decoded into the stored dtype. A finished request without it is an error (the server flag is missing)."""
     meta = out.get("meta_info", {})
     output_ids = [int(t) for t in out.get("output_ids", [])]
     entries = meta.get("output_token_logprobs") or []
@@ -159,9 +166,22 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
         version = int(version)
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
+    routed = None
+    if routing is not None:
+        from mtrain.rollout.routing import RoutingError, decode_sglang
+        payload = meta.get("routed_experts")
+        if payload is None and _FINISH[kind] != "abort":
+            raise EngineError(f"request {req.rid!r}: SGLang returned no routed experts (server started without "
+                              f"enable_return_routed_experts?)")
+        if payload is not None:
+            try:
+                routed = decode_sglang(payload, routing, len(req.prompt_ids) + len(output_ids) - 1,
+                                       f"request {req.rid!r}")
+            except RoutingError as e:
+                raise EngineError(str(e)) from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
                       finish_reason=_FINISH[kind], weight_version=version, vision=req.vision,
-                      top_logprobs=top_logprobs_from_meta(req, meta, len(output_ids)))
+                      top_logprobs=top_logprobs_from_meta(req, meta, len(output_ids)), routed_experts=routed)
 
 
 def top_logprobs_from_meta(req: Request, meta: Mapping[str, Any], n_tokens: int) -> list | None:

@@ -24,7 +24,9 @@ from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
+from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
+from mtrain.trainer.routing_replay import RouterReplayFeeder
 from mtrain.trainer.train_options import cpu_offload_options, recompute_overrides
 
 
@@ -85,6 +87,18 @@ class Actor:
             self.vision = VisionBatcher(hf_config)
         elif cfg.model.train_vision:
             raise ModelConfigError(f"model.train_vision=true but {hf_config.get('model_type')} has no vision tower")
+        # algo.routing_replay (mtrain/trainer/routing_replay.py): rollout = every MoE router replays the engine's
+        # experts, which the batch carries (self.routing: their shape); trainer = the update replays the scoring
+        # pass's own choice (the frozen reference model has no update: it routes itself)
+        mode = cfg.algo.routing_replay
+        shape = routing_shape(hf_config) if mode != "off" else None
+        if mode != "off" and shape is None:
+            raise ModelConfigError(f"algo.routing_replay={mode} needs a MoE model; {hf_config.get('model_type')!r} "
+                                   f"has no routed experts (use algo.routing_replay=off)")
+        self.routing = shape if mode == "rollout" else None
+        replays = mode == "rollout" or (mode == "trainer" and trainable)
+        if replays:
+            split["moe_enable_routing_replay"] = True
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})},
                                            train_vision=cfg.model.train_vision)
@@ -108,8 +122,11 @@ class Actor:
             self.chunks = chunks
             for c in chunks:
                 c.requires_grad_(False)
+            self.replay = RouterReplayFeeder(chunks, shape, self.tconfig) if replays else None
             return
         self.chunks = [DistributedDataParallel(self.tconfig, ddp_cfg, c) for c in chunks]
+        # keyed by the objects Megatron's schedule hands the forward step: the wrapped chunks
+        self.replay = RouterReplayFeeder(self.chunks, shape, self.tconfig, own=mode == "trainer") if replays else None
         # Megatron's schedule calls this after the last backward: DP gradient reduction (DDP.finish_grad_sync),
         # the first/last-stage all-reduce of tied embedding grads, TP all-reduce of sequence-parallel norm grads.
         # Without it every DP rank would step with its own local gradient.
@@ -140,6 +157,8 @@ class Actor:
     def _run(self, micro: list[dict], loss_fn, forward_only: bool) -> list:
         def step(data_iter, model):
             mb = next(data_iter)
+            if self.replay is not None:
+                self.replay.feed(model, mb)
             if "pack" in mb:
                 out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"],
                             **mb.get("images", {}))
@@ -164,6 +183,8 @@ class Actor:
                                                forward_only=forward_only)
         finally:
             self.tconfig.variable_seq_lengths = saved
+            if self.replay is not None:
+                self.replay.finish()
 
     def _micro(self, batch: RolloutBatch, extra: dict[str, torch.Tensor]) -> list[dict]:
         """Micro-batches of `batch` (this DP rank's rows). Each holds the model input and, in the row layout
@@ -194,6 +215,7 @@ class Actor:
         if cp > 1 and not self.packed:
             raise ValueError(f"parallel.cp={cp} needs packed micro-batches (train.max_tokens_per_micro_batch)")
         align = (ps.get_tensor_model_parallel_world_size() if sp else 1) * (2 * cp if cp > 1 else 1)
+        routed = self._replay_rows(batch)
         out = []
         for rows in groups:
             d = {"mask": batch.response_mask[rows], **{k: v[rows] for k, v in extra.items()}}
@@ -204,7 +226,10 @@ class Actor:
                                seq_multiple=2 * cp if cp > 1 else 1)
                 width = batch.tokens.shape[1]
                 for name in RolloutBatch.PER_TOKEN:
-                    d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
+                    if getattr(batch, name) is not None:
+                        d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
+                if routed is not None:  # which stream positions hold an engine record (routing replay)
+                    d["routing_valid"] = pack(pk, routed, width, "routing_valid").to(dev)
                 d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
                          packed_seq_params=pk.packed_seq_params(dev), width=width)
                 if self.vision is not None:  # MRoPE positions [3, 1, S] and the stream's images
@@ -213,13 +238,37 @@ class Actor:
                     mine = pk.cp_indices(cp, cp_rank).to(dev)
                     labels = torch.roll(d["tokens"], -1, dims=1)
                     d.update(tokens=d["tokens"][:, mine], labels=labels[:, mine], position_ids=d["position_ids"][:, mine],
-                             cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev))
+                             cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev), cp_positions=mine)
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)
                 if self.vision is not None:
                     d.update(self.vision.micro_inputs(batch, rows, dev))
+                if routed is not None:
+                    d.update(routing=batch.routed_experts[rows].to(dev), routing_valid=routed[rows].to(dev))
             out.append(d)
         return out
+
+    def _replay_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """[B, T] bool: positions whose routing the engine recorded, when this actor replays; checks the batch's
+        routing against the model before any forward (one clear error, nothing run)."""
+        if self.routing is None:
+            return None
+        r, shape = batch.routed_experts, self.routing
+        if r is None:
+            raise RoutingError("algo.routing_replay=rollout but the batch has no routed experts (the engine did not "
+                               "record them)")
+        b, t = batch.tokens.shape
+        if r.dim() != 4 or tuple(r.shape) != (b, t, shape.num_layers, shape.top_k):
+            raise RoutingError(f"routed experts of shape {tuple(r.shape)} do not match the batch [{b}, {t}] and the "
+                               f"model ({shape.num_layers} layers, top_k {shape.top_k})")
+        valid = torch.arange(t)[None, :] < (batch.seq_lens[:, None] - 1)
+        for i in range(b):
+            shape.check(r[i, :int(batch.seq_lens[i]) - 1], int(batch.seq_lens[i]) - 1, f"batch row {i}")
+        return valid
+
+    def routing_metrics(self) -> dict[str, float]:
+        """Routing disagreement measured by the logprob passes since the last call (collective)."""
+        return self.replay.take_disagreement() if self.replay is not None else {}
 
     def _logprobs(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
         """Per predicting position: [b, s-1] padded, [1, S-1] along the packed stream."""
@@ -258,8 +307,16 @@ class Actor:
         for c in self.chunks:
             c.eval()
         micro = self._micro(batch, {})
-        with torch.no_grad():
-            outs = self._run(micro, loss_fn, forward_only=True)
+        if self.replay is not None:  # the scoring pass also counts where the trainer's own routing differs
+            self.replay.measure = True
+            if self.replay.own:  # algo.routing_replay=trainer: the update of this batch replays this pass
+                self.replay.record_pass()
+        try:
+            with torch.no_grad():
+                outs = self._run(micro, loss_fn, forward_only=True)
+        finally:
+            if self.replay is not None:
+                self.replay.measure = False
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
         out = torch.zeros(batch.response_mask.shape)
@@ -310,4 +367,6 @@ class Actor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.replay is not None and self.replay.own:
+            self.replay.replay_pass()
         return self._run(micro, loss_fn, forward_only=False)

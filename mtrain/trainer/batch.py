@@ -30,8 +30,11 @@ class RolloutBatch:
     # Vision models: each row's images (mtrain.data.vision.VisionRows: a VisionInputs or None per row); None when
     # no row has images. tokens[b] holds row b's expanded image tokens.
     vision: Any = None
+    # routing replay: [B, T, layers, top_k] the engine's routed experts of every input token (mtrain/rollout/routing.py;
+    # positions without a record hold RoutingShape.filler()); None when the run does not replay
+    routed_experts: torch.Tensor | None = None
 
-    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions")
+    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions", "routed_experts")
 
     @property
     def size(self) -> int:
@@ -44,8 +47,8 @@ class RolloutBatch:
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
         """Rows of several batches of the same width, in order (a step's minibatches, for its metrics)."""
-        out = {f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RolloutBatch)
-               if f.name != "vision"}
+        out = {f.name: None if getattr(batches[0], f.name) is None else torch.cat([getattr(b, f.name) for b in batches])
+               for f in fields(RolloutBatch) if f.name != "vision"}
         return RolloutBatch(**out, vision=vision_rows_cat(batches))
 
 
@@ -65,8 +68,10 @@ def vision_rows(items: list) -> Any:
     return VisionRows(items)
 
 
-def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1
-                ) -> RolloutBatch:
+def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1,
+                routing=None) -> RolloutBatch:
+    """routing: the model's `RoutingShape` when the run replays the engine's routing: every completion with output
+    must carry its routed experts (checked here, before any trainer work), and the batch holds them."""
     if not completions:
         raise ValueError("build_batch: no completions")
     lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
@@ -84,9 +89,14 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
             mask[i, p - 1:p - 1 + r] = 1.0
             engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
             versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
+    routed = None
+    if routing is not None:
+        from mtrain.rollout.routing import batch_routing
+        routed = batch_routing(routing, t, [(c.rid, len(c.prompt_ids) + len(c.output_ids), c.routed_experts, bool(
+            c.output_ids)) for c in completions])
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
                         torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions,
-                        vision_rows([c.vision for c in completions]))
+                        vision_rows([c.vision for c in completions]), routed)
 
 
 def dp_rows(seq_lens: torch.Tensor, dp_rank: int, dp_size: int, by_tokens: bool) -> torch.Tensor | slice:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from mtrain.layouts.table import ModelLayout
+from mtrain.rollout.routing import routing_shape
 
 
 def load_tokenizer(hf_dir: Path, hf_config: dict, max_pixels: int | None = None):
@@ -26,13 +27,14 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     """The engine of this rank's group (call on the group's leader): SGLang or the CPU reference engine, as decided
     once for the run (`mtrain.trainer.decisions`). Weights arrive by the first sync."""
     fp8 = decisions.engine_fp8  # block-FP8 engine (mtrain/rollout/fp8_engine.py)
+    replay = cfg.algo.routing_replay == "rollout"  # engines record routed experts (docs/design-routing-replay.md)
     if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
-            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
-        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype)
+            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
+        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
     if fp8:
@@ -52,7 +54,8 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     # Each engine gets its own seed: with one shared seed, unseeded requests would sample alike on every engine.
     return SGLangEngine(str(hf_dir), tp_size=tp, base_gpu_id=base_gpu_id,
                         mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
-                        random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args)
+                        random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args,
+                        routing=routing_shape(hf_config) if replay else None)
 
 
 def engine_rendezvous(groups, rank: int) -> str | None:

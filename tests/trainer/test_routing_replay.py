@@ -1,0 +1,140 @@
+"""Rollout routing replay (R3) on megatron-core, against an independent float64 forward.
+
+- With algo.routing_replay=rollout the trainer's MoE layers use exactly the given experts: random expert ids (not
+  what any router would pick) in the batch, Megatron's logprobs (float32, padded and packed micro-batches) equal a
+  float64 transformers forward whose MoE blocks take those ids as input (routing_replay_worker.py), on Qwen3-MoE and
+  DeepSeek-V3 tiny at EP2, PP2 (and PP2 x VPP2), TP2 x EP2. Where the layout trains (not TP2 without sequence
+  parallelism), the training forward's PPO ratio against those logprobs is 1 and full activation recompute gives the
+  same gradients (the backward's recompute replays the same micro-batch's ids; without that, PP2 differs by 0.1).
+- A trainer whose routers choose differently from the engine's (perturbed expert bias / a tie broken the other way)
+  scores the engine's tokens with a large gap without replay, and within 1e-5 of the engine's logprobs with it.
+- Bad replay data (wrong layer count, wrong token count, an expert id out of range, none at all) fails with one clear
+  error before any forward runs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtrain.dist import run_on_ranks
+
+LP_TOL = 1e-5
+SLOW = pytest.mark.slow
+LAYOUTS = {  # id: (arch, ranks, parallel sizes, train checks)
+    "qwen3_moe-pp2": ("qwen3_moe", 2, {"pp": 2}, True),
+    "deepseek_v3-ep2": ("deepseek_v3", 2, {"ep": 2}, True),
+    "deepseek_v3-tp2ep2": pytest.param(("deepseek_v3", 4, {"tp": 2, "ep": 2}, False), marks=SLOW),  # 4 ranks: ~30 s
+    "qwen3_moe-ep2": pytest.param(("qwen3_moe", 2, {"ep": 2}, True), marks=SLOW),
+    "deepseek_v3-pp2": pytest.param(("deepseek_v3", 2, {"pp": 2}, True), marks=SLOW),
+    "qwen3_moe-tp2ep2": pytest.param(("qwen3_moe", 4, {"tp": 2, "ep": 2}, False), marks=SLOW),
+    "qwen3_moe-pp2vpp2": pytest.param(("qwen3_moe", 2, {"pp": 2, "vpp": 2}, True), marks=SLOW),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from mtrain.tiny_hf import write_tiny_hf
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: write_tiny_hf(arch, root / arch, seed=0) for arch in ("qwen3_moe", "deepseek_v3")}
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_replay_uses_exactly_the_recorded_experts(tiny, case):
+    from routing_replay_worker import forced_reference_logprobs, make_batch, replay_equals_reference
+    arch, world, layout, train = case
+    hf = tiny[arch]
+    ref = forced_reference_logprobs(str(hf), make_batch(json.loads((hf / "config.json").read_text())))
+    results = run_on_ranks(replay_equals_reference, world, str(hf), layout, ref, train, timeout=600)
+    last = [r for r in results if r["last"]]
+    assert last, "no last pipeline stage reported"
+    for r in last:
+        assert r["lp_padded_vs_ref"] <= LP_TOL and r["lp_packed_vs_ref"] <= LP_TOL, r
+        if train:
+            assert r["ratio_dev"] <= LP_TOL, r
+    if train:
+        for r in results:
+            assert r["grad_max_abs"] > 0, r
+            assert r["grad_recompute_diff"] <= 1e-6 * max(1.0, r["grad_max_abs"]), r
+
+
+def _engine_completions(hf: Path, n: int = 6):
+    """The CPU reference engine (float32) on the checkpoint, recording routed experts from its own MoE blocks."""
+    from mtrain.rollout.protocol import Request, SamplingParams
+    from mtrain.rollout.reference_engine import ReferenceEngine
+    engine = ReferenceEngine.from_pretrained(str(hf), record_routing=True)
+    g = torch.Generator().manual_seed(5)
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    reqs = [Request(f"r{i}", torch.randint(3, vocab, (3 + i,), generator=g).tolist(),
+                    SamplingParams(max_new_tokens=8, seed=i)) for i in range(n)]
+    out = engine.generate(reqs)
+    engine.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_replay_restores_engine_logprobs_under_a_perturbed_router(tmp_path, arch):
+    from routing_replay_worker import perturbed_copy, perturbed_trainer, tie_router_rows
+    from mtrain.tiny_hf import write_tiny_hf
+    engine_hf = write_tiny_hf(arch, tmp_path / "engine", seed=1)
+    if arch == "qwen3_moe":
+        tie_router_rows(engine_hf)
+    trainer_hf = perturbed_copy(engine_hf, tmp_path / "trainer", arch)
+    completions = _engine_completions(engine_hf)
+    assert all(c.routed_experts is not None for c in completions)
+    (res,) = run_on_ranks(perturbed_trainer, 1, str(trainer_hf), completions, timeout=600)
+    assert res["gap_off"] > 1e-3, res  # the routing flips change the tokens' logprobs
+    assert res["metrics_rollout"]["routing/disagreement"] > 0.02, res  # measured from the replayed pass itself
+    assert res["gap_rollout"] <= LP_TOL, res
+    assert res["metrics_off"] == {}, res
+
+
+BAD = {"layers": "layers", "tokens": "do not match the batch", "expert_id": "expert id 250",
+       "missing": "no routed experts"}
+
+
+def test_bad_replay_data_fails_before_any_forward(tiny):
+    from routing_replay_worker import bad_replay_data
+    (res,) = run_on_ranks(bad_replay_data, 1, str(tiny["deepseek_v3"]), list(BAD), timeout=600)
+    for what, needle in BAD.items():
+        r = res[what]
+        assert r["error"] is not None and r["error"].startswith("RoutingError"), (what, r)
+        assert needle in r["error"], (what, r)
+        assert r["forwards"] == 0, (what, r)
+    assert res["good"]["error"] is None and res["good"]["forwards"] > 0, res  # nothing left half-fed: the next runs
+
+
+def test_rl_loop_replays_the_engines_routing_through_partial_rollout(tiny, tmp_path):
+    """Two GRPO steps on 2 ranks (EP2) with partial rollout: the reference engine records routing, aborted samples
+    resume keeping theirs, every rank's batch carries it, the trainer replays it, and the step reports the metrics."""
+    from routing_replay_worker import loop_steps
+    extra = {"parallel.tp": 1, "parallel.ep": 2, "algo.routing_replay": "rollout", "rollout.partial": "true",
+             "rollout.over_sample": 2.0, "train.steps": 2}
+    records = run_on_ranks(loop_steps, 2, str(tiny["qwen3_moe"]), str(tmp_path / "run"), extra, timeout=600)
+    for rec in records[0]:
+        assert rec["routing/bytes_per_token"] == 4 * 2 * 1  # 4 layers x top-2, uint8
+        assert rec["routing/engine_bytes_per_token"] == 4 * 2 * 4
+        # float32 on both sides, so the trainer's own choice differs only on rows kept from an older weight version
+        # (a resumed sample's tokens keep the routing they were generated with) and on near-ties
+        assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
+        # tokens of this step's weights (older ones are masked; a step may have none)
+        assert rec.get("logprob_diff/max_abs", 0.0) <= LP_TOL, rec
+    for a, b in zip(*records):  # reduced over ranks
+        assert {k: v for k, v in a.items() if k.startswith("routing/")} == \
+            {k: v for k, v in b.items() if k.startswith("routing/")}
+
+
+def test_trainer_mode_update_replays_the_scoring_pass(tiny):
+    """algo.routing_replay=trainer at PP2 with full recompute: between the scoring pass and the update every router's
+    expert bias moves (its choice changes, the weights of chosen experts do not); the update still uses the scoring
+    pass's experts (PPO ratio 1), without replay it does not. An update with no scored pass left is refused."""
+    from routing_replay_worker import trainer_mode
+    results = run_on_ranks(trainer_mode, 2, str(tiny["deepseek_v3"]), {"pp": 2}, timeout=600)
+    (last,) = [r for r in results if r["last"]]
+    assert last["ratio_dev_off"] > 1e-3, last
+    assert last["ratio_dev_trainer"] <= LP_TOL, last
+    for r in results:
+        assert r["second_update_off"] is None, r
+        assert "no recorded scoring pass" in r["second_update_trainer"], r
