@@ -48,12 +48,17 @@ def test_vlm_round_trip_is_bit_identical(converted):
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{name} differs after the round trip"
 
 
-def test_vlm_verify_with_images_at_tp1_and_tp2(converted, capsys):
-    _, hf, mcore = converted
+def test_vlm_verify_with_images_at_tp1(converted, capsys):
+    _, hf, mcore = converted  # saved at TP2, loaded at TP1: Megatron reshards on load
     assert main(["verify", "--hf", str(hf), "--mcore", str(mcore)]) == 0
+    assert "OK: logits [2, " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_vlm_verify_with_images_at_tp2(converted, capsys):
+    _, hf, mcore = converted
     assert main(["verify", "--hf", str(hf), "--mcore", str(mcore), "--tp", "2"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("OK: logits [2, ") == 2, out
+    assert "OK: logits [2, " in capsys.readouterr().out
 
 
 def test_vlm_sglang_shards_equal_sglang_slicing(converted):

@@ -23,7 +23,9 @@ def _megatron_logits(rank, world, cfg, state, par, tokens, pixels, grid, positio
     return None if out is None else out.detach()
 
 
-@pytest.mark.parametrize("par, world", [(dict(tp=1), 1), (dict(tp=2), 2), (dict(pp=2), 2)], ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("par, world", [(dict(tp=1), 1), (dict(tp=2), 2),
+                                        pytest.param(dict(pp=2), 2, marks=pytest.mark.slow)],  # PP: also the loop test
+                         ids=["tp1", "tp2", "pp2"])
 def test_megatron_vlm_logits_equal_transformers(par, world):
     cfg, model, state = hf_vlm()
     tokens, pixels, grid, token_types = image_batch(cfg)
