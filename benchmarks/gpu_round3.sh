@@ -8,6 +8,7 @@
 #   pack     packed vs padded vs fixed-length training throughput and MFU, 1B model (issue 18; 1 GPU)
 #   front    the OpenAI front on SGLang under 64 concurrent clients vs direct engine calls (issue 13; 1 GPU)
 #   tool     multi-turn calculator rollouts on SGLang, token-in-token-out checked (issue 12; 1 GPU)
+#   routing_dsv3 / routing_qwen3moe  GRPO with routing replay off vs on: logprob gap, disagreement, overhead (issue 14)
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-round3}
@@ -54,3 +55,8 @@ fi
 if [[ $parts == *" tool "* ]]; then
     (cd /tmp && step tool 300 python "$repo/benchmarks/gpu_tool_rollout.py" --engine sglang --out "$out/tool_rollout.json")
 fi
+for m in dsv3 qwen3moe; do
+    if [[ $parts == *" routing_$m "* ]]; then
+        step routing_$m 420 python benchmarks/gpu_routing_replay.py --models $m --out "$out/routing_replay_$m.json"
+    fi
+done
