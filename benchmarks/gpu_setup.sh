@@ -38,6 +38,16 @@ _mt_setup() {
         "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$wheel" || {
             echo "gpu_setup.sh: installing $wheel failed" >&2; return 1; }
     fi
+    # 2b. Optional extra wheels (.gpu/extra/*.whl, no dependencies), e.g. what SGLang's Qwen2.5-VL needs and the
+    #     bundle lacks: einops, Pillow, torchvision (benchmarks/gpu_vlm.py, gpu_vlm_rollout.py check for them).
+    local extra
+    for extra in "$repo"/.gpu/extra/*.whl; do
+        [ -f "$extra" ] || continue
+        [ -f "$site/.mtrain-extra-$(basename "$extra")" ] && continue
+        "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$extra" &&
+            touch "$site/.mtrain-extra-$(basename "$extra")" || {
+            echo "gpu_setup.sh: installing $extra failed" >&2; return 1; }
+    done
     # 3. mtrain as setup.py lays it out: kernels/ and converters/ import as mtrain.kernels / mtrain.converters.
     #    A fresh copy each time, so edits in the checkout are what runs.
     rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$repo/mtrain" "$pkg/mtrain" || {

@@ -1,5 +1,8 @@
 """verify: a Megatron dist checkpoint gives the same logits as its HF source under transformers.
 
+A vision-language model (Qwen2.5-VL) runs rows with images of several sizes (random pixels,
+mtrain.models.vlm_probe) through both: the vision tower, the image scatter and MRoPE are compared too.
+
 The HF model is built by transformers (float32, its own code: the independent reference), the Megatron model
 at the requested layout is loaded from the dist checkpoint (Megatron reshards on load), both run the same
 random tokens, and the largest logit difference is printed, absolute and relative to the largest |logit|.
@@ -38,14 +41,16 @@ def make_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> tor
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def hf_logits(hf_dir: Path, tokens: torch.Tensor, images: dict | None = None) -> torch.Tensor:
+    """images (a vision-language model): pixel_values, image_grid_thw, mm_token_type_ids of the rows."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if images is not None else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        model = auto.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{hf_dir}: transformers cannot load this HF checkpoint: {e}") from e
     with torch.no_grad():
-        return model(tokens).logits.float()
+        return model(input_ids=tokens, **(images or {})).logits.float()
 
 
 @rank_error
@@ -62,18 +67,21 @@ def megatron_logits_rank(rank: int, world: int, job: dict):
                             config_overrides=stage_split_overrides(lay))
     for c in chunks:
         c.eval()
-    out = forward_logits(chunks, job["tokens"])
+    probe = job.get("probe")  # a vision-language model: MRoPE positions and images
+    out = forward_logits(chunks, job["tokens"], position_ids=probe and probe["position_ids"],
+                         images=probe and {k: probe[k] for k in ("pixel_values", "image_grid_thw")})
     if out is None or ps.get_tensor_model_parallel_rank() != 0:
         return None
     return out.float().cpu()  # the parent compares on the host (the chunks are on CUDA on a GPU machine)
 
 
 def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
-                    hf_config_dir: Path | None = None, split: StageSplit = StageSplit()) -> torch.Tensor:
+                    hf_config_dir: Path | None = None, split: StageSplit = StageSplit(),
+                    probe: dict | None = None) -> torch.Tensor:
     cfg, mtp, dtype = checkpoint_facts(mcore_dir, hf_config_dir)
     layout, _ = megatron_layout(layout_for(cfg, mtp), tp, pp, ep, None, split=split)
     job = dict(cfg=cfg, mtp=mtp, dtype=str(dtype).removeprefix("torch."), mcore=str(mcore_dir), tokens=tokens,
-               layout=layout)
+               layout=layout, probe=probe)
     outs = [o for o in run_ranks(megatron_logits_rank, layout.world, job) if o is not None]
     return outs[0]
 
@@ -83,11 +91,17 @@ def verify(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, tp: int =
            last_stage_layers: int | None = None) -> VerifyResult:
     hf_dir, mcore_dir = Path(hf_dir), Path(mcore_dir)
     check_dist_checkpoint(mcore_dir, need_config=False)
-    cfg, _, dtype = checkpoint_facts(mcore_dir, hf_dir)
-    tokens = make_tokens(cfg["vocab_size"]) if tokens is None else tokens
+    cfg, mtp, dtype = checkpoint_facts(mcore_dir, hf_dir)
+    probe = None
+    if layout_for(cfg, mtp).meta.get("vision"):  # rows with images of several sizes (mtrain.models.vlm_probe)
+        from mtrain.models.vlm_probe import probe_batch
+        probe = probe_batch(cfg)
+        tokens = probe["tokens"]
+    tokens = make_tokens(layout_for(cfg, mtp).vocab_size) if tokens is None else tokens
     got = megatron_logits(mcore_dir, tokens, tp, pp, ep, hf_config_dir=hf_dir,
-                          split=StageSplit(first_stage_layers, last_stage_layers))
-    want = hf_logits(hf_dir, tokens)
+                          split=StageSplit(first_stage_layers, last_stage_layers), probe=probe)
+    want = hf_logits(hf_dir, tokens, probe and {k: probe[k] for k in
+                                                ("pixel_values", "image_grid_thw", "mm_token_type_ids")})
     if got.shape != want.shape:
         raise CheckpointError(f"logit shapes differ: Megatron {tuple(got.shape)}, transformers {tuple(want.shape)}")
     diff = (got - want).abs().max().item()

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_plot)
     it = sub.add_parser("init-tiny", help="write a tiny random HF model (config.json + safetensors)")
-    it.add_argument("--arch", help="one of mtrain.tiny_configs.TINY")
+    it.add_argument("--arch", help="one of mtrain.tiny_configs.TINY, or qwen2_5_vl / qwen2_5_vl_gpu (with a processor)")
     it.add_argument("--config", help="a full HF config.json to instantiate with random weights instead")
     it.add_argument("--out", required=True)
     it.add_argument("--seed", type=int, default=0)

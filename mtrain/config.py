@@ -39,6 +39,9 @@ class ModelConfig:
     # Build the policy with the checkpoint's multi-token-prediction layers (DeepSeek-V3). RL trains the main
     # model only (as verl's recipe): false drops them from the trained model; the converted checkpoint keeps them.
     mtp: bool = False
+    # Vision-language models (Qwen2.5-VL): train the vision tower and patch merger too (docs/design-vlm.md); false
+    # keeps them frozen (no gradients, no optimizer state) while the language model trains.
+    train_vision: bool = False
 
 
 @dataclass

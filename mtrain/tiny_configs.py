@@ -5,6 +5,8 @@ than a TP-4 engine (SGLang replicates KV heads), biases, tied embeddings, MoE wi
 experts, MLA with and without q-LoRA, and an MTP layer. `NUMERICS_CONFIGS` / `numerics_config` (the Megatron
 model tests against transformers): values differ between architectures (eps, theta, head_dim != hidden/heads,
 dense layers mixed into Qwen3-MoE, yarn) so that a config mapping that ignores one shows up.
+`TINY["qwen2_5_vl"]` is a layout/numerics fixture (awkward vision sizes); the runnable tiny Qwen2.5-VL with its
+tokenizer and image processor is mtrain.tiny_vlm (`mtrain init-tiny --arch qwen2_5_vl`).
 """
 from __future__ import annotations
 
@@ -37,6 +39,17 @@ TINY = {
                         rope_scaling=dict(type="yarn", rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
+# Qwen2.5-VL in the release's flat config form (text fields at the top, `vision_config`, mrope in rope_scaling).
+# Vision sizes for layouts: 4 vision heads (engine TP 4 splits them), an intermediate size of 44 that SGLang pads
+# to 48 (its vision MLP rounds up to a multiple of 8), merger 32*4=128 wide; image token ids inside the vocabulary.
+TINY["qwen2_5_vl"] = dict(
+    _COMMON, model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], tie_word_embeddings=False,
+    num_attention_heads=4, head_dim=16, rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]),
+    image_token_id=97, video_token_id=98, vision_start_token_id=99, vision_end_token_id=100,
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=44, num_heads=4, out_hidden_size=64, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                       in_channels=3, hidden_act="silu", tokens_per_second=2, initializer_range=0.05))
+TINY["qwen2_5_vl_tied"] = dict(TINY["qwen2_5_vl"], tie_word_embeddings=True)
 # DeepSeek-style MLA without q-LoRA (DeepSeek-V2-Lite's attention) on the V3 code path.
 TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)
 

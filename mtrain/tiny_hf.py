@@ -9,11 +9,21 @@ import torch
 from mtrain.tiny_configs import tiny_config
 
 
+# Vision-language models are written with their processor (tokenizer, image processor, chat template) by
+# mtrain.tiny_vlm: the runnable tiny Qwen2.5-VL, and its variant with SGLang-friendly head sizes.
+VLM_ARCHS = ("qwen2_5_vl", "qwen2_5_vl_gpu")
+
+
 def write_tiny_hf(arch: str | None, out: str | Path, *, seed: int = 0, overrides: dict | None = None,
                   config_path: str | Path | None = None) -> Path:
-    """arch: a name in mtrain.tiny_configs; or config_path: a full HF config.json to instantiate at random."""
+    """arch: a name in mtrain.tiny_configs (or VLM_ARCHS); or config_path: a full HF config.json to instantiate at
+    random."""
     from transformers import AutoConfig, AutoModelForCausalLM
     parsed = {k: json.loads(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()}
+    if arch in VLM_ARCHS and config_path is None:
+        from mtrain.tiny_vlm import TINY_VLM_GPU_OVERRIDES, write_tiny_vlm
+        base = dict(TINY_VLM_GPU_OVERRIDES) if arch == "qwen2_5_vl_gpu" else {}
+        return write_tiny_vlm(out, seed=seed, overrides={**base, **parsed})
     if config_path is not None:
         cfg = dict(json.loads(Path(config_path).read_text()), **parsed)
     else:

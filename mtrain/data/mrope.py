@@ -1,13 +1,9 @@
-"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL) of one sequence, from its ids and its VisionInputs.
+"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL) of one sequence or a padded batch, from ids and VisionInputs.
 
-Each position is a triple (temporal, height, width). Text tokens advance all three together: p, p+1, ... An image
-of grid (t, h, w) patches becomes t * (h/m) * (w/m) tokens (m = merge size) whose triples are (p + i_t, p + i_h,
-p + i_w) over the merged grid; the text after it starts at one past the largest position used. The rope delta
-(max position + 1 - length) continues the sequence while decoding: token k >= length sits at k + delta on all three.
-
-The trainer needs these for every row of a batch (Megatron's MultimodalRotaryEmbedding takes [3, B, S]); they
-depend only on the row's tokens and grids, so they are computed here instead of inside a model. Tested equal to
-transformers' `Qwen2_5_VLModel.get_rope_index` (tests/data/test_mrope.py). Still images only (no videos).
+One implementation: `mtrain.models.mrope.mrope_position_ids` (tested equal to transformers' get_rope_index,
+tests/models/test_vlm_numerics.py and tests/data/test_mrope.py); these are its per-sequence / VisionInputs forms.
+Each position is a triple (temporal, height, width); the rope delta (max position + 1 - length) continues the
+sequence while decoding: token k >= length sits at k + delta on all three axes. Still images only (no videos).
 """
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ from typing import Sequence
 import torch
 
 from mtrain.data.vision import VisionError, VisionInputs
+from mtrain.models.mrope import mrope_position_ids
 
 
 def mrope_positions(ids: Sequence[int] | torch.Tensor, vision: VisionInputs | None,
@@ -23,39 +20,17 @@ def mrope_positions(ids: Sequence[int] | torch.Tensor, vision: VisionInputs | No
     """([3, len(ids)] int64 positions, rope delta) of one sequence (prompt, or prompt + response).
 
     prompt_len: images live in the first prompt_len ids; image token ids after them (a sampled <|image_pad|>) are
-    text, as the engines treat them (default: all of ids is the prompt). Without vision the positions are 0, 1, 2,
-    ... on all three axes and the delta is 0. Raises VisionError when the prompt's image token runs do not match
-    the grids (the same check engines make)."""
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    n = len(ids)
-    if vision is None:
-        return torch.arange(n).view(1, -1).expand(3, -1).clone(), 0
+    text, as the engines treat them (default: all of ids is the prompt). Raises VisionError when the prompt's image
+    token runs do not match the grids (the same check engines make)."""
+    ids = torch.as_tensor(ids if isinstance(ids, torch.Tensor) else list(ids), dtype=torch.long).reshape(1, -1)
+    n = ids.shape[1]
     p = n if prompt_len is None else prompt_len
-    vision.check_ids(ids[:p], what="mrope_positions")
-    m = vision.merge_size
-    grids = iter(vision.image_grid_thw.tolist())
-    out = torch.empty((3, n), dtype=torch.long)
-    cur, i = 0, 0
-    while i < n:
-        if ids[i] != vision.image_token_id or i >= p:
-            j = i + 1
-            while j < n and (ids[j] != vision.image_token_id or j >= p):
-                j += 1
-            out[:, i:j] = torch.arange(cur, cur + j - i)
-            cur += j - i
-            i = j
-            continue
-        t, h, w = next(grids)
-        gh, gw = h // m, w // m
-        k = t * gh * gw
-        tt = torch.arange(t).repeat_interleave(gh * gw)
-        hh = torch.arange(gh).repeat_interleave(gw).repeat(t)
-        ww = torch.arange(gw).repeat(t * gh)
-        block = torch.stack([tt, hh, ww]) + cur
-        out[:, i:i + k] = block
-        cur = int(block.max()) + 1
-        i += k
-    return out, int(out.max()) + 1 - n if n else 0
+    if vision is not None:
+        vision.check_ids(ids[0, :p].tolist(), what="mrope_positions")
+    pos = mrope_position_ids(ids, None if vision is None else vision.image_grid_thw,
+                             -1 if vision is None else vision.image_token_id,
+                             2 if vision is None else vision.merge_size, prompt_lens=[p])[:, 0]
+    return pos, (int(pos.max()) + 1 - n if n else 0)
 
 
 def batch_mrope_positions(tokens: torch.Tensor, seq_lens: torch.Tensor, vision: Sequence[VisionInputs | None] | None,

@@ -11,14 +11,17 @@ from mtrain.layouts.blocks import (MegatronNames, dense_mlp_rows, embedding_rows
                                    mla_rows, moe_rows, norm)
 from mtrain.layouts.rules import LayoutError
 from mtrain.layouts.table import COL, ModelLayout, Weight, one
+from mtrain.layouts.vlm import VLM_ARCHS, flat_config, vision_rows
 
 DECODER = "decoder.layers.{layer}."  # {layer}: index inside the pipeline chunk, resolved by placement
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3") + VLM_ARCHS
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_5_vl")  # q/k/v_proj always biased, o_proj never (Qwen2Attention)
 
 
 def canonical_config(cfg: dict) -> dict:
     """The config keys the tables read. transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`
-    (older configs and the release say `num_experts`)."""
+    (older configs and the release say `num_experts`). Qwen2.5-VL's text fields come to the top level."""
+    cfg = flat_config(cfg)
     if cfg.get("model_type") == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" in cfg:
         return dict(cfg, num_experts=cfg["num_local_experts"])
     return cfg
@@ -46,8 +49,8 @@ def _layer_rows(cfg: dict, i: int, mp: str, hp: str, names: MegatronNames, **kw)
     if arch == "deepseek_v3":
         rows = mla_rows(cfg, i, mp, hp, names, **kw)
     else:
-        bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
-        o_bias = arch != "qwen2" and bool(cfg.get("attention_bias", False))
+        bias = arch in QKV_BIAS_ARCHS or bool(cfg.get("attention_bias", False))
+        o_bias = arch not in QKV_BIAS_ARCHS and bool(cfg.get("attention_bias", False))
         rows = gqa_rows(cfg, i, mp, hp, names, bias=bias, qk_norm=arch in ("qwen3", "qwen3_moe"), o_bias=o_bias, **kw)
     if _is_moe_layer(cfg, i):
         if arch == "qwen3_moe":
@@ -108,8 +111,10 @@ def model_layout(cfg: dict, *, te: bool = False, make_vocab_size_divisible_by: i
     mtp_layers = (cfg.get("num_nextn_predict_layers") or 0) if (mtp and arch == "deepseek_v3") else 0
     for k in range(mtp_layers):
         weights += _mtp_rows(cfg, k, names, make_vocab_size_divisible_by)
+    if arch in VLM_ARCHS:
+        weights += vision_rows(cfg)
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    meta = {"te": te, "divisible_by": make_vocab_size_divisible_by}
+    meta = {"te": te, "divisible_by": make_vocab_size_divisible_by, "vision": arch in VLM_ARCHS}
     if arch == "qwen3_moe" and not all(moe_layer_pattern(cfg)):
         # SGLang 0.5.17 builds every Qwen3-MoE layer sparse, ignoring mlp_only_layers/decoder_sparse_step.
         meta["sglang_unsupported"] = "SGLang 0.5.17 makes every Qwen3-MoE layer sparse; this config has dense layers"

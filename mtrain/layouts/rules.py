@@ -43,16 +43,23 @@ class Replicated:
 
 @dataclass(frozen=True)
 class Split:
-    """Even contiguous split along `dim`: 0 for column-parallel layers, 1 for row-parallel ones."""
+    """Even contiguous split along `dim`: 0 for column-parallel layers, 1 for row-parallel ones.
+
+    pad > 1: the dimension is first padded with zeros to a multiple of `pad` (SGLang's Qwen2.5-VL vision MLP
+    rounds its intermediate size up to a multiple of 8, models/qwen2_5_vl.py:297); shard entries past the
+    real size are zeros."""
 
     dim: int
     what: str = "split dimension"
+    pad: int = 1
 
     def shard(self, full: tuple[int, int], rank: int, world: int):
-        n = _need_divisible(full[self.dim], world, self.what)
+        size = -(-full[self.dim] // self.pad) * self.pad
+        n = _need_divisible(size, world, self.what)
+        real = max(0, min(n, full[self.dim] - rank * n))
         if self.dim == 0:
-            return (n, full[1]), [Rect(0, 0, rank * n, 0, n, full[1])]
-        return (full[0], n), [Rect(0, 0, 0, rank * n, full[0], n)]
+            return (n, full[1]), ([Rect(0, 0, rank * n, 0, real, full[1])] if real else [])
+        return (full[0], n), ([Rect(0, 0, 0, rank * n, full[0], real)] if real else [])
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,12 @@ class Block:
     units: int
     unit_rows: int
     what: str
+    pad: int = 1  # units padded with zeros to a multiple of this before the split (see Split.pad)
+    replicable: bool = True  # fewer units than ranks: replicate them (KV heads) or refuse (vision heads)
+
+    @property
+    def padded_units(self) -> int:
+        return -(-self.units // self.pad) * self.pad
 
 
 @dataclass(frozen=True)
@@ -77,15 +90,17 @@ class Fused:
     def shard(self, full: tuple[int, int], rank: int, world: int):
         rects, row, base = [], 0, 0
         for b in self.blocks:
-            if b.units >= world:
-                per = _need_divisible(b.units, world, b.what)
+            units = b.padded_units
+            if units >= world or not b.replicable:
+                per = _need_divisible(units, world, b.what)
                 first = rank * per
             else:
-                _need_divisible(world, b.units, f"parallel size vs {b.what}")
-                per, first = 1, rank // (world // b.units)
-            n = per * b.unit_rows
-            rects.append(Rect(row, 0, base + first * b.unit_rows, 0, n, full[1]))
-            row += n
+                _need_divisible(world, units, f"parallel size vs {b.what}")
+                per, first = 1, rank // (world // units)
+            real = max(0, min(per, b.units - first))  # units past b.units are padding: zeros
+            if real:
+                rects.append(Rect(row, 0, base + first * b.unit_rows, 0, real * b.unit_rows, full[1]))
+            row += per * b.unit_rows
             base += b.units * b.unit_rows
         if base != full[0]:
             raise LayoutError(f"fused parts add up to {base} rows but the tensor has {full[0]}")

@@ -47,7 +47,11 @@ class Weight:
 
     @property
     def shape2d(self) -> tuple[int, int]:
-        return (self.shape[0], 1) if len(self.shape) == 1 else (self.shape[0], self.shape[1])
+        """Rows x the product of the other dims (a conv kernel [out, in, t, h, w] is out x in*t*h*w)."""
+        cols = 1
+        for s in self.shape[1:]:
+            cols *= s
+        return (self.shape[0], cols)
 
     def parts(self, side: str) -> tuple[Part, ...]:
         return getattr(self, side)

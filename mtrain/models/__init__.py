@@ -1,4 +1,4 @@
-"""Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3).
+"""Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3, qwen2_5_vl).
 
 Public API (imported lazily so that ``mtrain.models.hf_config`` stays cheap to import without megatron-core):
 ``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``, ``load_model_checkpoint``,

@@ -137,8 +137,12 @@ def build_model(
     use_te: Optional[bool] = None,
     make_vocab_size_divisible_by: int = 128,
     config_overrides: Optional[dict[str, Any]] = None,
+    train_vision: bool = False,
 ) -> tuple[list[GPTModel], TransformerConfig]:
     """Build this rank's model chunks (one per virtual stage) and the shared TransformerConfig.
+
+    A vision-language model (qwen2_5_vl) is a `VisionLanguageModel` (a GPTModel with the vision tower on the first
+    stage); ``train_vision`` trains the tower (frozen otherwise: model.train_vision).
 
     ``use_te=None`` picks Transformer-Engine specs when TE imports; ``use_te=True`` without TE is an error.
     ``config_overrides`` sets any TransformerConfig field after the mapping (e.g. recompute settings).
@@ -155,11 +159,15 @@ def build_model(
     )
     vocab = padded_vocab_size(mapped.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     n_chunks = config.virtual_pipeline_model_parallel_size or 1
+    model_cls, extra = GPTModel, {}
+    if mapped.vision:
+        from mtrain.models.vlm import VisionLanguageModel
+        model_cls, extra = VisionLanguageModel, {"train_vision": train_vision}
     chunks: list[GPTModel] = []
     for chunk in range(n_chunks):
         vp_stage = chunk if n_chunks > 1 else None
         block_spec, mtp_spec = build_specs(config, use_te, vp_stage)
-        model = GPTModel(
+        model = model_cls(
             config=config,
             transformer_layer_spec=block_spec,
             vocab_size=vocab,
@@ -169,6 +177,7 @@ def build_model(
             mtp_block_spec=mtp_spec,
             vp_stage=vp_stage,
             **mapped.model_kwargs,
+            **extra,
         )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())

@@ -42,7 +42,8 @@ def _multiple(n: int, k: int) -> int:
 
 @torch.no_grad()
 def forward_logits(
-    chunks: list, tokens: torch.Tensor, *, micro_batch_size: Optional[int] = None
+    chunks: list, tokens: torch.Tensor, *, micro_batch_size: Optional[int] = None,
+    position_ids: Optional[torch.Tensor] = None, images: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
     """Run ``tokens [b, s]`` through the model chunks; full logits ``[b, s, vocab]`` (float32) on the last
     PP stage, ``None`` elsewhere. Every rank of the model-parallel group must call it with the same tokens.
@@ -51,6 +52,9 @@ def forward_logits(
     virtual pipelining, whose schedule needs a multiple of PP micro-batches; extra rows are padding copies).
     The sequence is padded at the end to a multiple of TP when sequence parallel is on (causal attention:
     padding after a position cannot change its logits) and cut back afterwards.
+
+    A vision-language model: ``position_ids`` [3, b, s] (MRoPE, mtrain.models.mrope) and ``images`` =
+    {"pixel_values", "image_grid_thw"} of all rows, in order; the rows then run as one micro-batch.
     """
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tuple(tokens.shape)} {tokens.dtype}")
@@ -63,6 +67,11 @@ def forward_logits(
     vpp = len(chunks) if len(chunks) > 1 else None
 
     seq = _multiple(s, tp) if config.sequence_parallel else s
+    if images is not None or position_ids is not None:
+        if vpp or (micro_batch_size and micro_batch_size != b):
+            raise ValueError("forward_logits with images or MRoPE position ids runs all rows as one micro-batch "
+                             "(no virtual pipeline, micro_batch_size = rows)")
+        micro_batch_size = b
     if vpp:
         mbs = micro_batch_size or 1
         n_micro = _multiple(_multiple(b, mbs) // mbs, pp)
@@ -74,14 +83,20 @@ def forward_logits(
     padded[:b, :s] = tokens.to(device)
     if rows > b:
         padded[b:] = padded[0]
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq).contiguous()
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq).contiguous()
+    else:  # [3, b, s]: continue each row's positions over the sequence-parallel padding
+        extra = seq - s
+        tail = position_ids[..., -1:] + torch.arange(1, extra + 1) if extra else position_ids[..., :0]
+        position_ids = torch.cat([position_ids, tail], dim=-1).to(device)
+    model_kwargs = {k: v.to(device) for k, v in (images or {}).items()}
     micro_batches = [padded[i * mbs : (i + 1) * mbs] for i in range(n_micro)]
     # Each virtual stage walks all micro-batches through its own iterator.
     iterators = [iter(micro_batches) for _ in chunks]
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        return model(micro, position_ids, attention_mask=None), None
+        return model(micro, position_ids, attention_mask=None, **model_kwargs), None
 
     for m in chunks:
         m.eval()

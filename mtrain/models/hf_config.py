@@ -65,6 +65,12 @@ deepseek_v3 (MLATransformerConfig):
 | norm_topk_prob (must be True)    | Megatron's sigmoid router always renormalises          |
 | first_k_dense_replace, moe_layer_freq | moe_layer_freq list                               |
 | num_nextn_predict_layers         | mtp_num_layers (None when 0)                           |
+qwen2_5_vl (qwen2's decoder; text fields at the top or in text_config, mtrain.layouts.vlm.flat_config):
+| rope_scaling / rope_parameters .mrope_section | mrope_section, position_embedding_type="mrope" |
+|                                  | (sections sum to head_dim/2; other rope types -> error)|
+| (head_dim ignored by HF)         | kv_channels = hidden_size / num_attention_heads        |
+| vision_config, image_token_id    | VisionLanguageModel(vision_config=..., image_token_id=...): the transformers vision |
+|                                  | tower on the first stage (mtrain/models/vlm.py)        |
 """
 from __future__ import annotations
 
@@ -75,7 +81,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "qwen2_5_vl")
 
 
 class ModelConfigError(ValueError):
@@ -92,6 +98,7 @@ class MappedConfig:
     model_kwargs: dict[str, Any]  # GPTModel arguments except config/spec/vocab/pre/post
     vocab_size: int  # unpadded, as HF has it
     notes: list[str] = field(default_factory=list)
+    vision: bool = False  # a vision-language model: built as mtrain.models.vlm.VisionLanguageModel
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -319,12 +326,38 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
     return MappedConfig(mt, True, cfg, model, int(_req(hf, "vocab_size", mt)))
 
 
+def _map_qwen2_5_vl(hf: dict) -> MappedConfig:
+    from mtrain.layouts.vlm import flat_config
+    mt = "qwen2_5_vl"
+    flat = flat_config(hf)
+    cfg, model = _common(flat, mt)
+    cfg["add_qkv_bias"] = True  # Qwen2_5_VLAttention: q/k/v_proj bias=True, o_proj bias=False
+    cfg["kv_channels"] = cfg["hidden_size"] // cfg["num_attention_heads"]  # HF ignores a head_dim field here
+    params = dict(flat.get("rope_parameters") or {})
+    params.update(flat.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type"))
+    if kind not in (None, "default", "mrope"):
+        raise ModelConfigError(f"{mt} rope type {kind!r} is not supported (multimodal RoPE without scaling only)")
+    section = params.get("mrope_section")
+    if not section or len(section) != 3:
+        raise ModelConfigError(f"{mt} config.json needs rope_scaling.mrope_section with 3 entries, got {section!r}")
+    if sum(section) != cfg["kv_channels"] // 2:
+        raise ModelConfigError(f"{mt} mrope_section {section} sums to {sum(section)}, not head_dim/2 = "
+                               f"{cfg['kv_channels'] // 2}")
+    cfg["mrope_section"] = [int(x) for x in section]
+    model["position_embedding_type"] = "mrope"
+    model["vision_config"] = dict(_req(flat, "vision_config", mt))
+    model["image_token_id"] = int(_req(flat, "image_token_id", mt))
+    return MappedConfig(mt, False, cfg, model, int(_req(flat, "vocab_size", mt)), vision=True)
+
+
 _MAPPERS = {
     "llama": _map_llama,
     "qwen2": _map_qwen2,
     "qwen3": _map_qwen3,
     "qwen3_moe": _map_qwen3_moe,
     "deepseek_v3": _map_deepseek_v3,
+    "qwen2_5_vl": _map_qwen2_5_vl,
 }
 
 

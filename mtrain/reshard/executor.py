@@ -31,7 +31,7 @@ def _numel(shape) -> int:
 def _geom(ref: TensorRef, slot: int | None) -> tuple[int, int]:
     """(element offset of the slot, row length) of a parameter seen as [slots,] rows x cols."""
     shape = ref.shape[1:] if slot is not None else ref.shape
-    cols = shape[1] if len(shape) == 2 else 1
+    cols = _numel(shape[1:])  # 1 for a vector; in*t*h*w for a conv kernel (a replicated whole tensor)
     rows = shape[0]
     return (slot or 0) * rows * cols, cols
 

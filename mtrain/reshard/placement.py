@@ -166,6 +166,11 @@ class SGLangLayout:
     def check(self, model: ModelLayout) -> None:
         if model.meta.get("sglang_unsupported"):
             raise LayoutError(model.meta["sglang_unsupported"])
+        if self.fp8 and model.meta.get("vision"):
+            # SGLang quantizes the vision tower's linears too (models/qwen2_5_vl.py:648-657 passes quant_config);
+            # the tables mark only the language model's linears block-FP8.
+            raise LayoutError("an FP8 engine for a vision-language model is not supported (the vision tower's "
+                              "FP8 layout is not in the tables)")
         if self.tp % self.ep:
             raise LayoutError(f"engine tp ({self.tp}) is not divisible by engine ep ({self.ep})")
         if model.num_experts and model.num_experts % self.ep:

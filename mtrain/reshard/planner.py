@@ -61,6 +61,10 @@ class Plan:
 
 
 def _tensor_shape(shard2d: tuple[int, int], weight: Weight, slots: int | None) -> tuple[int, ...]:
+    if len(weight.shape) > 2:  # a conv kernel: only ever held whole (its rows x the rest, replicated)
+        if shard2d != weight.shape2d:
+            raise LayoutError(f"{weight.key}: a {len(weight.shape)}-D weight can only be replicated, not split")
+        return tuple(weight.shape)
     base = (shard2d[0],) if len(weight.shape) == 1 else shard2d
     return (slots,) + tuple(base) if slots is not None else tuple(base)
 
@@ -137,9 +141,7 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             if fp8 and w.block_fp8:
                 check_block_split(w, part, dshape, dh.rule_world)
                 quant[key] = fp8_param(dh.name, dref.shape)
-            covered = 0
             for dr in drects:
-                covered = max(covered, dr.row + dr.nrows)
                 for hs, sshape, srects in src_shards:
                     for sr in srects:
                         hit = _intersect(dr, sr)
@@ -157,10 +159,29 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
                         pieces.append(Piece(sref, pick.slot, dref, dh.slot,
                                             sr.row + fr - sr.full_row, sr.col + fc - sr.full_col,
                                             dr.row + fr - dr.full_row, dr.col + fc - dr.full_col, nr, nc, w.key))
-            if covered < dshape[0]:  # vocabulary padding rows
-                pieces.append(Piece(None, None, dref, dh.slot, 0, 0, covered, 0, dshape[0] - covered, dshape[1], w.key))
+            for row, col, nr, nc in _padding(drects, dshape, w.key):  # vocabulary / padded-MLP zeros
+                pieces.append(Piece(None, None, dref, dh.slot, 0, 0, row, col, nr, nc, w.key))
     _check_coverage(pieces, dst_tensors)
     return Plan(pieces, dst_tensors, src_tensors, owner, fp32, quant)
+
+
+def _padding(rects: list[Rect], shape: tuple[int, int], key: str) -> list[tuple[int, int, int, int]]:
+    """(row, col, nrows, ncols) of the parts of a shard no rect covers: padding rows between or after full-width
+    rects (padded vocabularies, SGLang's padded vision MLP [gate_r; up_r]) or padding columns beside full-height
+    ones (its row-parallel down_proj)."""
+    rows, cols = shape
+    if all(r.col == 0 and r.ncols == cols for r in rects):
+        spans, axis = sorted((r.row, r.row + r.nrows) for r in rects), 0
+    elif all(r.row == 0 and r.nrows == rows for r in rects):
+        spans, axis = sorted((r.col, r.col + r.ncols) for r in rects), 1
+    else:
+        raise LayoutError(f"{key}: a shard's rectangles are neither full rows nor full columns")
+    gaps, at = [], 0
+    for a, b in spans + [(shape[axis], shape[axis])]:
+        if a > at:
+            gaps.append((at, 0, a - at, cols) if axis == 0 else (0, at, rows, a - at))
+        at = max(at, b)
+    return gaps
 
 
 def _check_coverage(pieces: list[Piece], dst_tensors: dict) -> None:

@@ -21,7 +21,7 @@ from mtrain.algorithms.objective import policy_loss
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model
 from mtrain.models.builder import pipeline_split_overrides
-from mtrain.models.hf_config import ModelConfigError
+from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
 from mtrain.rollout.routing import RoutingError, routing_shape
@@ -78,6 +78,15 @@ class Actor:
             hf_config = dict(hf_config, num_nextn_predict_layers=0)
         split = {**pipeline_split_overrides(par.first_stage_layers, par.last_stage_layers),
                  **recompute_overrides(cfg.train.recompute)}
+        self.vision = None  # a vision-language model: MRoPE positions and images per micro-batch
+        if map_hf_config(hf_config).vision:
+            from mtrain.trainer.vision_inputs import VisionBatcher
+            if par.cp > 1:
+                raise ModelConfigError(f"parallel.cp={par.cp}: context parallelism is not supported for "
+                                       "vision-language models yet (MRoPE positions per packed token)")
+            self.vision = VisionBatcher(hf_config)
+        elif cfg.model.train_vision:
+            raise ModelConfigError(f"model.train_vision=true but {hf_config.get('model_type')} has no vision tower")
         # algo.routing_replay (mtrain/trainer/routing_replay.py): rollout = every MoE router replays the engine's
         # experts, which the batch carries (self.routing: their shape); trainer = the update replays the scoring
         # pass's own choice (the frozen reference model has no update: it routes itself)
@@ -91,7 +100,8 @@ class Actor:
         if replays:
             split["moe_enable_routing_replay"] = True
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
-                                           config_overrides={**split, **(overrides or {})})
+                                           config_overrides={**split, **(overrides or {})},
+                                           train_vision=cfg.model.train_vision)
         c = self.tconfig
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
@@ -106,7 +116,7 @@ class Actor:
         if self.dtype == torch.bfloat16:
             from megatron.core.transformer.module import Float16Module
             chunks = [Float16Module(self.tconfig, c) for c in chunks]
-        self.vocab = hf_config["vocab_size"]
+        self.vocab = map_hf_config(hf_config).vocab_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if not trainable:
             self.chunks = chunks
@@ -150,10 +160,13 @@ class Actor:
             if self.replay is not None:
                 self.replay.feed(model, mb)
             if "pack" in mb:
-                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"])
+                out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"],
+                            **mb.get("images", {}))
             else:
-                pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
-                out = model(mb["tokens"], pos, None)
+                pos = mb.get("position_ids")  # MRoPE [3, b, s] of a vision-language model
+                if pos is None:
+                    pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
+                out = model(mb["tokens"], pos, None, **mb.get("images", {}))
             return out, partial(loss_fn, mb)
 
         model = self.chunks if len(self.chunks) > 1 else self.chunks[0]
@@ -219,6 +232,8 @@ class Actor:
                     d["routing_valid"] = pack(pk, routed, width, "routing_valid").to(dev)
                 d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
                          packed_seq_params=pk.packed_seq_params(dev), width=width)
+                if self.vision is not None:  # MRoPE positions [3, 1, S] and the stream's images
+                    d.update(self.vision.packed_inputs(batch, pk, width, dev))
                 if cp > 1:  # this rank's positions of the stream, and the token each of them predicts
                     mine = pk.cp_indices(cp, cp_rank).to(dev)
                     labels = torch.roll(d["tokens"], -1, dims=1)
@@ -226,6 +241,8 @@ class Actor:
                              cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev), cp_positions=mine)
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)
+                if self.vision is not None:
+                    d.update(self.vision.micro_inputs(batch, rows, dev))
                 if routed is not None:
                     d.update(routing=batch.routed_experts[rows].to(dev), routing_valid=routed[rows].to(dev))
             out.append(d)

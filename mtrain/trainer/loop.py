@@ -24,6 +24,7 @@ from mtrain.data.rewards import load_reward_fn
 from mtrain.data.sampler import PromptSampler
 from mtrain.dist import init_distributed
 from mtrain.layouts import model_layout
+from mtrain.layouts.vlm import flat_config
 from mtrain.metrics import MetricsWriter
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
@@ -80,7 +81,7 @@ class Trainer:
         # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
         self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
         self.layout = model_layout(self.train_config, mtp=False)
-        self.max_positions = self.hf_config.get("max_position_embeddings")
+        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")  # VLMs: in text_config
         if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
             raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
                               f"the model's context (max_position_embeddings={self.max_positions})")

@@ -96,3 +96,44 @@ def sglang_rank_params(hf: dict[str, torch.Tensor], cfg: dict, rank: int, tp: in
                                                         _chunk(hf[m + "up_proj.weight"], rank, tp)])
             out[m + "down_proj.weight"] = _chunk(hf[m + "down_proj.weight"], rank, tp, dim=1)
     return out
+
+
+def _pad_rows(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
+    """SGLang's pad_or_narrow_weight for Qwen2.5-VL's vision MLP: zeros appended up to a multiple along dim."""
+    n = t.shape[dim]
+    padded = -(-n // multiple) * multiple
+    if padded == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = padded - n
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim=dim)
+
+
+def sglang_vision_params(hf: dict[str, torch.Tensor], cfg: dict, rank: int, tp: int) -> dict:
+    """Qwen2.5-VL's `visual.*` parameters on SGLang engine rank `rank` of `tp` (models/qwen2_5_vl.py 0.5.17):
+    the fused HF `attn.qkv` split into q/k/v and each cut by heads (QKVParallelLinear with as many KV heads as
+    heads), `attn.proj`/`mlp.down_proj`/`merger.mlp.2` cut by input features with whole biases (RowParallelLinear),
+    gate/up padded to a multiple of 8 rows and cut (MergedColumnParallelLinear), `merger.mlp.0` cut by rows,
+    the rest whole."""
+    vc = cfg["vision_config"]
+    dim = vc["hidden_size"]
+    out = {}
+    for name, t in hf.items():
+        if not name.startswith("visual."):
+            continue
+        if ".attn.qkv." in name:
+            q, k, v = t.split(dim, dim=0)
+            out[name.replace("attn.qkv.", "attn.qkv_proj.")] = torch.cat([_chunk(x, rank, tp) for x in (q, k, v)])
+        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            continue  # fused below
+        elif name.endswith(("attn.proj.weight", "mlp.down_proj.weight", "merger.mlp.2.weight")):
+            out[name] = _chunk(_pad_rows(t, 8, dim=1) if "down_proj" in name else t, rank, tp, dim=1)
+        elif "merger.mlp.0." in name:
+            out[name] = _chunk(t, rank, tp)
+        else:
+            out[name] = t
+    for name in [n for n in hf if n.startswith("visual.") and ".mlp.gate_proj." in n]:
+        up = name.replace("gate_proj", "up_proj")
+        out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+            [_chunk(_pad_rows(hf[name], 8), rank, tp), _chunk(_pad_rows(hf[up], 8), rank, tp)])
+    return out

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Tiny Qwen2.5-VL GRPO on CPU: write the model (once), then train. Extra arguments are config overrides.
+#   bash examples/qwen2_5_vl/run_cpu.sh [key=value ...]        NPROC=2 for two ranks (e.g. parallel.tp=2)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+work=${WORK:-$repo/runs/tiny_vlm}
+export OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1
+mkdir -p "$work"
+cd "$work"  # outside the checkout: the installed package (with mtrain.kernels) is what runs
+[ -f "$work/hf/config.json" ] || python -m mtrain init-tiny --arch qwen2_5_vl --out "$work/hf"
+python -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-1}" -m mtrain train "$repo/examples/qwen2_5_vl/tiny_cpu.yaml" \
+    model.hf_path="$work/hf" train.run_dir="$work/run" "$@"
+echo "metrics: $work/run/metrics.jsonl"
