@@ -38,10 +38,11 @@ _mt_setup() {
         "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$wheel" || {
             echo "gpu_setup.sh: installing $wheel failed" >&2; return 1; }
     fi
-    # 2b. Optional extra wheels (.gpu/extra/*.whl, no dependencies), e.g. what SGLang's Qwen2.5-VL needs and the
-    #     bundle lacks: einops, Pillow, torchvision (benchmarks/gpu_vlm.py, gpu_vlm_rollout.py check for them).
+    # 2b. Optional extra wheels, no dependencies: what SGLang's Qwen2.5-VL needs (torchvision, Pillow, einops: 14.7 MB)
+    #     does not fit one 64 MiB carry together with .gpu/ (58 MB), so they live in a top-level .gpu-extra/ carried
+    #     in a later call on the warm machine (BUILD.md, "GPU"); .gpu/extra/ is read too. A marker per wheel.
     local extra
-    for extra in "$repo"/.gpu/extra/*.whl; do
+    for extra in "$repo"/.gpu/extra/*.whl "$repo"/.gpu-extra/*.whl; do
         [ -f "$extra" ] || continue
         [ -f "$site/.mtrain-extra-$(basename "$extra")" ] && continue
         "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$extra" &&
