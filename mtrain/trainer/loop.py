@@ -166,16 +166,25 @@ class Trainer:
         if not self.eval_set:
             return {}
         n = self.cfg.train.eval_samples
-        mean, rows = evaluate_in_chunks(
-            lambda part, prefix: self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True),
-            self.eval_set, n, step=self.step, show=self.rank == 0)
+        tool_parts: list[tuple[int, dict]] = []  # multi-turn: (groups, tool metrics) per chunk
+
+        def rollout(part, prefix):
+            res = self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True)
+            tool_parts.append((len(part), {k: v for k, v in res.metrics.items() if k.startswith("tools/")}))
+            return res
+
+        mean, rows = evaluate_in_chunks(rollout, self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
                 for sample, text, r in rows[:8 * n]:
                     f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
                                         "response": text, "reward": r}) + "\n")
-        return {"eval/reward_mean": mean}
+        out = {"eval/reward_mean": mean}
+        for k in sorted({k for _, m in tool_parts for k in m}):  # tool-call rate etc. of the greedy eval, per group
+            vals = [(g, m[k]) for g, m in tool_parts if k in m]
+            out[f"eval/{k}"] = sum(g * v for g, v in vals) / sum(g for g, _ in vals)
+        return out
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
         """DAPO dynamic sampling: leave out groups whose rewards are all equal (no learning signal).
