@@ -34,7 +34,7 @@ def test_committed_data_and_system_prompt_are_the_tasks(tmp_path):
     finally:
         sys.path.remove(str(DEMO))
     from mtrain.config import load_config
-    cfg = load_config(DEMO / "config.yaml", [])
+    cfg = load_config(DEMO / "config.yaml", [f"model.hf_path={tmp_path}"])  # validated, not read
     assert cfg.multi_turn.system_prompt == SYSTEM and cfg.multi_turn.rollout_fn
 
 
