@@ -36,7 +36,7 @@ from mtrain.trainer.evaluation import evaluate_in_chunks
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.offload import TrainOffload
 from mtrain.trainer.partial_step import PartialRollout
-from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout
+from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer.sync import WeightSync
 
@@ -166,11 +166,12 @@ class Trainer:
         if not self.eval_set:
             return {}
         n = self.cfg.train.eval_samples
-        tool_parts: list[tuple[int, dict]] = []  # multi-turn: (groups, tool metrics) per chunk
+        trajectories = []  # multi-turn rollouts: every chunk's, for the eval's tool metrics
 
         def rollout(part, prefix):
             res = self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True)
-            tool_parts.append((len(part), {k: v for k, v in res.metrics.items() if k.startswith("tools/")}))
+            if self.rollout_fn is not None:  # (agents' trajectories carry their own metrics, not these)
+                trajectories.extend(res.trajectories)
             return res
 
         mean, rows = evaluate_in_chunks(rollout, self.eval_set, n, step=self.step, show=self.rank == 0)
@@ -181,9 +182,8 @@ class Trainer:
                     f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
                                         "response": text, "reward": r}) + "\n")
         out = {"eval/reward_mean": mean}
-        for k in sorted({k for _, m in tool_parts for k in m}):  # tool-call rate etc. of the greedy eval, per group
-            vals = [(g, m[k]) for g, m in tool_parts if k in m]
-            out[f"eval/{k}"] = sum(g * v for g, v in vals) / sum(g for g, _ in vals)
+        # tool-call rate, valid-call rate, drift... of the greedy eval (named as in training: eval/tools/...)
+        out.update({f"eval/tools/{k}": v for k, v in tool_metrics(trajectories).items()})
         return out
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
