@@ -42,7 +42,9 @@ def test_run_trains_one_step_and_summarizes_the_multi_turn_evals(tmp_path):
     from mtrain.tiny_hf import write_tiny_hf
     hf = write_tiny_hf("llama", tmp_path / "hf", overrides={"max_position_embeddings": 2048})
     run = tmp_path / "run"
-    p = subprocess.run(["bash", str(DEMO / "run.sh"), *TINY], cwd=tmp_path, capture_output=True, text=True,
+    evals = tmp_path / "eval.jsonl"  # the first 4 held-out problems: the eval runs twice
+    evals.write_text("".join((DEMO / "data" / "eval.jsonl").read_text().splitlines(keepends=True)[:4]))
+    p = subprocess.run(["bash", str(DEMO / "run.sh"), *TINY, f"data.eval_path={evals}"], cwd=tmp_path, capture_output=True, text=True,
                        env=script_env(tmp_path, HF_DIR=str(hf), RUN_DIR=str(run), NPROC="1", PYTHON=sys.executable),
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -50,9 +52,10 @@ def test_run_trains_one_step_and_summarizes_the_multi_turn_evals(tmp_path):
     assert [e["step"] for e in summary["evals"]] == [0, 1]  # val_before_train, and the last step
     for e in summary["evals"]:  # the trainer's eval reports the multi-turn tool metrics next to the accuracy
         assert 0.0 <= e["accuracy"] <= 1.0 and 0.0 <= e["tool_call_rate"] <= 1.0 and e["drift_tokens"] is not None
+        assert e["valid_call_rate"] is not None
     step = summary["train_per_step"][0]
     assert step["logprob_diff_max_abs"] <= 2e-5 and step["model_tokens"] > 0
-    assert summary["eval_prompts"] == 32 and summary["samples_per_step"] == 4
+    assert summary["eval_prompts"] == 4 and summary["samples_per_step"] == 4
     assert (run / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
     assert {r["step"] for r in rows} == {0, 1}
