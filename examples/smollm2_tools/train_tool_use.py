@@ -22,7 +22,6 @@ import json
 import platform
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
