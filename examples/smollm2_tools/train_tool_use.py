@@ -7,9 +7,8 @@ the final answer); reward 1 when the final turn's number is the product (exact_m
 What is ours here and what is not: the rollouts are `rollout_group` on the CPU reference engine (token-in-token-
 out, tool sessions, parsing, drift), the batch is `to_batch`, advantages and loss are `mtrain.algorithms`
 (GRPO preset), weights go to the engine through `update_weights` every step. The policy being trained is the HF
-model in this process (plain torch autograd), NOT the Megatron trainer: the trainer loop's multi-turn wiring is
-the engine-pool integration (issue 10). Once it is merged, `mtrain train` with multi_turn.rollout_fn runs the same
-task. Metrics also report engine-vs-trainer logprob agreement on the trained tokens: a check that the tokens the
+model in this process (plain torch autograd), NOT the Megatron trainer; the same task through `mtrain train`
+(Megatron-core, multi_turn.rollout_fn) is examples/smollm2_tools/run.sh with config.yaml. Metrics also report engine-vs-trainer logprob agreement on the trained tokens: a check that the tokens the
 trainer scores are exactly those the engine sampled.
 
     python examples/smollm2_tools/train_tool_use.py --steps 10 --out docs/smollm2_tools_demo.json \
@@ -21,10 +20,8 @@ import argparse
 import asyncio
 import json
 import platform
-import random
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +30,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mtrain.algorithms.objective import compute_advantages, policy_loss
 from mtrain.config import load_config
 from mtrain.converters.smollm2 import smollm2_hf_dir
-from mtrain.data import PromptSample
 from mtrain.data.rewards import exact_match_reward
 from mtrain.metrics import MetricsWriter
 from mtrain.plot import plot_run
@@ -44,27 +40,7 @@ from mtrain.rollout.client import LocalClient
 from mtrain.rollout.reference_engine import hf_disk_views
 from mtrain.rollout.trajectory import to_batch
 
-SYSTEM = ("You can use a calculator. To use it, reply with exactly:\n<tool_call>\n{\"name\": \"calculator\", "
-          "\"arguments\": {\"expression\": \"EXPRESSION\"}}\n</tool_call>\nThe result comes back in the next "
-          "message; then reply with only the final number.")
-SHOT = [{"role": "user", "content": "What is 58 * 412?"},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": '
-                                         '"58 * 412"}}\n</tool_call>'},
-        {"role": "tool", "content": "23896"},
-        {"role": "assistant", "content": "23896"}]
-
-
-def problems(n: int, seed: int, exclude: set = frozenset(), shot: bool = True) -> list[PromptSample]:
-    rng, out, seen = random.Random(seed), [], set(exclude)
-    while len(out) < n:
-        a, b = rng.randint(100, 999), rng.randint(100, 999)
-        if (a, b) in seen:
-            continue
-        seen.add((a, b))
-        out.append(PromptSample(len(out), (SHOT if shot else []) + [{"role": "user", "content": f"What is {a} * {b}?"}],
-                                str(a * b),
-                                {"pair": [a, b]}))
-    return out
+from calculator_task import SYSTEM, splits  # this folder (sys.path[0])
 
 
 async def run_groups(samples, n, engine, cfg, tok, tools, params, *, seed, prefix, greedy=False):
@@ -120,9 +96,7 @@ def main() -> None:
     tools = build_tool_server(cfg.multi_turn)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, stop_token_ids=(eos,))
-    eval_set = problems(a.eval, seed=12345, shot=not a.zero_shot)
-    train_set = problems(a.steps * a.prompts, seed=1, exclude={tuple(s.metadata["pair"]) for s in eval_set},
-                         shot=not a.zero_shot)
+    train_set, eval_set = splits(a.steps * a.prompts, a.eval, shot=not a.zero_shot)
     run_dir = Path(a.run_dir)
     writer = MetricsWriter(run_dir, resume_step=None, total_steps=a.steps, tensorboard=False)
     first_eval = evaluate(eval_set, engine, cfg, tok, tools, params, 0)

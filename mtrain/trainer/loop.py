@@ -38,7 +38,7 @@ from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.routing_replay import routing_metrics
 from mtrain.trainer.offload import TrainOffload
 from mtrain.trainer.partial_step import PartialRollout
-from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout
+from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer.sync import WeightSync
 
@@ -170,16 +170,25 @@ class Trainer:
         if not self.eval_set:
             return {}
         n = self.cfg.train.eval_samples
-        mean, rows = evaluate_in_chunks(
-            lambda part, prefix: self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True),
-            self.eval_set, n, step=self.step, show=self.rank == 0)
+        trajectories = []  # multi-turn rollouts: every chunk's, for the eval's tool metrics
+
+        def rollout(part, prefix):
+            res = self._rollout(part, n=n, seed=10**9, prefix=prefix, greedy=True)
+            if self.rollout_fn is not None:  # (agents' trajectories carry their own metrics, not these)
+                trajectories.extend(res.trajectories)
+            return res
+
+        mean, rows = evaluate_in_chunks(rollout, self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
                 for sample, text, r in rows[:8 * n]:
                     f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
                                         "response": text, "reward": r}) + "\n")
-        return {"eval/reward_mean": mean}
+        out = {"eval/reward_mean": mean}
+        # tool-call rate, valid-call rate, drift... of the greedy eval (named as in training: eval/tools/...)
+        out.update({f"eval/tools/{k}": v for k, v in tool_metrics(trajectories).items()})
+        return out
 
     def _drop_uniform_groups(self, batch: RolloutBatch, n: int) -> tuple[RolloutBatch | None, int, dict]:
         """DAPO dynamic sampling: leave out groups whose rewards are all equal (no learning signal).

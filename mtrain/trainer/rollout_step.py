@@ -113,8 +113,7 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
                            max_new_tokens: int | None = None) -> RolloutResult:
     """Multi-turn tool rollouts (multi_turn.rollout_fn) across the pool: one group function call per prompt on the
     engine that claims it; returns trajectories (token segments; mtrain.rollout.trajectory.to_batch builds the
-    batch) with their rewards, in prompt order, plus the tool metrics averaged over groups."""
-    from mtrain.rollout.agents.multi_turn import group_metrics
+    batch) with their rewards, in prompt order, plus the tool metrics of all trajectories (tool_metrics)."""
     from mtrain.rollout.agents.setup import make_context
 
     r = cfg.rollout
@@ -134,17 +133,23 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
         aborted = [t.rid for t in trajectories if t.finish_reason == "abort"]
         if aborted:
             raise EngineError(f"{len(aborted)} of {n} trajectories of group {i} were aborted by the engine")
-        return trajectories, group_metrics(trajectories)
+        return trajectories
 
     run = pool.run(len(samples), one_group, rid_prefix=rid_prefix)
     out = RolloutResult([], [], [], run.metrics())
-    out.trajectories = [t for trajs, _ in run.results for t in trajs]
+    out.trajectories = [t for trajs in run.results for t in trajs]
     out.rewards = [float(t.reward) for t in out.trajectories]
     out.responses = [t.final_text for t in out.trajectories]
-    keys = sorted({k for _, m in run.results for k in m})
-    for k in keys:
-        vals = [m[k] for _, m in run.results if k in m]
-        out.metrics[f"tools/{k}"] = sum(vals) / len(vals)
+    # Over all trajectories, not a mean of per-group values: the valid-call rate is valid / attempted calls of
+    # the whole rollout (a group without calls must not count as a valid rate of 0).
+    out.metrics.update({f"tools/{k}": v for k, v in tool_metrics(out.trajectories).items()})
     tokens = sum(t.num_model_tokens for t in out.trajectories)
     out.metrics["perf/rollout_tokens_per_s"] = tokens / max(run.seconds, 1e-9)
     return out
+
+
+def tool_metrics(trajectories) -> dict[str, float]:
+    """The multi-turn metrics (group_metrics: tool-call rate, valid-call rate, turns, drift, finish reasons) of
+    any set of trajectories: a step's rollout, or a whole evaluation made of several rollouts."""
+    from mtrain.rollout.agents.multi_turn import group_metrics
+    return group_metrics(trajectories) if trajectories else {}
