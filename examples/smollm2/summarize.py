@@ -79,8 +79,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(summarize_fn=None, plot_keys=None, hide: tuple[str, ...] = ("config",), description: str | None = None
+         ) -> None:
+    """The summary command line; the tool demo's summarize.py calls it with its own summary and plot keys."""
+    summarize_fn, plot_keys = summarize_fn or summarize, plot_keys or PLOT_KEYS
+    p = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--wall-s", type=float, required=True)
     p.add_argument("--command", required=True)
@@ -89,10 +92,10 @@ def main() -> None:
     args = p.parse_args()
     args.json = args.json or args.run_dir / "summary.json"
     args.png = args.png or args.run_dir / "summary.png"
-    summary = summarize(args.run_dir, args.wall_s, args.command)
+    summary = summarize_fn(args.run_dir, args.wall_s, args.command)
     _write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
-    plot_run(args.run_dir, args.png, keys=PLOT_KEYS)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    plot_run(args.run_dir, args.png, keys=plot_keys)
+    print(json.dumps({k: v for k, v in summary.items() if k not in hide}, indent=2))
 
 
 if __name__ == "__main__":

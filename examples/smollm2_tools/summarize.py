@@ -8,16 +8,13 @@ multi-turn group metrics with "tools/" (so the tool-call rate is "tools/tools/ca
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.util
-import json
 import os
 import platform
 from pathlib import Path
 
 from mtrain.metrics import read_metrics
-from mtrain.plot import plot_run
 
 # the machine line and the atomic write are the addition demo's (examples/smollm2/summarize.py)
 _spec = importlib.util.spec_from_file_location("smollm2_summarize", Path(__file__).parents[1] / "smollm2" / "summarize.py")
@@ -73,17 +70,7 @@ def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--wall-s", type=float, required=True)
-    p.add_argument("--command", required=True)
-    p.add_argument("--json", type=Path, default=None, help="default RUN_DIR/summary.json")
-    p.add_argument("--png", type=Path, default=None, help="default RUN_DIR/summary.png")
-    args = p.parse_args()
-    summary = summarize(args.run_dir, args.wall_s, args.command)
-    _base._write_atomic(args.json or args.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    plot_run(args.run_dir, args.png or args.run_dir / "summary.png", keys=PLOT_KEYS)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "train_per_step")}, indent=2))
+    _base.main(summarize, PLOT_KEYS, hide=("config", "train_per_step"), description=__doc__)
 
 
 if __name__ == "__main__":
