@@ -431,8 +431,6 @@ def validate(cfg: RunConfig) -> None:
            f"got {gbs}")
     _check(t.max_tokens_per_micro_batch is not None or gbs % t.micro_batch_size == 0, "train.micro_batch_size",
            f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
-    _check(p.cp == 1 or t.max_tokens_per_micro_batch is not None, "parallel.cp",
-           f"context parallelism splits packed sequences: set train.max_tokens_per_micro_batch (cp={p.cp})")
     longest = r.max_prompt_len + r.max_new_tokens
     if p.cp > 1:  # context parallelism pads every sequence to a multiple of 2 * cp
         longest = -(-longest // (2 * p.cp)) * 2 * p.cp

@@ -44,6 +44,9 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None:
+            if self.config.context_parallel_size > 1:
+                return self._context_parallel_padded(query, key, value, attention_mask, attn_mask_type,
+                                                     attention_bias)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         self._check_packed(packed_seq_params, attention_bias)
@@ -98,6 +101,27 @@ class PackedDotProductAttention(DotProductAttention):
                                                            scale=self.softmax_scale))
         ctx = torch.cat(outs, dim=1)
         return ctx.transpose(0, 1).reshape(t, 1, -1)
+
+    def _context_parallel_padded(self, query, key, value, attention_mask, attn_mask_type, attention_bias):
+        """Padded rows ([s, b, heads, dim], s = this CP rank's two chunks of every row, as megatron-core's RoPE
+        assumes for unpacked input) under CP: each row is one sequence of the global width cp * s, so laid out
+        row-major it is a packed stream with segment boundaries at multiples of the width, and the packed CP
+        attention applies as it is. Right padding sits at the end of each row: causal attention keeps it out of
+        every real position."""
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type != AttnMaskType.causal or attention_bias is not None or self.softmax_offset is not None \
+                or self.config.window_size is not None:
+            raise ValueError(f"context parallelism on the local attention supports plain causal attention only "
+                             f"(got mask type {mask_type}, bias/sinks/sliding window set: "
+                             f"{attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None})")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError("context parallelism on the local attention: attention dropout is not supported")
+        s, b = query.shape[:2]
+        rows = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
+        width = s * self.config.context_parallel_size
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        ctx = self._context_parallel(*rows, list(range(0, b * width + 1, width)), groups)  # [b*s, 1, h*d]
+        return ctx.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _check_packed(self, params, attention_bias) -> None:
         if params.qkv_format != "thd":

@@ -1,0 +1,79 @@
+"""Context parallelism combined with TP, PP and EP (issue 18), padded and packed micro-batches, through the real
+Actor on gloo ranks (float32): logprobs equal transformers' (float64), and for each algorithm the global loss
+and every gradient, gathered back to full HF-named tensors, equal a single-rank run's and transformers'.
+"""
+from __future__ import annotations
+
+import pytest
+
+from mtrain.dist import run_on_ranks
+
+LP_TOL = 1e-5     # relative, per logprob (|a - b| <= tol * max(1, |b|))
+LOSS_TOL = 1e-6   # relative
+GRAD_TOL = 1e-5   # per parameter: max |a - b| <= tol * max |b| of that parameter (or of all grads if tiny)
+
+SLOW = pytest.mark.slow
+CASES = {  # name: (ranks, parallel sizes, architecture)
+    "cp2_ep2_qwen3_moe": (2, {"cp": 2, "ep": 2}, "qwen3_moe"),  # EP spans the two CP ranks (dp = edp = 1)
+    "cp2_tp2_qwen3": (4, {"cp": 2, "tp": 2}, "qwen3"),
+    "cp2_pp2_llama": (4, {"cp": 2, "pp": 2}, "llama"),  # tied embeddings across the pipeline
+}
+
+
+def _grad_diff(got: dict, want: dict) -> tuple[float, str]:
+    """The worst per-parameter relative difference, and the parameter it came from."""
+    import torch
+    assert set(got) == set(want), set(got) ^ set(want)
+    floor = max(float(w.abs().max()) for w in want.values()) * 1e-3  # parameters with ~no gradient at all
+    worst, where = 0.0, ""
+    for k, w in want.items():
+        g = got[k].double()
+        assert g.shape == w.shape, (k, g.shape, w.shape)
+        d = float((g - w).abs().max()) / max(float(w.abs().max()), floor)
+        if d > worst:
+            worst, where = d, k
+        assert torch.isfinite(g).all(), k
+    return worst, where
+
+
+def check_case(tmp_path, case, packed: bool) -> dict:
+    import torch
+    from cp_combined_worker import full_grads, hf_reference, run
+
+    from mtrain.tiny_hf import write_tiny_hf
+    world, layout, arch = case
+    hf = str(write_tiny_hf(arch, tmp_path / "hf", seed=3))
+    ref = hf_reference(hf)
+    single = run_on_ranks(run, 1, hf, {}, packed, timeout=900)
+    multi = run_on_ranks(run, world, hf, layout, packed, timeout=900)
+    valid = ref["lp"] != 0
+    report = {"lp": [], "loss": [], "grad": []}
+    for rank, res in enumerate(single + multi):
+        if not res["last"]:
+            continue
+        lp = torch.from_numpy(res["lp"])
+        err = float(((lp - ref["lp"]).abs() / ref["lp"].abs().clamp(min=1.0))[valid].max())
+        report["lp"].append(err)
+        assert err <= LP_TOL, (rank, err)
+        for a, want in zip(res["algos"], ref["algos"]):
+            d = abs(a["loss"] - want["loss"]) / max(1.0, abs(want["loss"]))
+            report["loss"].append(d)
+            assert d <= LOSS_TOL, (rank, a["loss"], want["loss"])
+    for i, want in enumerate(ref["algos"]):
+        g_single, g_multi = full_grads(hf, single, i), full_grads(hf, multi, i)
+        for got, what in ((g_single, "single rank vs transformers"), (g_multi, f"{layout} vs transformers")):
+            d, where = _grad_diff(got, want["grads"])
+            report["grad"].append(d)
+            assert d <= GRAD_TOL, (what, i, where, d)
+        d, where = _grad_diff(g_multi, {k: v.double() for k, v in g_single.items()})
+        assert d <= GRAD_TOL, (f"{layout} vs single rank", i, where, d)
+    return report
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("case", [CASES["cp2_ep2_qwen3_moe"],
+                                  pytest.param(CASES["cp2_tp2_qwen3"], marks=SLOW),
+                                  pytest.param(CASES["cp2_pp2_llama"], marks=SLOW)],
+                         ids=["cp2_ep2_qwen3_moe", "cp2_tp2_qwen3", "cp2_pp2_llama"])
+def test_context_parallel_with_tp_pp_ep(tmp_path, case, packed):
+    print(check_case(tmp_path, case, packed))
