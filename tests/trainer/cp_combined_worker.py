@@ -48,7 +48,8 @@ def hf_reference(hf_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from mtrain.algorithms.objective import policy_loss
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float64, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager")  # grouped_mm: no float64
     model.train()
     batch = make_batch(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
     old, ref, adv, norms = loss_inputs(batch)
@@ -73,8 +74,26 @@ def hf_reference(hf_dir: str) -> dict:
         loss.backward()
         if i == 0:
             out["lp"] = lp.detach().float()
-        out["algos"].append({"loss": float(loss.detach()), "grads": {k: p.grad.detach().clone() for k, p in
-                                                            model.named_parameters() if p.grad is not None}})
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        out["algos"].append({"loss": float(loss.detach()), "grads": checkpoint_names(grads)})
+    return out
+
+
+def checkpoint_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 holds a MoE layer's experts fused ([E, 2I, H] gate_up_proj = gate rows then up rows,
+    [E, H, I] down_proj); the checkpoint (and so the resharding plan) names one tensor per expert."""
+    out = {}
+    for k, g in grads.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            half = g.shape[1] // 2
+            for e in range(g.shape[0]):
+                out[f"{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = g[e, :half]
+                out[f"{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = g[e, half:]
+        elif k.endswith(".mlp.experts.down_proj"):
+            for e in range(g.shape[0]):
+                out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = g[e]
+        else:
+            out[k] = g
     return out
 
 
