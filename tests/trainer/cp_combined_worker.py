@@ -97,9 +97,10 @@ def checkpoint_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def run(rank: int, world: int, hf_dir: str, layout: dict, packed: bool) -> dict:
-    """One Actor on this rank: logprobs of the whole batch, then for each algorithm one forward/backward; returns
-    the loss (summed over micro-batches and DP ranks) and this rank's DDP main_grads under Megatron names."""
+def run(rank: int, world: int, hf_dir: str, layout: dict, modes: tuple[bool, ...]) -> dict:
+    """One Actor on this rank; for each mode (packed or not): logprobs of the whole batch, then for each algorithm
+    one forward/backward. Returns per mode the loss (summed over micro-batches and DP ranks) and this rank's DDP
+    main_grads under Megatron names."""
     from megatron.core import parallel_state as ps
 
     from mtrain.dist import init_distributed
@@ -111,11 +112,20 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, packed: bool) -> dict:
 
     init_distributed(**layout)
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    cfg0 = algo_config(*ALGOS[0], packed=packed, hf_dir=hf_dir, layout=layout)
+    cfg0 = algo_config(*ALGOS[0], packed=modes[0], hf_dir=hf_dir, layout=layout)
     actor = Actor(cfg0, hf_config, load_weights=weight_loader(cfg0, model_layout(hf_config), rank))
     batch = make_batch(hf_config["vocab_size"])
-    old, ref, adv, norms = loss_inputs(batch)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    return {packed: _one_mode(actor, rank, hf_dir, layout, batch, packed, last) for packed in modes}
+
+
+def _one_mode(actor, rank: int, hf_dir: str, layout: dict, batch, packed: bool, last: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mtrain.reshard.megatron_side import chunk_tensors, current_layout
+    from mtrain.trainer.batch import dp_rows
+    old, ref, adv, norms = loss_inputs(batch)
+    actor.cfg = algo_config(*ALGOS[0], packed=packed, hf_dir=hf_dir, layout=layout)
     sl = dp_rows(batch.seq_lens, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), by_tokens=packed)
     mine = batch.select(sl)
     result: dict = {"last": last, "layout": vars(current_layout()), "algos": []}
