@@ -8,7 +8,9 @@ the spec's ``core_attention`` slot is the extension point for it: ``PackedDotPro
 attention on each sequence of the stream on its own (torch's ``scaled_dot_product_attention``: flash or
 memory-efficient kernels on a GPU), so attention never crosses a boundary and costs sum(L_i^2), not S^2 as a
 block-diagonal mask over the whole stream would. Unpacked calls go to the parent unchanged. With TE installed,
-TE's own THD attention is used instead (specs.py).
+TE's own THD attention is used instead (specs.py). Context parallelism (which megatron-core's local attention
+refuses) is done here for packed streams and for padded rows alike: a padded micro-batch under CP is treated as
+a packed stream whose sequences are its rows.
 """
 from __future__ import annotations
 

@@ -116,10 +116,13 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, modes: tuple[bool, ...
     actor = Actor(cfg0, hf_config, load_weights=weight_loader(cfg0, model_layout(hf_config), rank))
     batch = make_batch(hf_config["vocab_size"])
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    return {packed: _one_mode(actor, rank, hf_dir, layout, batch, packed, last) for packed in modes}
+    # finalize_model_grads updates DeepSeek-V3's router expert_bias from the tokens each expert saw: every pass
+    # starts from the loaded buffers, as transformers does
+    buffers = [(b, b.detach().clone()) for c in actor.chunks for _, b in c.named_buffers()]
+    return {packed: _one_mode(actor, rank, hf_dir, layout, batch, packed, last, buffers) for packed in modes}
 
 
-def _one_mode(actor, rank: int, hf_dir: str, layout: dict, batch, packed: bool, last: bool) -> dict:
+def _one_mode(actor, rank: int, hf_dir: str, layout: dict, batch, packed: bool, last: bool, buffers) -> dict:
     from megatron.core import parallel_state as ps
 
     from mtrain.reshard.megatron_side import chunk_tensors, current_layout
@@ -129,6 +132,8 @@ def _one_mode(actor, rank: int, hf_dir: str, layout: dict, batch, packed: bool, 
     sl = dp_rows(batch.seq_lens, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), by_tokens=packed)
     mine = batch.select(sl)
     result: dict = {"last": last, "layout": vars(current_layout()), "algos": []}
+    for b, saved in buffers:
+        b.copy_(saved)
     lp = actor.logprobs(mine)
     if last:
         full = torch.zeros(batch.response_mask.shape)
@@ -137,6 +142,8 @@ def _one_mode(actor, rank: int, hf_dir: str, layout: dict, batch, packed: bool, 
         result["lp"] = full.numpy()
     for name, extra in ALGOS:
         actor.cfg = algo_config(name, extra, packed=packed, hf_dir=hf_dir, layout=layout)
+        for b, saved in buffers:
+            b.copy_(saved)
         outs = actor.forward_backward(mine, old[sl], adv[sl], ref[sl], norms)
         loss = torch.tensor(sum(float(o["loss/total"]) for o in outs))
         if last:

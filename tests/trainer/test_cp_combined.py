@@ -17,6 +17,8 @@ CASES = {  # name: (ranks, parallel sizes, architecture)
     "cp2_ep2_qwen3_moe": (2, {"cp": 2, "ep": 2}, "qwen3_moe"),  # EP spans the two CP ranks (dp = edp = 1)
     "cp2_tp2_qwen3": (4, {"cp": 2, "tp": 2}, "qwen3"),
     "cp2_pp2_llama": (4, {"cp": 2, "pp": 2}, "llama"),  # tied embeddings across the pipeline
+    "cp2_pp2_vpp2_qwen3": (4, {"cp": 2, "pp": 2, "vpp": 2}, "qwen3"),  # interleaved schedule
+    "cp2_ep2_deepseek_v3": (2, {"cp": 2, "ep": 2}, "deepseek_v3"),  # MLA, shared experts, expert bias
 }
 
 
