@@ -197,7 +197,8 @@ class Actor:
                     d.update(tokens=d["tokens"][:, mine], labels=labels[:, mine], position_ids=d["position_ids"][:, mine],
                              cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev))
             elif cp > 1:
-                d.update(padded_cp_inputs(batch.tokens[rows], cp, cp_rank))
+                d.update(padded_cp_inputs(batch.tokens[rows], cp, cp_rank,
+                                          chunk_multiple=ps.get_tensor_model_parallel_world_size() if sp else 1))
                 d = {k: v.to(dev) if torch.is_tensor(v) and k != "rows" else v for k, v in d.items()}
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)

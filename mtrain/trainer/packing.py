@@ -185,14 +185,16 @@ def unpack(pack_: Pack, packed: torch.Tensor, width: int, seq_width: int, name: 
     return out.view(n, width, *packed.shape[1:])
 
 
-def padded_cp_inputs(tokens: torch.Tensor, cp: int, cp_rank: int) -> dict:
+def padded_cp_inputs(tokens: torch.Tensor, cp: int, cp_rank: int, chunk_multiple: int = 1) -> dict:
     """Padded rows [n, T] under context parallelism: each row is padded at its end to a multiple of 2 * cp and
     split like a packed sequence (chunks cp_rank and 2cp-1-cp_rank; megatron-core's RoPE picks the same
     positions for unpacked input). Returns this rank's `tokens` and `position_ids`, the `labels` each of its
     positions predicts (shifted on the whole row before the split), `cp_index` (the row positions of every CP
-    rank's values, rank-major, for putting the gathered outputs back in order) and `cp_width` (T)."""
+    rank's values, rank-major, for putting the gathered outputs back in order) and `cp_width` (T).
+    chunk_multiple: each chunk's length a multiple of it (sequence parallelism splits a rank's rows over TP)."""
     n, width = tokens.shape
-    padded = -(-width // (2 * cp)) * 2 * cp
+    unit = 2 * cp * chunk_multiple
+    padded = -(-width // unit) * unit
     tokens = torch.nn.functional.pad(tokens, (0, padded - width))
     m = padded // (2 * cp)
 

@@ -151,3 +151,6 @@ def test_padded_cp_inputs_split_rows_like_packed_sequences():
     assert parts[0]["labels"].tolist() == [[2, 3, 0, 0], [9, 10, 0, 0]]
     assert parts[1]["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
     assert parts[0]["cp_index"].tolist() == [0, 1, 6, 7, 2, 3, 4, 5] and parts[0]["cp_width"] == 7
+    sp = padded_cp_inputs(tokens, 2, 1, chunk_multiple=2)  # width 7 -> 8: chunks of 2, already a multiple
+    assert sp["tokens"].shape == (2, 4)
+    assert padded_cp_inputs(tokens[:, :5].repeat(1, 2), 2, 0, chunk_multiple=3)["tokens"].shape == (2, 6)  # 10 -> 12
