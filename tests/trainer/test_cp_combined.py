@@ -25,7 +25,10 @@ CASES = {  # name: (ranks, parallel sizes, architecture)
 def _grad_diff(got: dict, want: dict) -> tuple[float, str]:
     """The worst per-parameter relative difference, and the parameter it came from."""
     import torch
-    assert set(got) == set(want), set(got) ^ set(want)
+    # DeepSeek-V3's router bias (e_score_correction_bias) is a buffer: the plan names it, it has no gradient
+    extra = set(got) - set(want)
+    assert set(want) <= set(got) and all(k.endswith("e_score_correction_bias") for k in extra), set(got) ^ set(want)
+    assert all(not got[k].any() for k in extra)
     floor = max(float(w.abs().max()) for w in want.values()) * 1e-3  # parameters with ~no gradient at all
     worst, where = 0.0, ""
     for k, w in want.items():
