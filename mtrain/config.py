@@ -48,7 +48,7 @@ class ParallelConfig:
     vpp: int | None = None  # virtual pipeline stages per PP rank (needs pp > 1)
     ep: int = 1
     etp: int | None = None  # expert TP; None = same as tp
-    cp: int = 1
+    cp: int = 1  # context parallelism: every sequence (packed or padded row) split over cp ranks (docs/design-packing.md)
     sequence_parallel: bool | None = None  # None: on with Transformer Engine and tp > 1 (the local norm refuses it)
     # megatron-core's uneven pipeline split (num_layers_in_first/last_pipeline_stage), e.g. 61 layers on pp 16
     first_stage_layers: int | None = None
