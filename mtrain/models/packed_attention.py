@@ -111,11 +111,10 @@ class PackedDotProductAttention(DotProductAttention):
         attention applies as it is. Right padding sits at the end of each row: causal attention keeps it out of
         every real position."""
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type != AttnMaskType.causal or attention_bias is not None or self.softmax_offset is not None \
-                or self.config.window_size is not None:
+        extras = attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None
+        if mask_type != AttnMaskType.causal or extras:
             raise ValueError(f"context parallelism on the local attention supports plain causal attention only "
-                             f"(got mask type {mask_type}, bias/sinks/sliding window set: "
-                             f"{attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None})")
+                             f"(mask type {mask_type.name}; attention bias, sinks or a sliding window set: {extras})")
         if self.training and self.attention_dropout.p > 0:
             raise ValueError("context parallelism on the local attention: attention dropout is not supported")
         s, b = query.shape[:2]

@@ -220,9 +220,9 @@ class Actor:
         return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
 
     def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
-        """[b, t] values of this CP rank's positions -> [b, W-1] along the whole stream or rows (packed: b = 1), on
-        every CP rank. Each CP
-        rank then computes the same loss of the whole stream; the gather keeps each rank's own gradient slice."""
+        """[b, t] values of this CP rank's positions -> [b, W-1] along the whole stream (packed, b = 1) or along
+        each padded row, on every CP rank. Each CP rank then computes the same loss of the whole micro-batch; the
+        gather keeps each rank's own gradient slice."""
         full = gather_cp(local.transpose(0, 1), ps.get_context_parallel_group(), sum_grads=False)  # [cp * t, b]
         stream = full.new_zeros(full.shape).index_copy(0, mb["cp_index"], full).transpose(0, 1)
         return stream[:, :mb.get("cp_width", stream.shape[1]) - 1]  # padded rows: drop the 2*cp alignment
