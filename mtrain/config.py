@@ -51,7 +51,7 @@ class ParallelConfig:
     vpp: int | None = None  # virtual pipeline stages per PP rank (needs pp > 1)
     ep: int = 1
     etp: int | None = None  # expert TP; None = same as tp
-    cp: int = 1
+    cp: int = 1  # context parallelism: every sequence (packed or padded row) split over cp ranks (docs/design-packing.md)
     sequence_parallel: bool | None = None  # None: on with Transformer Engine and tp > 1 (the local norm refuses it)
     # megatron-core's uneven pipeline split (num_layers_in_first/last_pipeline_stage), e.g. 61 layers on pp 16
     first_stage_layers: int | None = None
@@ -445,8 +445,6 @@ def validate(cfg: RunConfig) -> None:
            f"got {gbs}")
     _check(t.max_tokens_per_micro_batch is not None or gbs % t.micro_batch_size == 0, "train.micro_batch_size",
            f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
-    _check(p.cp == 1 or t.max_tokens_per_micro_batch is not None, "parallel.cp",
-           f"context parallelism splits packed sequences: set train.max_tokens_per_micro_batch (cp={p.cp})")
     longest = r.max_prompt_len + r.max_new_tokens
     if p.cp > 1:  # context parallelism pads every sequence to a multiple of 2 * cp
         longest = -(-longest // (2 * p.cp)) * 2 * p.cp
@@ -494,6 +492,9 @@ def validate(cfg: RunConfig) -> None:
     _check(a.routing_replay != "rollout" or not (mt.rollout_fn or cfg.serve.agent), "algo.routing_replay",
            "trajectories (multi_turn.rollout_fn, serve.agent) do not carry routed experts yet: replay works with "
            "single-turn rollouts, partial or not (docs/design-routing-replay.md)")
+    _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
+           "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
+           "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -84,6 +84,7 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     except LayoutError as e:
         raise _fail("parallel", f"tp={p.tp} pp={p.pp} ep={p.ep} etp={layout.expert_tp} cp={p.cp} (dp={dp}) do "
                                 f"not fit the model: {e}") from None
+    check_moe_tensor_parallel(cfg, hf_config)
     e = cfg.engine
     if e.kind == "sglang" or (e.kind == "auto" and _cuda()):  # SGLang's own sharding of heads, experts, vocab
         from mtrain.reshard.placement import SGLangLayout
@@ -95,6 +96,28 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                                               f"model's context (max_position_embeddings={max_pos})")
+
+
+def check_moe_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
+    """megatron-core 0.16.1 trains MoE with TP > 1 only with sequence parallelism, and its local (non-TE) norms
+    refuse sequence parallelism: without Transformer Engine (or with it switched off) a MoE model cannot train at
+    parallel.tp > 1, with or without context parallelism. Said here, before any process group starts (the Actor
+    says it again for callers that skip preflight)."""
+    from mtrain.compat.no_te import te_installed
+    from mtrain.models.hf_config import ModelConfigError, map_hf_config
+    p = cfg.parallel
+    if p.tp == 1:
+        return
+    try:
+        experts = map_hf_config(hf_config).config_kwargs.get("num_moe_experts")
+    except ModelConfigError:
+        return  # check_model names the unsupported model
+    sp = p.sequence_parallel if p.sequence_parallel is not None else te_installed()
+    if experts and not (sp and te_installed()):
+        why = "Transformer Engine is not importable here" if not te_installed() else "parallel.sequence_parallel=false"
+        raise _fail("parallel.tp", f"{p.tp} with a MoE model ({experts} experts) trains only with sequence "
+                                   f"parallelism, and {why}: use parallel.tp=1 with parallel.ep (and parallel.cp "
+                                   f"for long samples)")
 
 
 def _cuda() -> bool:

@@ -136,3 +136,20 @@ def test_explicit_resume_path_must_be_an_intact_checkpoint(hf, tmp_path):
     (tmp_path / "step_3").mkdir()
     fails(cfg_for(hf, tmp_path, f"train.resume={tmp_path / 'step_3'}"), r"train\.resume: .*step_3 has no COMPLETE")
     fails(cfg_for(hf, tmp_path, f"train.resume={tmp_path / 'nowhere'}"), r"train\.resume: .* is not a checkpoint")
+
+
+def test_moe_with_tensor_parallel_is_refused_without_sequence_parallel(tmp_path):
+    """issue 18: CP x TP for a MoE model (and MoE x TP at all) cannot train on megatron-core 0.16.1's local spec
+    (MoE + TP needs sequence parallelism, which needs Transformer Engine): one line before any process starts;
+    CP x EP is the layout that works."""
+    from mtrain.compat.no_te import te_installed
+    moe = write_tiny_hf("qwen3_moe", tmp_path / "moe")
+    cfg = cfg_for(moe, tmp_path, "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=false")
+    msg = fails(cfg, r"parallel\.tp: 2 with a MoE model \(4 experts\) trains only with sequence parallelism", world=4)
+    assert "parallel.ep" in msg
+    if not te_installed():
+        fails(cfg_for(moe, tmp_path, "parallel.tp=2"), r"Transformer Engine is not importable here", world=2)
+    assert preflight(cfg_for(moe, tmp_path, "parallel.ep=2", "parallel.cp=2"), world=2)["model_type"] == "qwen3_moe"
+    # dense models are not affected
+    dense = write_tiny_hf("qwen3", tmp_path / "dense")
+    assert preflight(cfg_for(dense, tmp_path, "parallel.tp=2", "parallel.cp=2"), world=4)

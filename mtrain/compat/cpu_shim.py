@@ -81,6 +81,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return _CPU
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
+        # Pinned host memory needs an accelerator; it only speeds up the host->GPU copy that .cuda() then
+        # skips here (RoPE's per-CP-rank positions: torch.tensor(..., pin_memory=True).cuda()).
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         # Tensor.to('cuda') / Tensor.to(0) / Tensor.to(torch.device('cuda'), dtype): device is positional.
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
@@ -198,6 +202,8 @@ def _cpu_device_kwarg(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):  # see _CudaToCpuMode
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
     wrapper.__wrapped__ = fn
     return wrapper

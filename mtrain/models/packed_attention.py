@@ -8,7 +8,9 @@ the spec's ``core_attention`` slot is the extension point for it: ``PackedDotPro
 attention on each sequence of the stream on its own (torch's ``scaled_dot_product_attention``: flash or
 memory-efficient kernels on a GPU), so attention never crosses a boundary and costs sum(L_i^2), not S^2 as a
 block-diagonal mask over the whole stream would. Unpacked calls go to the parent unchanged. With TE installed,
-TE's own THD attention is used instead (specs.py).
+TE's own THD attention is used instead (specs.py). Context parallelism (which megatron-core's local attention
+refuses) is done here for packed streams and for padded rows alike: a padded micro-batch under CP is treated as
+a packed stream whose sequences are its rows.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None:
+            if self.config.context_parallel_size > 1:
+                return self._context_parallel_padded(query, key, value, attention_mask, attn_mask_type,
+                                                     attention_bias)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         self._check_packed(packed_seq_params, attention_bias)
@@ -98,6 +103,26 @@ class PackedDotProductAttention(DotProductAttention):
                                                            scale=self.softmax_scale))
         ctx = torch.cat(outs, dim=1)
         return ctx.transpose(0, 1).reshape(t, 1, -1)
+
+    def _context_parallel_padded(self, query, key, value, attention_mask, attn_mask_type, attention_bias):
+        """Padded rows ([s, b, heads, dim], s = this CP rank's two chunks of every row, as megatron-core's RoPE
+        assumes for unpacked input) under CP: each row is one sequence of the global width cp * s, so laid out
+        row-major it is a packed stream with segment boundaries at multiples of the width, and the packed CP
+        attention applies as it is. Right padding sits at the end of each row: causal attention keeps it out of
+        every real position."""
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        extras = attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None
+        if mask_type != AttnMaskType.causal or extras:
+            raise ValueError(f"context parallelism on the local attention supports plain causal attention only "
+                             f"(mask type {mask_type.name}; attention bias, sinks or a sliding window set: {extras})")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError("context parallelism on the local attention: attention dropout is not supported")
+        s, b = query.shape[:2]
+        rows = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
+        width = s * self.config.context_parallel_size
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        ctx = self._context_parallel(*rows, list(range(0, b * width + 1, width)), groups)  # [b*s, 1, h*d]
+        return ctx.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _check_packed(self, params, attention_bias) -> None:
         if params.qkv_format != "thd":

@@ -23,7 +23,7 @@ from mtrain.models import build_model
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
-from mtrain.trainer.packing import make_pack, pack, plan_micro_batches, unpack
+from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
 from mtrain.trainer.routing_replay import RouterReplayFeeder
@@ -70,10 +70,6 @@ class Actor:
         self.cfg, self.hf_config = cfg, hf_config
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         par = cfg.parallel
-        if par.cp > 1 and cfg.train.max_tokens_per_micro_batch is None:
-            # CP splits packed sequences (docs/design-packing.md, "Context parallelism"): say so before building.
-            raise ModelConfigError(f"parallel.cp={par.cp} needs packed micro-batches: set "
-                                   f"train.max_tokens_per_micro_batch")
         if not cfg.model.mtp:  # RL trains the main model: the MTP layers stay in the converted checkpoint
             hf_config = dict(hf_config, num_nextn_predict_layers=0)
         split = {**pipeline_split_overrides(par.first_stage_layers, par.last_stage_layers),
@@ -163,7 +159,7 @@ class Actor:
                 out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"],
                             **mb.get("images", {}))
             else:
-                pos = mb.get("position_ids")  # MRoPE [3, b, s] of a vision-language model
+                pos = mb.get("position_ids")  # MRoPE [3, b, s] of a VLM; under CP this rank's chunks
                 if pos is None:
                     pos = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device).unsqueeze(0).expand_as(mb["tokens"])
                 out = model(mb["tokens"], pos, None, **mb.get("images", {}))
@@ -171,7 +167,8 @@ class Actor:
 
         model = self.chunks if len(self.chunks) > 1 else self.chunks[0]
         iters = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        t = max(m["tokens"].shape[1] for m in micro)
+        # the schedule divides the sequence length by CP for the pipeline's activation shapes: give the global one
+        t = max(m["tokens"].shape[1] for m in micro) * ps.get_context_parallel_world_size()
         b = micro[0]["tokens"].shape[0]
         # Packed micro-batches differ in length: pipeline stages then exchange each activation's shape first
         # (the interleaved schedule gets equal lengths instead, see _micro).
@@ -212,8 +209,6 @@ class Actor:
                                  f"{mbs} (train.micro_batch_size)")
             groups = [torch.arange(s, s + mbs) for s in range(0, batch.size, mbs)]
         sp = self.tconfig.sequence_parallel
-        if cp > 1 and not self.packed:
-            raise ValueError(f"parallel.cp={cp} needs packed micro-batches (train.max_tokens_per_micro_batch)")
         align = (ps.get_tensor_model_parallel_world_size() if sp else 1) * (2 * cp if cp > 1 else 1)
         routed = self._replay_rows(batch)
         out = []
@@ -239,6 +234,10 @@ class Actor:
                     labels = torch.roll(d["tokens"], -1, dims=1)
                     d.update(tokens=d["tokens"][:, mine], labels=labels[:, mine], position_ids=d["position_ids"][:, mine],
                              cp_index=torch.cat([pk.cp_indices(cp, j) for j in range(cp)]).to(dev), cp_positions=mine)
+            elif cp > 1:
+                d.update(padded_cp_inputs(batch.tokens[rows], cp, cp_rank,
+                                          chunk_multiple=ps.get_tensor_model_parallel_world_size() if sp else 1))
+                d = {k: v.to(dev) if torch.is_tensor(v) and k != "rows" else v for k, v in d.items()}
             else:
                 d["tokens"] = batch.tokens[rows].to(dev)
                 if self.vision is not None:
@@ -285,11 +284,12 @@ class Actor:
         return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
 
     def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
-        """[1, t] values of this CP rank's positions -> [1, S-1] along the whole stream, on every CP rank. Each CP
-        rank then computes the same loss of the whole stream; the gather keeps each rank's own gradient slice."""
-        full = gather_cp(local[0], ps.get_context_parallel_group(), sum_grads=False)
-        stream = full.new_zeros(full.shape).index_copy(0, mb["cp_index"], full)
-        return stream[:-1].unsqueeze(0)
+        """[b, t] values of this CP rank's positions -> [b, W-1] along the whole stream (packed, b = 1) or along
+        each padded row, on every CP rank. Each CP rank then computes the same loss of the whole micro-batch; the
+        gather keeps each rank's own gradient slice."""
+        full = gather_cp(local.transpose(0, 1), ps.get_context_parallel_group(), sum_grads=False)  # [cp * t, b]
+        stream = full.new_zeros(full.shape).index_copy(0, mb["cp_index"], full).transpose(0, 1)
+        return stream[:, :mb.get("cp_width", stream.shape[1]) - 1]  # padded rows: drop the 2*cp alignment
 
     def _rows(self, mb: dict, packed_values: torch.Tensor) -> torch.Tensor:
         """A model output per predicting position ([b, s-1]) in the row layout [n, T-1] of mb["mask"]."""

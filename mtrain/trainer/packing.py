@@ -183,3 +183,25 @@ def unpack(pack_: Pack, packed: torch.Tensor, width: int, seq_width: int, name: 
     out = packed.new_zeros((n * width, *packed.shape[1:]))
     out = out.index_copy(0, flat, packed.index_select(0, src.to(dev)))
     return out.view(n, width, *packed.shape[1:])
+
+
+def padded_cp_inputs(tokens: torch.Tensor, cp: int, cp_rank: int, chunk_multiple: int = 1) -> dict:
+    """Padded rows [n, T] under context parallelism: each row is padded at its end to a multiple of 2 * cp and
+    split like a packed sequence (chunks cp_rank and 2cp-1-cp_rank; megatron-core's RoPE picks the same
+    positions for unpacked input). Returns this rank's `tokens` and `position_ids`, the `labels` each of its
+    positions predicts (shifted on the whole row before the split), `cp_index` (the row positions of every CP
+    rank's values, rank-major, for putting the gathered outputs back in order) and `cp_width` (T).
+    chunk_multiple: each chunk's length a multiple of it (sequence parallelism splits a rank's rows over TP)."""
+    n, width = tokens.shape
+    unit = 2 * cp * chunk_multiple
+    padded = -(-width // unit) * unit
+    tokens = torch.nn.functional.pad(tokens, (0, padded - width))
+    m = padded // (2 * cp)
+
+    def mine(r: int) -> torch.Tensor:
+        return torch.cat([torch.arange(r * m, (r + 1) * m), torch.arange((2 * cp - 1 - r) * m, (2 * cp - r) * m)])
+
+    own = mine(cp_rank)
+    return {"tokens": tokens[:, own], "labels": torch.nn.functional.pad(tokens[:, 1:], (0, 1))[:, own],
+            "position_ids": own.unsqueeze(0).expand(n, -1).contiguous(),
+            "cp_index": torch.cat([mine(r) for r in range(cp)]), "cp_width": width}

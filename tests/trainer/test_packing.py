@@ -129,18 +129,28 @@ def test_config_budget_must_hold_the_longest_sample_and_frees_micro_batch_size()
         load_config(yaml, ["model.hf_path=x", "train.micro_batch_size=5"])
 
 
-def test_context_parallel_without_packing_is_refused_before_building():
-    import copy
+def test_context_parallel_is_accepted_padded_and_packed():
+    """CP splits padded rows as well as packed sequences (docs/design-packing.md): neither is refused."""
     from pathlib import Path
 
-    from mtrain.config import ConfigError, load_config
-    from mtrain.models.hf_config import ModelConfigError
-    from mtrain.tiny_configs import tiny_config
-    from mtrain.trainer.actor import Actor
+    from mtrain.config import load_config
     yaml = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
-    with pytest.raises(ConfigError, match="parallel.cp: context parallelism splits packed sequences"):
-        load_config(yaml, ["model.hf_path=x", "parallel.cp=2"])
-    cfg = copy.deepcopy(load_config(yaml, ["model.hf_path=x", "parallel.cp=2", "train.max_tokens_per_micro_batch=80"]))
-    cfg.train.max_tokens_per_micro_batch = None  # a caller that skips the config's checks
-    with pytest.raises(ModelConfigError, match="parallel.cp=2 needs packed micro-batches"):
-        Actor(cfg, tiny_config("llama"))
+    assert load_config(yaml, ["model.hf_path=x", "parallel.cp=2"]).parallel.cp == 2
+    cfg = load_config(yaml, ["model.hf_path=x", "parallel.cp=2", "train.max_tokens_per_micro_batch=80"])
+    assert cfg.train.max_tokens_per_micro_batch == 80
+
+
+def test_padded_cp_inputs_split_rows_like_packed_sequences():
+    import torch
+
+    from mtrain.trainer.packing import padded_cp_inputs
+    tokens = torch.arange(2 * 7).reshape(2, 7) + 1  # width 7 -> padded to 8, chunks of 2 at cp=2
+    parts = [padded_cp_inputs(tokens, 2, r) for r in range(2)]
+    assert parts[0]["tokens"].tolist() == [[1, 2, 7, 0], [8, 9, 14, 0]]
+    assert parts[1]["tokens"].tolist() == [[3, 4, 5, 6], [10, 11, 12, 13]]
+    assert parts[0]["labels"].tolist() == [[2, 3, 0, 0], [9, 10, 0, 0]]
+    assert parts[1]["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    assert parts[0]["cp_index"].tolist() == [0, 1, 6, 7, 2, 3, 4, 5] and parts[0]["cp_width"] == 7
+    sp = padded_cp_inputs(tokens, 2, 1, chunk_multiple=2)  # width 7 -> 8: chunks of 2, already a multiple
+    assert sp["tokens"].shape == (2, 4)
+    assert padded_cp_inputs(tokens[:, :5].repeat(1, 2), 2, 0, chunk_multiple=3)["tokens"].shape == (2, 6)  # 10 -> 12

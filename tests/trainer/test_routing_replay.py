@@ -138,3 +138,10 @@ def test_trainer_mode_update_replays_the_scoring_pass(tiny):
     for r in results:
         assert r["second_update_off"] is None, r
         assert "no recorded scoring pass" in r["second_update_trainer"], r
+
+
+def test_rollout_replay_with_padded_context_parallel_is_refused_before_work():
+    from mtrain.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="needs packed micro-batches"):
+        load_config(Path(__file__).resolve().parents[2] / "mtrain/configs/tiny_llama_grpo.yaml",
+                    ["algo.routing_replay=rollout", "parallel.cp=2", "train.max_tokens_per_micro_batch=null"])
