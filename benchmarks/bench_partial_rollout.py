@@ -184,7 +184,7 @@ def main() -> int:
     if args.repeats > 0:
         res["speed"] = sp = speed(args, work, common)
         save()
-        print(f"synchronous: trained tokens/s per block " + " ".join(f"{x:.0f}" for x in sp["sync_tokens_per_s"]))
+        print("synchronous: trained tokens/s per block " + " ".join(f"{x:.0f}" for x in sp["sync_tokens_per_s"]))
         print("   " + fmt(sp["sync"]))
         for o, p in sp["partial"].items():
             print(f"partial over_sample={o}: trained tokens/s per block " + " ".join(f"{x:.0f}" for x in

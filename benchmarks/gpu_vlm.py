@@ -85,7 +85,6 @@ def sync_check(model_dir: Path, cpu: bool, repeats: int) -> dict:
     """Steps 2 and 3: Megatron -> engine, pull and push, bit-equal to the engine's own load of the files."""
     from safetensors.torch import load_file
 
-    from mtrain.dist import init_distributed
     from mtrain.layouts import model_layout
     from mtrain.models import build_model
     from mtrain.reshard.megatron_side import load_hf_into_megatron

@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 
 def main() -> int:
