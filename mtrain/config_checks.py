@@ -1,0 +1,171 @@
+"""Cross-field checks of a run configuration (`mtrain.config.load_config` runs them), and the error every config
+problem raises. Apart from mtrain/config.py so that the dataclass tree stays readable; these checks are not
+readers of the keys (tests/test_config_readers.py skips this file too)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mtrain.config import RunConfig
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the dotted key."""
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> None:
+    """Simple lower bounds: `section.key >= lo` (or null when optional)."""
+    for key in keys:
+        section, name = key.split(".", 1)
+        obj = getattr(cfg, section)
+        for part in name.split(".")[:-1]:
+            obj = getattr(obj, part)
+        v = getattr(obj, name.split(".")[-1])
+        _check((optional and v is None) or (v is not None and v >= lo), key,
+               f"must be >= {lo}{' or null' if optional else ''}, got {v}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
+    p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
+    _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
+    _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
+              "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
+              "rollout.max_groups_in_flight",
+              "data.arithmetic.num_train", "data.arithmetic.max_operand", "train.micro_batch_size",
+              "data.longtail.num_train", "data.longtail.median_count", "data.longtail.max_count",
+              "train.eval_samples", "sync.bucket_mb")
+    _at_least(cfg, 0, "data.longtail.num_eval", "data.longtail.sigma")
+    _at_least(cfg, 1, "data.count_shapes.num_train", "data.count_shapes.max_shapes")
+    _at_least(cfg, 0, "data.count_shapes.num_eval")
+    _at_least(cfg, 28, "data.count_shapes.min_size")  # one 28 x 28 merged token at least
+    _check(d.count_shapes.max_size >= d.count_shapes.min_size, "data.count_shapes.max_size",
+           f"must be >= data.count_shapes.min_size ({d.count_shapes.min_size}), got {d.count_shapes.max_size}")
+    _at_least(cfg, 28 * 28, "data.max_pixels", optional=True)
+    _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
+              "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
+    _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
+    _at_least(cfg, 1, "parallel.etp", optional=True)
+    _at_least(cfg, 2, "parallel.vpp", optional=True)
+    _at_least(cfg, 2, "data.arithmetic.num_operands")
+    _check(p.vpp is None or p.pp > 1, "parallel.vpp", f"needs parallel.pp > 1 (pp={p.pp})")
+    _check(e.weight_dtype in ("auto", "fp8"), "engine.weight_dtype", f"must be auto or fp8, got {e.weight_dtype!r}")
+    _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
+           f"must be in (0, 1), got {e.mem_fraction_static}")
+    # Every algorithm here uses a group baseline: one sample per prompt gives advantage 0 everywhere.
+    _check(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+           f"must be >= 2 for {a.name} (the group baseline needs several samples), got {r.samples_per_prompt}")
+    _check(r.temperature > 0, "rollout.temperature",
+           f"must be > 0 (greedy rollouts give equal samples and zero advantages), got {r.temperature}")
+    _check(0.0 < r.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    _check(all(i >= 0 for i in r.stop_token_ids), "rollout.stop_token_ids", "token ids must be >= 0")
+    _check(0.0 < a.clip_eps_low < 1.0, "algo.clip_eps_low", f"must be in (0, 1), got {a.clip_eps_low}")
+    _check(a.clip_eps_high > 0.0, "algo.clip_eps_high", f"must be > 0, got {a.clip_eps_high}")
+    _check(a.dual_clip_c is None or a.dual_clip_c > 1.0, "algo.dual_clip_c",
+           f"must be > 1 or null, got {a.dual_clip_c}")
+    _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
+    _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    _check(r.over_sample is None or r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight "
+           f"/ groups trained), got {r.over_sample}")
+    _check(r.partial or r.over_sample is None, "rollout.over_sample", "needs rollout.partial=true")
+    _check(not r.partial or r.offpolicy != "tis" or a.tis_cap is not None, "rollout.offpolicy",
+           "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
+    _check(r.max_staleness is None or r.max_staleness >= 0, "rollout.max_staleness",
+           f"must be >= 0 or null, got {r.max_staleness}")
+    _check(r.max_new_tokens_start is None or 1 <= r.max_new_tokens_start <= r.max_new_tokens,
+           "rollout.max_new_tokens_start", f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}] or null, got "
+           f"{r.max_new_tokens_start}")
+    _check(r.max_new_tokens_ramp_steps >= 0, "rollout.max_new_tokens_ramp_steps",
+           f"must be >= 0, got {r.max_new_tokens_ramp_steps}")
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
+    for k in ("adam_beta1", "adam_beta2"):
+        _check(0.0 <= getattr(o, k) < 1.0, f"optim.{k}", f"must be in [0, 1), got {getattr(o, k)}")
+    _check(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _check((d.task is None) != (d.train_path is None), "data.train_path",
+           "set exactly one of data.train_path and data.task "
+           f"(got train_path={d.train_path!r}, task={d.task!r})")
+    _check(not (d.task and d.eval_path), "data.eval_path",
+           f"a generated task (data.task={d.task!r}) makes its own eval set; unset data.eval_path")
+    _check(bool(d.prompt_key) and bool(d.answer_key), "data.prompt_key", "prompt_key/answer_key must be set")
+    _check(bool(d.arithmetic.ops) and set(d.arithmetic.ops) <= set("+-*"), "data.arithmetic.ops",
+           f"must be a non-empty string of '+', '-', '*', got {d.arithmetic.ops!r}")
+    _check(":" in cfg.reward.fn, "reward.fn", f"must look like 'module:function', got {cfg.reward.fn!r}")
+    _check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0, "reward.timeout_s",
+           f"must be > 0 or null, got {cfg.reward.timeout_s}")
+    _check(t.steps >= 1 or t.val_only, "train.steps", f"must be >= 1, got {t.steps}")
+    gbs = t.global_batch_size if t.global_batch_size is not None else cfg.rollout_batch_size
+    _check(gbs >= 1 and cfg.rollout_batch_size % gbs == 0, "train.global_batch_size",
+           f"must divide the rollout batch (prompts_per_step*samples_per_prompt = {cfg.rollout_batch_size}), "
+           f"got {gbs}")
+    _check(t.max_tokens_per_micro_batch is not None or gbs % t.micro_batch_size == 0, "train.micro_batch_size",
+           f"must divide the global batch size {gbs}, got {t.micro_batch_size}")
+    longest = r.max_prompt_len + r.max_new_tokens
+    if p.cp > 1:  # context parallelism pads every sequence to a multiple of 2 * cp
+        longest = -(-longest // (2 * p.cp)) * 2 * p.cp
+    _check(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch * p.cp >= longest,
+           "train.max_tokens_per_micro_batch", f"(tokens per GPU) x parallel.cp={p.cp} must hold the longest sample a "
+           f"rollout can make (rollout.max_prompt_len + rollout.max_new_tokens) = {longest}"
+           f"{' padded to a multiple of 2*cp' if p.cp > 1 else ''}, got {t.max_tokens_per_micro_batch}")
+    if t.eval_interval > 0 or t.val_before_train or t.val_only:
+        has_eval = d.eval_path is not None or (d.task == "arithmetic" and d.arithmetic.num_eval > 0) or (
+            d.task == "longtail" and d.longtail.num_eval > 0)
+        _check(has_eval, "train.eval_interval",
+               "evaluation is on (eval_interval/val_before_train/val_only) but there is no eval set: "
+               "set data.eval_path, or data.task with data.arithmetic.num_eval > 0")
+    _check(not cfg.model.mtp, "model.mtp",
+           "training the MTP layers is not supported: the RL loss trains the main model only (set model.mtp=false; "
+           "the converted checkpoint keeps the MTP weights)")
+    _check(not o.cpu_offload or o.use_distributed_optimizer, "optim.cpu_offload",
+           "megatron-core offloads the optimizer only with the distributed optimizer: set "
+           "optim.use_distributed_optimizer=true")
+    # megatron-core 0.16.1 builds float32 parameters' optimizer shards as views (non-leaf tensors), which its
+    # HybridDeviceOptimizer refuses ("can't optimize a non-leaf Tensor"): offload is for bf16 training.
+    _check(not o.cpu_offload or cfg.model.dtype == "bfloat16", "optim.cpu_offload",
+           f"needs model.dtype=bfloat16 (megatron-core offloads the fp32 master copies of bf16 weights), got "
+           f"{cfg.model.dtype}")
+    _at_least(cfg, 1, "train.recompute.num_layers")
+    _check(bool(t.run_dir), "train.run_dir", "must not be empty")
+    _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")
+    sv = cfg.serve
+    _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
+    _check(bool(sv.host), "serve.host", "must not be empty")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb")
+    mt = cfg.multi_turn
+    _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
+              "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",
+              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k")
+    for k in ("tool_timeout_s", "sandbox_wall_s"):
+        _check(getattr(mt, k) > 0, f"multi_turn.{k}", f"must be > 0, got {getattr(mt, k)}")
+    _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
+           f"must look like 'module:function' or be null, got {mt.rollout_fn!r}")
+    _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
+    _check(cfg.serve.agent is None or ":" in cfg.serve.agent, "serve.agent",
+           f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
+    _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
+           "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
+    _check(a.routing_replay != "rollout" or not (mt.rollout_fn or cfg.serve.agent), "algo.routing_replay",
+           "trajectories (multi_turn.rollout_fn, serve.agent) do not carry routed experts yet: replay works with "
+           "single-turn rollouts, partial or not (docs/design-routing-replay.md)")
+    _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
+           "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
+           "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Filesystem checks, separate from validate() so a config can be checked on another machine:
+    the HF dir holds config.json; data files and the Megatron checkpoint exist."""
+    hf = Path(cfg.model.hf_path)
+    _check((hf / "config.json").is_file(), "model.hf_path", f"{hf} is not a HF model dir (no config.json)")
+    _check(cfg.model.mcore_ckpt is None or Path(cfg.model.mcore_ckpt).exists(), "model.mcore_ckpt",
+           f"{cfg.model.mcore_ckpt} does not exist")
+    for key in ("train_path", "eval_path"):
+        path = getattr(cfg.data, key)
+        _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
