@@ -62,6 +62,9 @@ class Trajectory:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the session's call log
     sample: Any = None  # the PromptSample
     vision: Any = None  # the prompt's images (mtrain.data.vision.VisionInputs); the prompt segment holds their tokens
+    # Routing replay: [rows, L, k] the engine's routed experts of tokens[:rows] (rows <= len(tokens) - 1), each row as
+    # recorded by the request that first fed or produced that token (`record_routing`); None when not recorded.
+    routed_experts: Any = None
 
     @property
     def tokens(self) -> list[int]:
@@ -106,6 +109,13 @@ class Trajectory:
         else:
             self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text))
 
+    def record_routing(self, comp_routing) -> None:
+        """Keep the routing a turn's completion brought (it covers the whole trajectory so far, minus the last token):
+        rows already held stay as first recorded (as a token's weight version does), the new ones extend them."""
+        if comp_routing is not None:
+            from mtrain.rollout.routing import merge_resumed
+            self.routed_experts = merge_resumed(self.routed_experts, comp_routing, len(self.tokens) - 1)
+
     def check(self) -> None:
         """Raise when the trajectory cannot be trained on (no prompt first, two env segments merged wrongly...)."""
         if not self.segments or self.segments[0].kind != "prompt" or not self.segments[0].ids:
@@ -115,9 +125,10 @@ class Trajectory:
 
 
 def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int = 1,
-             rewards: list[float] | None = None) -> RolloutBatch:
+             rewards: list[float] | None = None, routing=None) -> RolloutBatch:
     """The trainer's padded batch. rewards: one per trajectory (default: each trajectory's `reward`).
-    response_lens counts the tokens after the prompt (model and environment)."""
+    response_lens counts the tokens after the prompt (model and environment). routing: the model's `RoutingShape`
+    when the run replays the engine's routing (every trajectory with model tokens must have recorded it)."""
     if not trajectories:
         raise ValueError("to_batch: no trajectories")
     if rewards is None:
@@ -147,6 +158,21 @@ def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int =
                     engine_lp[i, pos - 1:pos - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float32)
                     versions[i, pos - 1:pos - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
             pos += n
+    routed = None if routing is None else _batch_routing(trajectories, lengths, width, routing)
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
                         torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]),
-                        torch.tensor(lengths), versions, vision_rows([t.vision for t in trajectories]))
+                        torch.tensor(lengths), versions, vision_rows([t.vision for t in trajectories]), routed)
+
+
+def _batch_routing(trajectories: list[Trajectory], lengths: list[int], width: int, shape) -> torch.Tensor:
+    """[B, width, L, k]. Environment tokens after a trajectory's last model turn (max_turns reached after a tool
+    call, the budget spent) were never fed to the engine: their rows hold the filler. They influence no trained
+    token (causal attention), but the disagreement metric counts them."""
+    from mtrain.rollout.routing import batch_routing
+    samples = []
+    for t, n in zip(trajectories, lengths):
+        r = t.routed_experts
+        if r is not None and r.shape[0] < n - 1:
+            r = torch.cat([r, shape.filler().to(r.dtype).expand(n - 1 - r.shape[0], shape.num_layers, shape.top_k)])
+        samples.append((t.rid, n, r, t.num_model_tokens > 0))
+    return batch_routing(shape, width, samples)

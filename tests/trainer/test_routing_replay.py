@@ -145,3 +145,56 @@ def test_rollout_replay_with_padded_context_parallel_is_refused_before_work():
     with pytest.raises(ConfigError, match="needs packed micro-batches"):
         load_config(Path(__file__).resolve().parents[2] / "mtrain/configs/tiny_llama_grpo.yaml",
                     ["algo.routing_replay=rollout", "parallel.cp=2", "train.max_tokens_per_micro_batch=null"])
+
+
+def test_multi_turn_trajectory_keeps_each_tokens_first_recorded_routing(tiny):
+    """Two model turns with a tool result between them, on the reference engine recording its own router: the
+    trajectory's rows are turn 1's request's for every token it fed or produced, and turn 2's request's for the rest
+    (its prefill re-routes turn 1's tokens, which must not replace the rows they were sampled under); a tool result
+    after the last turn was never fed, so its rows are the filler in the batch."""
+    from mtrain.rollout import ReferenceEngine
+    from mtrain.rollout.protocol import Request, SamplingParams
+    from mtrain.rollout.routing import routing_shape
+    from mtrain.rollout.trajectory import Segment, Trajectory, to_batch
+    engine = ReferenceEngine.from_pretrained(str(tiny["qwen3_moe"]), record_routing=True)
+    try:
+        shape = routing_shape(json.loads((tiny["qwen3_moe"] / "config.json").read_text()))
+        traj = Trajectory("t-", [Segment("prompt", [3, 17, 9, 24, 5])], reward=1.0)
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+        comps = []
+        for turn in range(2):
+            comp = engine.generate([Request(f"t-{turn}-", traj.tokens, params)])[0]
+            traj.add_model_tokens(comp.output_ids, comp.logprobs, comp.weight_version)
+            traj.record_routing(comp.routed_experts)
+            comps.append(comp)
+            traj.segments.append(Segment("env", [11, 12, 13]))  # a tool result (the last one is never fed)
+        first = len(comps[0].prompt_ids) + len(comps[0].output_ids) - 1
+        n_fed = len(comps[1].prompt_ids) + len(comps[1].output_ids)
+        assert traj.routed_experts.shape[0] == n_fed - 1
+        assert torch.equal(traj.routed_experts[:first], comps[0].routed_experts)
+        assert torch.equal(traj.routed_experts[first:], comps[1].routed_experts[first:n_fed - 1])
+        batch = to_batch([traj], pad_id=0, routing=shape)
+        assert torch.equal(batch.routed_experts[0, :n_fed - 1], traj.routed_experts.to(shape.dtype))
+        n = len(traj.tokens)
+        assert torch.equal(batch.routed_experts[0, n_fed - 1:n - 1],
+                           shape.filler().expand(n - n_fed, shape.num_layers, shape.top_k))
+    finally:
+        engine.shutdown()
+
+
+def test_rl_loop_replays_the_engines_routing_of_multi_turn_trajectories(tmp_path):
+    """Two GRPO steps on 2 ranks (EP2) with multi-turn tool rollouts: the trajectories carry the engine's routing,
+    the trainer replays it, and the trained tokens' logprobs equal the engine's."""
+    from routing_replay_worker import loop_steps
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("qwen3_moe", tmp_path / "hf", seed=0, overrides={"max_position_embeddings": 1024})
+    extra = {"parallel.tp": 1, "parallel.ep": 2, "algo.routing_replay": "rollout",
+             "multi_turn.rollout_fn": "mtrain.rollout.agents.multi_turn:rollout_group", "multi_turn.tools": "calculator",
+             "multi_turn.max_turns": 2, "multi_turn.max_total_tokens": 700, "rollout.prompts_per_step": 2,
+             "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2, "rollout.max_prompt_len": 600,
+             "train.steps": 2}
+    records = run_on_ranks(loop_steps, 2, str(hf), str(tmp_path / "run"), extra, timeout=600)
+    for rec in records[0]:
+        assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
+        assert rec["logprob_diff/max_abs"] <= LP_TOL, rec
+        assert any(k.startswith("tools/") for k in rec), rec

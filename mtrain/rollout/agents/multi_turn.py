@@ -150,6 +150,8 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
+        if room > 0:
+            traj.record_routing(comp.routed_experts)  # routing replay: None unless the engine records routing
         resuming = False
         if finish == "abort":
             traj.finish_reason = "abort"
