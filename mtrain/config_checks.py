@@ -151,9 +151,6 @@ def validate(cfg: RunConfig) -> None:
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
-    _check(a.routing_replay != "rollout" or not cfg.serve.agent, "algo.routing_replay",
-           "agents' sessions (serve.agent) do not carry routed experts yet: replay works with single-turn and "
-           "multi-turn rollouts, partial or not (docs/design-routing-replay.md)")
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
            "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")

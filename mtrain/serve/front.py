@@ -32,6 +32,7 @@ class Choice:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     content: str | None = None  # chat: the message content (text before the tool calls)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when the request asked for them
+    routed_experts: Any = None  # the engine's routing of prompt + output (routing replay), when it records it
 
 
 @dataclass
@@ -154,7 +155,7 @@ class OpenAIFront:
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
             ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text,
-                        top_logprobs=_cut(c.top_logprobs, len(ids)))
+                        top_logprobs=_cut(c.top_logprobs, len(ids)), routed_experts=c.routed_experts)
             if parser is not None:
                 parsed = parser.parse(text)
                 if parsed.calls:
@@ -168,7 +169,7 @@ class OpenAIFront:
                 if ch.tool_calls:
                     reply["tool_calls"] = ch.tool_calls
                 b = S.record(session, plan, messages, S.tools_key(template_tools), reply, ids, ch.logprobs,
-                             ch.versions, text, stop_text, ch.finish_reason)
+                             ch.versions, text, stop_text, ch.finish_reason, routed=ch.routed_experts)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1
@@ -194,7 +195,8 @@ class OpenAIFront:
                                   top_logprobs=_cut(c.top_logprobs, len(ids))))
             if session is not None:
                 b = S.record(session, plan, [], "completions", {"role": "completion", "content": text}, ids,
-                             c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish)
+                             c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish,
+                             routed=c.routed_experts)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1

@@ -154,9 +154,11 @@ def plan_tokens(session: Session | None, prompt_ids: list[int]) -> Plan:
 
 def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: str,
            reply: dict[str, Any], output_ids: list[int], logprobs: list[float], versions: list[int], text: str,
-           stop_text: str | None, finish_reason: str) -> Branch:
+           stop_text: str | None, finish_reason: str, routed: Any = None) -> Branch:
     """Add one choice of a call as a branch. key: `tools_key(tools)` for chat, "completions" for token prompts.
-    Callers hold no lock: only the HTTP loop's one thread records."""
+    routed: the engine's routing of this call's prompt + output (routing replay): the branch keeps its parent's rows
+    as first recorded and extends them (`Trajectory.record_routing`). Callers hold no lock: only the HTTP loop's one
+    thread records."""
     if plan.parent is not None:
         segments = copy.deepcopy(plan.parent.trajectory.segments)
         if plan.env_ids:
@@ -170,6 +172,8 @@ def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: st
     bid = len(session.branches)
     traj = Trajectory(rid=f"{session.id}/{bid}", segments=segments, messages=messages + [reply],
                       finish_reason=finish_reason, turns=turns + 1)
+    traj.routed_experts = plan.parent.trajectory.routed_experts if plan.parent is not None else None
+    traj.record_routing(routed)
     b = Branch(bid, messages + [reply], key, traj, stop_text,
                plan.parent.id if plan.parent is not None else None,
                rerendered=plan.rerendered)

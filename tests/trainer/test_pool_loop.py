@@ -226,11 +226,11 @@ def test_partial_rollout_of_multi_turn_trajectories_trains(tmp_path):
         assert records[0]["rollout/offpolicy_token_frac"] == 0.0
 
 
-def _agent_steps(rank, world, hf, run_dir):
+def _agent_steps(rank, world, hf, run_dir, extra=None):
     from mtrain.config import load_config
     from mtrain.trainer.loop import Trainer
     over = {"serve.agent": f"{AGENTS}:two_turn_digits", "train.steps": 2, "rollout.prompts_per_step": 2,
-            "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2}
+            "rollout.samples_per_prompt": 2, "train.micro_batch_size": 2, **(extra or {})}
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
     records = [t.train_step() for _ in range(2)]
     t.close()
@@ -246,3 +246,16 @@ def test_openai_client_agents_train_through_the_front(hf_dirs, tmp_path):
         assert rec["session/calls"] == 2.0 and rec["rollout/engines"] >= 1
     assert [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[1]] == \
         [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in res[0]]
+
+
+def test_agents_sessions_carry_the_engines_routing_for_replay(hf_dirs, tmp_path):
+    """serve.agent with algo.routing_replay=rollout on a MoE model (EP2): every recorded session branch keeps the
+    engine's routing of its tokens (the first call's rows as first recorded, the second call's for the rest), the
+    trainer replays it, and the trained tokens' logprobs equal the engines' (float32)."""
+    extra = {"parallel.tp": 1, "parallel.ep": 2, "algo.routing_replay": "rollout"}
+    res = run_on_ranks(_agent_steps, 2, hf_dirs["qwen3_moe"], tmp_path / "run", extra, timeout=400)
+    for rec in res[0]:
+        assert rec["logprob_diff/max_abs"] <= 1e-5, rec
+        assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
+        assert rec["session/calls"] == 2.0
+
