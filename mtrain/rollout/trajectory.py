@@ -172,7 +172,18 @@ def _batch_routing(trajectories: list[Trajectory], lengths: list[int], width: in
     samples = []
     for t, n in zip(trajectories, lengths):
         r = t.routed_experts
-        if r is not None and r.shape[0] < n - 1:
-            r = torch.cat([r, shape.filler().to(r.dtype).expand(n - 1 - r.shape[0], shape.num_layers, shape.top_k)])
+        unfed = _unfed_tail(t)
+        if r is not None and unfed and r.shape[0] == n - 1 - unfed:  # any other row count fails batch_routing's check
+            r = torch.cat([r, shape.filler().to(r.dtype).expand(unfed, shape.num_layers, shape.top_k)])
         samples.append((t.rid, n, r, t.num_model_tokens > 0))
     return batch_routing(shape, width, samples)
+
+
+def _unfed_tail(t: Trajectory) -> int:
+    """Tokens after the trajectory's last model turn (tool results never fed to the engine); 0 without model turns."""
+    tail = 0
+    for s in reversed(t.segments):
+        if s.trained:
+            return tail
+        tail += len(s.ids)
+    return 0

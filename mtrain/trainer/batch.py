@@ -71,32 +71,15 @@ def vision_rows(items: list) -> Any:
 def build_batch(completions: list[Completion], rewards: list[float], pad_id: int, pad_to_multiple: int = 1,
                 routing=None) -> RolloutBatch:
     """routing: the model's `RoutingShape` when the run replays the engine's routing: every completion with output
-    must carry its routed experts (checked here, before any trainer work), and the batch holds them."""
+    must carry its routed experts (checked here, before any trainer work), and the batch holds them.
+    A completion is the two-segment trajectory (prompt, model turn): one batch builder, `trajectory.to_batch`."""
     if not completions:
         raise ValueError("build_batch: no completions")
-    lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
-    t = max(lengths)
-    t = -(-t // pad_to_multiple) * pad_to_multiple
-    b = len(completions)
-    tokens = torch.full((b, t), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, t - 1))
-    engine_lp = torch.zeros((b, t - 1))
-    versions = torch.full((b, t - 1), -1, dtype=torch.long)
-    for i, c in enumerate(completions):
-        p, r = len(c.prompt_ids), len(c.output_ids)
-        tokens[i, :p + r] = torch.tensor(list(c.prompt_ids) + list(c.output_ids), dtype=torch.long)
-        if r:
-            mask[i, p - 1:p - 1 + r] = 1.0
-            engine_lp[i, p - 1:p - 1 + r] = torch.tensor(c.logprobs, dtype=torch.float32)
-            versions[i, p - 1:p - 1 + r] = torch.tensor(c.versions, dtype=torch.long)
-    routed = None
-    if routing is not None:
-        from mtrain.rollout.routing import batch_routing
-        routed = batch_routing(routing, t, [(c.rid, len(c.prompt_ids) + len(c.output_ids), c.routed_experts, bool(
-            c.output_ids)) for c in completions])
-    return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
-                        torch.tensor([len(c.output_ids) for c in completions]), torch.tensor(lengths), versions,
-                        vision_rows([c.vision for c in completions]), routed)
+    from mtrain.rollout.trajectory import Segment, Trajectory, to_batch  # that module builds on this one
+    trajectories = [Trajectory(c.rid, [Segment("prompt", list(c.prompt_ids)),
+                                       Segment("model", list(c.output_ids), list(c.logprobs), c.versions)],
+                               vision=c.vision, routed_experts=c.routed_experts) for c in completions]
+    return to_batch(trajectories, pad_id, pad_to_multiple, rewards=rewards, routing=routing)
 
 
 def dp_rows(seq_lens: torch.Tensor, dp_rank: int, dp_size: int, by_tokens: bool) -> torch.Tensor | slice:
