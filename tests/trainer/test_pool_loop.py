@@ -222,7 +222,10 @@ def test_partial_rollout_of_multi_turn_trajectories_trains(tmp_path):
         assert state["kind"] == "multi_turn" and state == res[0][1]  # every rank holds the same buffer
         for rec in records:
             assert rec["rollout/groups_in_flight"] == 4 and "perf/tail_wait_frac" in rec
-            assert rec["logprob_diff/max_abs"] <= 2e-5 and any(k.startswith("tools/") for k in rec)
+            # a step whose trained groups hold only resumed tokens of older weights masks them all (offpolicy=mask,
+            # which groups make the quota is a race) and reports no gap; every reported gap is held to the bound
+            assert rec.get("logprob_diff/max_abs", 0.0) <= 2e-5 and any(k.startswith("tools/") for k in rec)
+        assert records[0]["logprob_diff/max_abs"] <= 2e-5  # step 1 has no older tokens: its gap is always there
         assert records[0]["rollout/offpolicy_token_frac"] == 0.0
 
 
