@@ -25,7 +25,7 @@ step() {  # name timeout cmd...: the command's whole log in $out, its tail here
 }
 if [[ $parts == *" dsv3 "* ]]; then
     rm -rf /tmp/mtrain-dsv3-small
-    step dsv3_small 480 bash examples/deepseek_v3/small/run_gpu.sh
+    step dsv3_small ${DSV3_TIMEOUT:-540} bash examples/deepseek_v3/small/run_gpu.sh ${DSV3_ARGS:-}
     cp /tmp/mtrain-dsv3-small/run/metrics.jsonl "$out/dsv3_small_metrics.jsonl" 2>/dev/null
 fi
 if [[ $parts == *" timeout "* ]]; then
