@@ -61,7 +61,7 @@ class EngineConfig:
     tp: int = 1
     ep: int = 1  # SGLang expert parallelism inside the engine's TP group (MoE over ep x tp/ep)
     mem_fraction_static: float = 0.5
-    attention_backend: str | None = None  # None = SGLang's choice
+    attention_backend: str | None = None  # SGLang's attention_backend; None = "triton" (rollout/sglang_wire.py)
     nnodes: int = 1  # nodes one SGLang engine spans (engine.tp = nnodes x ranks per node); docs/design-pool.md
     colocate: bool = True  # engines release weights + KV cache while training runs, and take them back for rollout
     offload_train: bool = False  # move grads/optimizer state to host while the engines generate (metrics: offload/*)

@@ -46,6 +46,10 @@ def engine_server_args(
         skip_tokenizer_init=True,  # token ids in, token ids out
         enable_memory_saver=True,  # release/resume by tags
         attention_backend="triton",
+        # The vision tower's attention (Qwen2.5-VL): on Hopper SGLang picks "fa3" (layers/attention/vision.py:
+        # 1215-1230), which needs sgl_kernel's flash_ops; the device bundle has none, and the H200 run died on the
+        # first image (2026-11-30). Its Triton kernel needs nothing beyond triton. Text-only models never read it.
+        mm_attention_backend="triton_attn",
         sampling_backend="pytorch",  # flashinfer's sampler asserts when a sampling seed is set (sampler.py:267-269)
         grammar_backend="none",
         mem_fraction_static=mem_fraction_static,

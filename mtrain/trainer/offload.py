@@ -15,12 +15,15 @@ import torch
 
 
 def _storages(actor) -> list[torch.Tensor]:
-    """One tensor per distinct storage: gradient buffers and optimizer state (never the parameters themselves)."""
+    """One tensor per distinct storage: gradient buffers and optimizer state (never the parameters themselves),
+    only those on the parameters' device: with `optim.cpu_offload` megatron-core already keeps the optimizer's state
+    on the host (pinned, not resizable), and there is nothing to move (2 x H200, 2026-11-30: resize_ raised)."""
     params = {p.untyped_storage().data_ptr() for c in actor.chunks for p in c.parameters()}
+    device = next(p.device for c in actor.chunks for p in c.parameters())
     found: dict[int, torch.Tensor] = {}
 
     def add(t) -> None:
-        if isinstance(t, torch.Tensor) and t.numel():
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == device:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 found.setdefault(ptr, t)
@@ -54,11 +57,14 @@ class TrainOffload:
     def offload(self) -> dict[str, float]:
         if not self.enabled or self._held:
             return {}
-        t0, moved = time.perf_counter(), 0
+        t0, moved, kept = time.perf_counter(), 0, 0
         pin = torch.cuda.is_available()
         for t in _storages(self.actor):
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
+            if not storage.resizable():  # e.g. memory another library owns: it stays, and the metric says so
+                kept += nbytes
+                continue
             flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             host.copy_(flat)
@@ -67,7 +73,8 @@ class TrainOffload:
             moved += nbytes
         if pin:
             torch.cuda.synchronize()
-        return {"offload/bytes": float(moved), "time/offload": time.perf_counter() - t0}
+        return {"offload/bytes": float(moved), "offload/kept_bytes": float(kept),
+                "time/offload": time.perf_counter() - t0}
 
     @torch.no_grad()
     def reload(self) -> dict[str, float]:

@@ -234,8 +234,8 @@ def test_engine_server_args_pin_the_layout_the_loader_assumes():
                               random_seed=7, extra={"custom_weight_loader": ["pkg.mod.fn"], "log_level": "info"})
     assert args["custom_weight_loader"] == [L.LOAD_DIRECT, L.DUMP_PARAMS, "pkg.mod.fn"]
     assert (args["moe_runner_backend"], args["disable_shared_experts_fusion"], args["skip_tokenizer_init"],
-            args["enable_memory_saver"], args["cuda_graph_backend_prefill"], args["weight_version"]) == (
-        "triton", True, True, True, "disabled", "0")
+            args["enable_memory_saver"], args["cuda_graph_backend_prefill"], args["weight_version"],
+            args["mm_attention_backend"]) == ("triton", True, True, True, "disabled", "0", "triton_attn")
     assert (args["tp_size"], args["base_gpu_id"], args["load_format"], args["log_level"]) == (2, 1, "dummy", "info")
 
 
