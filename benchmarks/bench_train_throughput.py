@@ -131,6 +131,7 @@ def main() -> None:
     from mtrain.dist import init_distributed
     from mtrain.trainer.actor import Actor
 
+    t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
     hf = dict(LLAMA, **MODELS[args.model])
     init_distributed(seed=args.seed)
@@ -167,37 +168,51 @@ def main() -> None:
     valid = torch.arange(batch.tokens.shape[1] - 1)[None, :] < (batch.seq_lens[:, None] - 1)
     diff = (lp["packed"] - lp["padded"]).abs()[valid]
     lp_diff = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
+    print(f"setup {time.perf_counter() - t_start:.1f} s (actor, batches, packed vs padded logprob check)", flush=True)
     times = {m: [] for m in modes}
+    peak = args.peak_tflops or (989.0 if cuda else None)
+
+    def report() -> dict:  # from the rounds measured so far; written after each round, so a cut run leaves them
+        results = {}
+        for m, (cfg, b) in modes.items():
+            lengths = b.seq_lens.tolist()
+            t = statistics.median(times[m])
+            tflops = model_flops(hf, lengths) / t / 1e12
+            results[m] = {"seconds": t, "useful_tokens": int(sum(lengths)), "computed_slots":
+                          int(b.size * b.tokens.shape[1]) if m != "packed" else int(sum(lengths)),
+                          "tokens_per_s": sum(lengths) / t, "tflops": tflops,
+                          "mfu": tflops / peak if peak else None, "all_seconds": times[m]}
+        out = {
+            "machine": torch.cuda.get_device_name() if cuda else
+            f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
+            "model": args.model, "dtype": "bfloat16" if cuda else "float32", "results": results,
+            "rounds_measured": len(times["ceiling"]),
+            "length_stats": {"mean": useful / len(shapes), "max": int(batch.seq_lens.max()),
+                             "padded_width": int(batch.tokens.shape[1])},
+            "logprob_packed_vs_padded": lp_diff,
+            "packed_over_padded_tokens_per_s": results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"],
+            "packed_over_ceiling_tflops": results["packed"]["tflops"] / results["ceiling"]["tflops"],
+            "packed_over_ceiling_tokens_per_s": results["packed"]["tokens_per_s"] /
+            results["ceiling"]["tokens_per_s"],
+            "padded_over_ceiling_tflops": results["padded"]["tflops"] / results["ceiling"]["tflops"],
+        }
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return out
+
+    out = None
     for rnd in range(args.warmup + args.steps):
         for m, (cfg, b) in modes.items():
             actor.cfg = cfg
             dt = one_step(actor, b)
+            print(f"round {rnd}{' (warm-up)' if rnd < args.warmup else ''} {m}: {dt:.3f} s", flush=True)
             if rnd >= args.warmup:
                 times[m].append(dt)
-
-    peak = args.peak_tflops or (989.0 if cuda else None)
-    results = {}
-    for m, (cfg, b) in modes.items():
-        lengths = b.seq_lens.tolist()
-        t = statistics.median(times[m])
-        tflops = model_flops(hf, lengths) / t / 1e12
-        results[m] = {"seconds": t, "useful_tokens": int(sum(lengths)), "computed_slots":
-                      int(b.size * b.tokens.shape[1]) if m != "packed" else int(sum(lengths)),
-                      "tokens_per_s": sum(lengths) / t, "tflops": tflops,
-                      "mfu": tflops / peak if peak else None, "all_seconds": times[m]}
-    out = {
-        "machine": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
-                                                             f"{torch.get_num_threads()} threads)",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
-        "model": args.model, "dtype": "bfloat16" if cuda else "float32", "results": results,
-        "length_stats": {"mean": useful / len(shapes), "max": int(batch.seq_lens.max()),
-                         "padded_width": int(batch.tokens.shape[1])},
-        "logprob_packed_vs_padded": lp_diff,
-        "packed_over_padded_tokens_per_s": results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"],
-        "packed_over_ceiling_tflops": results["packed"]["tflops"] / results["ceiling"]["tflops"],
-        "packed_over_ceiling_tokens_per_s": results["packed"]["tokens_per_s"] / results["ceiling"]["tokens_per_s"],
-        "padded_over_ceiling_tflops": results["padded"]["tflops"] / results["ceiling"]["tflops"],
-    }
+        if rnd >= args.warmup:
+            out = report()
+    results = out["results"]
     for m, r in results.items():
         print(f"{m:8s} {r['seconds']:8.3f} s  {r['useful_tokens']:8d} useful tokens  {r['tokens_per_s']:10.1f} tok/s  "
               f"{r['tflops']:8.3f} TFLOP/s" + (f"  MFU {r['mfu']:.3f}" if r["mfu"] else ""))
@@ -206,9 +221,6 @@ def main() -> None:
         print(f"{k}: {out[k]:.3f}")
     print(f"logprobs packed vs padded: max |diff| {lp_diff['max_abs']:.3g}, mean {lp_diff['mean_abs']:.3g}")
     print(json.dumps(out))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
