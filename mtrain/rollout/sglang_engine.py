@@ -62,6 +62,7 @@ from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine
     sglang_image_data,
     completion_from_output,
     engine_server_args,
+    routing_request_args,
     serialize_bucket,
     to_sglang_sampling,
 )
@@ -238,7 +239,7 @@ class SGLangEngine(RolloutEngine):
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
                 return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
                 **({"image_data": images} if images is not None else {}),
-                **({"return_routed_experts": True} if self._routing is not None else {}))
+                **routing_request_args(req, self._routing))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
