@@ -20,7 +20,6 @@ Writes the JSON after every model. Exit code 1 when a row count is wrong or toke
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
