@@ -21,7 +21,7 @@ from typing import Any
 
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import Completion, Request, SamplingParams
-from mtrain.rollout.routing import merge_resumed
+from mtrain.rollout.routing import held_rows, merge_resumed
 
 
 @dataclass
@@ -35,6 +35,7 @@ class SampleState:
     # routing replay: [prompt + outputs - 1, layers, top_k] routed experts, each token's row kept from the request
     # that first fed it (like its weight version); None when the engine records none
     routing: Any = None
+    routing_rows_received: int = 0  # rows the engine sent over all its requests (the traffic metric)
 
 
 @dataclass
@@ -58,7 +59,8 @@ class GroupState:
         return [Completion(rid=f"g{self.uid}-{j}", prompt_ids=list(self.prompt_ids), output_ids=list(s.output_ids),
                            logprobs=list(s.logprobs), finish_reason=s.finish_reason or "abort",
                            weight_version=max(s.versions, default=0), token_versions=list(s.versions),
-                           routed_experts=s.routing if s.output_ids else None)
+                           routed_experts=s.routing if s.output_ids else None,
+                           routed_rows_received=s.routing_rows_received)
                 for j, s in enumerate(self.samples)]
 
 
@@ -77,18 +79,22 @@ def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix
         return None
     # A resumed sample draws from a fresh stream (seed advanced by its resume count): its sampler state was lost
     # with the abort; greedy samples continue exactly.
+    # Routing replay: ask only for the rows past those the sample holds (its earlier requests' stay as recorded).
     return Request(rid=f"{rid_prefix}-g{group.uid}-{j}-", prompt_ids=list(group.prompt_ids) + list(s.output_ids),
                    params=SamplingParams(max_new_tokens=left, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, stop_token_ids=params.stop_token_ids,
-                                         seed=s.seed + 7919 * s.resumes))
+                                         seed=s.seed + 7919 * s.resumes),
+                   routed_experts_start=held_rows(s.routing) if s.output_ids else 0)
 
 
 def apply(group: GroupState, j: int, c: Completion) -> None:
     """Append what a (possibly aborted) request generated to sample j, with the version of every new token."""
     s = group.samples[j]
+    if c.routed_experts is not None:
+        s.routing_rows_received += int(c.routed_experts.shape[0])
     if c.output_ids:  # a request aborted before it produced anything brings no routing and changes none
         rows = len(group.prompt_ids) + len(s.output_ids) + len(c.output_ids) - 1
-        s.routing = c.routed_experts if not s.output_ids else merge_resumed(s.routing, c.routed_experts, rows)
+        s.routing = merge_resumed(s.routing if s.output_ids else None, c.routed_experts, rows, c.routed_experts_start)
     s.output_ids += list(c.output_ids)
     s.logprobs += list(c.logprobs)
     s.versions += c.versions

@@ -86,6 +86,28 @@ class Request:
     # Images of the prompt (mtrain.data.vision.VisionInputs): pixel values and patch grids computed once by the
     # processor; prompt_ids already hold each image's expanded image tokens. None: a text-only request.
     vision: Any = None
+    # Routing replay: return routed experts only from this input position on (SGLang's routed_experts_start_len):
+    # a caller that already holds the rows of prompt_ids[:start] (an earlier turn, an aborted request it resumes)
+    # asks for the rest only. 0 <= start <= len(prompt_ids); 0 = every row. Ignored by engines that record none.
+    routed_experts_start: int = 0
+
+    def __post_init__(self) -> None:
+        bad = routed_start_error(self)
+        if bad:
+            raise ValueError(bad)
+
+
+def routed_start_error(req: "Request") -> str | None:
+    """Why `req.routed_experts_start` is unusable, or None. Engines re-check it (a request may be changed after it
+    was built) and raise EngineError with the same message."""
+    start = req.routed_experts_start
+    if isinstance(start, bool) or not isinstance(start, int):
+        return f"request {req.rid!r}: routed_experts_start must be an int, got {start!r}"
+    n = len(req.prompt_ids) if req.prompt_ids is not None else 0
+    if not 0 <= start <= n:
+        return (f"request {req.rid!r}: routed_experts_start {start} is outside [0, {n}] (the prompt's "
+                f"{n} tokens): rows can be asked from any prompt position, no further")
+    return None
 
 
 @dataclass
@@ -111,9 +133,14 @@ class Completion:
     # when the request asked for none.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     vision: Any = None  # the request's VisionInputs, passed through so the trainer's batch keeps the images
-    # Routing replay (mtrain/rollout/routing.py): [prompt + output - 1, layers, top_k] logical expert ids of every input
-    # token, when the engine records them; None otherwise.
+    # Routing replay (mtrain/rollout/routing.py): [prompt + output - 1 - routed_experts_start, layers, top_k] logical
+    # expert ids of the input tokens from position routed_experts_start on (row i = token start + i), when the engine
+    # records them; None otherwise.
     routed_experts: torch.Tensor | None = None
+    routed_experts_start: int = 0  # the request's: the input position routed_experts' first row belongs to
+    # Rows the engine(s) sent for this sample over all its requests (a partial-rollout sample resumed after aborts);
+    # None: those of routed_experts. Only the `routing/engine_bytes_*` metrics read it.
+    routed_rows_received: int | None = None
 
     @property
     def versions(self) -> list[int]:
@@ -127,10 +154,16 @@ class Completion:
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
             raise ValueError(f"Completion {self.rid!r}: {len(self.output_ids)} output ids but "
                              f"{len(self.top_logprobs)} top-logprob lists")
-        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.prompt_ids) + len(
-                self.output_ids) - 1:
-            raise ValueError(f"Completion {self.rid!r}: routed experts cover {self.routed_experts.shape[0]} tokens, "
-                             f"expected prompt + output - 1 = {len(self.prompt_ids) + len(self.output_ids) - 1}")
+        start = self.routed_experts_start
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(self.prompt_ids):
+            raise ValueError(f"Completion {self.rid!r}: routed_experts_start {start!r} is outside "
+                             f"[0, {len(self.prompt_ids)}]")
+        if self.routed_experts is not None:
+            from mtrain.rollout.routing import routed_rows
+            want = routed_rows(len(self.prompt_ids), len(self.output_ids), start)
+            if self.routed_experts.shape[0] != want:
+                raise ValueError(f"Completion {self.rid!r}: routed experts cover {self.routed_experts.shape[0]} "
+                                 f"tokens, expected prompt + output - 1 - start = {want} (start {start})")
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion {self.rid!r}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"

@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.batcher import Batcher
-from mtrain.rollout.protocol import MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams
+from mtrain.rollout.protocol import (MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams,
+                                     routed_start_error)
 from mtrain.rollout.vision_requests import check_vision_request, vision_prefill
 
 
@@ -415,6 +416,9 @@ class ReferenceEngine(RolloutEngine):
         bad = [t for t in req.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab]
         if bad:
             raise EngineError(f"generate: request {req.rid!r} has token ids outside [0, {self._vocab}): {bad[:5]}")
+        bad = routed_start_error(req)
+        if bad:
+            raise EngineError(f"generate: {bad}")
         check_vision_request(req, self._config.image_token_id if self._vlm else None, self._config.model_type)
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if self._max_positions is not None and total > self._max_positions:
@@ -510,5 +514,13 @@ class ReferenceEngine(RolloutEngine):
                            finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
                            top_logprobs=tops[i], vision=r.vision,
                            # none for a request aborted before its prefill, as SGLang gives none for one aborted in its queue
-                           routed_experts=torch.cat(routed[i]) if self._routing is not None and routed[i] else None)
+                           routed_experts=self._routed_from(routed[i], r.routed_experts_start),
+                           routed_experts_start=r.routed_experts_start)
                 for i, r in enumerate(reqs)]
+
+    def _routed_from(self, per_forward: list[torch.Tensor], start: int) -> torch.Tensor | None:
+        """A request's rows from input position `start` on, as SGLang's routed_experts_start_len returns them. Every
+        row is recorded anyway (the forward routes every token): the saving is in what the caller receives."""
+        if self._routing is None or not per_forward:
+            return None
+        return torch.cat(per_forward)[start:].clone()

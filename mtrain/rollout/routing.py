@@ -73,8 +73,7 @@ class RoutingShape:
             raise RoutingError(f"{what}: routed experts have shape {tuple(routing.shape)}; this model needs "
                                f"[tokens, {self.num_layers} layers, top_k {self.top_k}]")
         if routing.shape[0] != rows:
-            raise RoutingError(f"{what}: routed experts cover {routing.shape[0]} tokens, expected {rows} "
-                               f"(prompt + output - 1)")
+            raise RoutingError(f"{what}: routed experts cover {routing.shape[0]} tokens, expected {rows}")
         if routing.is_floating_point() or routing.dtype == torch.bool:
             raise RoutingError(f"{what}: routed experts must be integers, got {routing.dtype}")
         if rows and self.moe_layers:
@@ -121,18 +120,60 @@ def decode_sglang(payload: str, shape: RoutingShape, rows: int, what: str) -> to
     return arr.to(shape.dtype)
 
 
-def merge_resumed(kept: torch.Tensor | None, new: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """Routing of a sample continued after an abort (partial rollout): the rows it already had stay as recorded
-    when they were generated (like their weight versions), the resumed request's rows fill the rest. Returns
-    [rows, L, k]; None when the resumed request brought none. Without kept rows (an engine that returned none for the
-    aborted request) the resumed request's own rows serve: it re-fed every earlier token."""
+def routed_rows(prompt_len: int, output_len: int, start: int = 0) -> int:
+    """Rows a request returns: input tokens `start`..prompt + output - 2 (the last generated token is never fed).
+    SGLang's rule for `routed_experts_start_len` (SGLANG-NEXT.md question 1), which the reference engine follows."""
+    return max(0, prompt_len + output_len - 1 - start)
+
+
+def held_rows(routing: torch.Tensor | None) -> int:
+    """The first position whose routing a caller holding `routing` lacks: what its next request asks from
+    (`Request.routed_experts_start`); 0 when it holds none (the engine then sends every row)."""
+    return 0 if routing is None else int(routing.shape[0])
+
+
+def merge_resumed(kept: torch.Tensor | None, new: torch.Tensor | None, rows: int, start: int = 0
+                  ) -> torch.Tensor | None:
+    """Routing of a sample continued by another request (a partial-rollout resume, a tool trajectory's next turn, an
+    agent session's next call): the rows it already had stay as recorded when they were first fed (like their weight
+    versions), the new request's rows fill the rest. `new` covers positions start..start + len(new) - 1 (the
+    request's `routed_experts_start`, as its Completion says), so it is placed at that offset; a gap between the
+    rows held and `start` is an error, never a shift. Returns [rows, L, k]; None when the new request brought none.
+    Without kept rows (an engine that returned none for the aborted request) the new rows serve from position 0."""
     if new is None:
         return None
-    if new.shape[0] < rows:
-        raise RoutingError(f"resumed routing covers {new.shape[0]} tokens, the sample has {rows}")
+    held = held_rows(kept)
+    if start < 0 or start > held:
+        raise RoutingError(f"routing from position {start} cannot extend the {held} rows held (positions "
+                           f"{held}..{start - 1} would have no routing)")
+    if start + new.shape[0] < rows:
+        raise RoutingError(f"resumed routing covers {start + new.shape[0]} tokens, the sample has {rows}")
     if kept is None:
         return new[:rows].clone()
-    return torch.cat([kept, new[kept.shape[0]:rows]]) if kept.shape[0] < rows else kept[:rows].clone()
+    if held >= rows:
+        return kept[:rows].clone()
+    return torch.cat([kept, new[held - start:rows - start].to(kept.dtype)])
+
+
+def received_bytes(samples, shape: RoutingShape) -> dict[str, float]:
+    """What the engines sent for a step's samples (Completions or Trajectories), in SGLang's int32 payload bytes
+    (before base64): per stored routing row (`routing/engine_bytes_per_token`; one payload row per token when every
+    request asks only for the rows its caller lacks) and per sample. A Completion's rows received are its
+    `routed_rows_received` (a partial-rollout sample's over all its requests) or its own rows; a Trajectory's are
+    its `routing_rows_received`."""
+    stored = received = 0
+    for s in samples:
+        rows = held_rows(getattr(s, "routed_experts", None))
+        got = getattr(s, "routed_rows_received", None)
+        if got is None:
+            got = getattr(s, "routing_rows_received", None)
+        stored += rows
+        received += rows if got is None else int(got)
+    if not stored or not samples:
+        return {}
+    per = shape.sglang_bytes_per_token
+    return {"routing/engine_bytes_per_token": received * per / stored,
+            "routing/engine_bytes_per_sample": received * per / len(samples)}
 
 
 def set_disagreement(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

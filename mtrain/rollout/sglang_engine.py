@@ -62,6 +62,7 @@ from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine
     sglang_image_data,
     completion_from_output,
     engine_server_args,
+    routing_request_args,
     serialize_bucket,
     to_sglang_sampling,
 )
@@ -210,6 +211,7 @@ class SGLangEngine(RolloutEngine):
         for r in requests:
             if not r.prompt_ids or not all(isinstance(t, int) and t >= 0 for t in r.prompt_ids):
                 raise EngineError(f"request {r.rid!r}: prompt_ids must be a non-empty list of token ids")
+            routing_request_args(r, self._routing)  # a bad routed_experts_start: refused before SGLang sees any
         # Our own fixed-length rids: SGLang's scheduler aborts by prefix, so "a1" would also abort "a10".
         srids = [uuid.uuid4().hex for _ in requests]
         self._inflight.update(zip(srids, requests))
@@ -238,7 +240,7 @@ class SGLangEngine(RolloutEngine):
                 input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
                 return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
                 **({"image_data": images} if images is not None else {}),
-                **({"return_routed_experts": True} if self._routing is not None else {}))
+                **routing_request_args(req, self._routing))
         except self._aborted_error:
             return None  # aborted before it reached the scheduler: no tokens
 
@@ -248,6 +250,11 @@ class SGLangEngine(RolloutEngine):
         if not request.prompt_ids or not all(isinstance(t, int) and t >= 0 for t in request.prompt_ids):
             out.set_exception(EngineError(f"request {request.rid!r}: prompt_ids must be a non-empty list of "
                                           "token ids"))
+            return out
+        try:
+            routing_request_args(request, self._routing)  # a bad routed_experts_start fails this request only
+        except EngineError as e:
+            out.set_exception(e)
             return out
         srid = uuid.uuid4().hex
         self._inflight[srid] = request

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams
+from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams, routed_start_error
 from mtrain.rollout.sglang_loader import DUMP_PARAMS, LOAD_DIRECT
 
 logger = logging.getLogger("mtrain.rollout.sglang_engine")
@@ -145,12 +145,27 @@ def sglang_image_data(req: Request) -> list[dict[str, Any]] | None:
              "image_grid_thw": req.vision.image_grid_thw}]
 
 
+def routing_request_args(req: Request, routing) -> dict[str, Any]:
+    """The `Engine.async_generate` keywords that ask for a request's routed experts (io_struct.py:230-235,
+    engine.py:373-374): none when the engine records no routing (`routing` None); otherwise every row from the
+    request's `routed_experts_start` on (`routed_experts_start_len`, which SGLang requires in [0, prompt_len] and
+    aborts the request otherwise: we refuse it here first, with our message)."""
+    if routing is None:
+        return {}
+    bad = routed_start_error(req)
+    if bad:
+        raise EngineError(bad)
+    return {"return_routed_experts": True, "routed_experts_start_len": int(req.routed_experts_start)}
+
+
 def completion_from_output(req: Request, out: Mapping[str, Any], default_version: int, routing=None) -> Completion:
     """One SGLang generate output (tokenizer_manager.py:2214-2380) as a Completion.
 
     routing: the model's `mtrain.rollout.routing.RoutingShape` when the engine returns routed experts
-    (`enable_return_routed_experts`): `meta_info["routed_experts"]` (base64 int32 [prompt + output - 1, L, k]) is
-    decoded into the stored dtype. A finished request without it is an error (the server flag is missing)."""
+    (`enable_return_routed_experts`): `meta_info["routed_experts"]` (base64 int32 [prompt + output - 1 - start, L, k],
+    start = the request's `routed_experts_start`; SGLANG-NEXT.md question 1) is decoded into the stored dtype and its
+    row count checked against that start; the Completion says where its rows start. A finished request without it
+    is an error (the server flag is missing)."""
     meta = out.get("meta_info", {})
     output_ids = [int(t) for t in out.get("output_ids", [])]
     entries = meta.get("output_token_logprobs") or []
@@ -170,22 +185,24 @@ def completion_from_output(req: Request, out: Mapping[str, Any], default_version
         version = int(version)
     except (TypeError, ValueError):
         raise EngineError(f"request {req.rid!r}: weight_version {version!r} is not an int") from None
-    routed = None
+    routed, start = None, 0
     if routing is not None:
-        from mtrain.rollout.routing import RoutingError, decode_sglang
+        from mtrain.rollout.routing import RoutingError, decode_sglang, routed_rows
+        start = req.routed_experts_start
         payload = meta.get("routed_experts")
         if payload is None and _FINISH[kind] != "abort":
             raise EngineError(f"request {req.rid!r}: SGLang returned no routed experts (server started without "
                               f"enable_return_routed_experts?)")
         if payload is not None:
             try:
-                routed = decode_sglang(payload, routing, len(req.prompt_ids) + len(output_ids) - 1,
-                                       f"request {req.rid!r}")
+                routed = decode_sglang(payload, routing, routed_rows(len(req.prompt_ids), len(output_ids), start),
+                                       f"request {req.rid!r} (routed_experts_start_len {start})")
             except RoutingError as e:
                 raise EngineError(str(e)) from None
     return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids, logprobs=logprobs,
                       finish_reason=_FINISH[kind], weight_version=version, vision=req.vision,
-                      top_logprobs=top_logprobs_from_meta(req, meta, len(output_ids)), routed_experts=routed)
+                      top_logprobs=top_logprobs_from_meta(req, meta, len(output_ids)), routed_experts=routed,
+                      routed_experts_start=start)
 
 
 def top_logprobs_from_meta(req: Request, meta: Mapping[str, Any], n_tokens: int) -> list | None:

@@ -65,6 +65,7 @@ class Trajectory:
     # Routing replay: [rows, L, k] the engine's routed experts of tokens[:rows] (rows <= len(tokens) - 1), each row as
     # recorded by the request that first fed or produced that token (`record_routing`); None when not recorded.
     routed_experts: Any = None
+    routing_rows_received: int = 0  # rows the engine sent over all of this trajectory's requests (traffic metric)
 
     @property
     def tokens(self) -> list[int]:
@@ -109,12 +110,20 @@ class Trajectory:
         else:
             self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text))
 
-    def record_routing(self, comp_routing) -> None:
-        """Keep the routing a turn's completion brought (it covers the whole trajectory so far, minus the last token):
-        rows already held stay as first recorded (as a token's weight version does), the new ones extend them."""
+    @property
+    def routing_start(self) -> int:
+        """The first position whose routing this trajectory lacks: the next request's `routed_experts_start`."""
+        from mtrain.rollout.routing import held_rows
+        return held_rows(self.routed_experts)
+
+    def record_routing(self, comp_routing, start: int = 0) -> None:
+        """Keep the routing a turn's completion brought: rows of the trajectory's tokens from position `start` (the
+        completion's `routed_experts_start`) to the last token minus one. Rows already held stay as first recorded (as
+        a token's weight version does), the new ones extend them at their own positions."""
         if comp_routing is not None:
             from mtrain.rollout.routing import merge_resumed
-            self.routed_experts = merge_resumed(self.routed_experts, comp_routing, len(self.tokens) - 1)
+            self.routed_experts = merge_resumed(self.routed_experts, comp_routing, len(self.tokens) - 1, start)
+            self.routing_rows_received += int(comp_routing.shape[0])
 
     def check(self) -> None:
         """Raise when the trajectory cannot be trained on (no prompt first, two env segments merged wrongly...)."""

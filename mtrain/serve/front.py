@@ -33,6 +33,7 @@ class Choice:
     content: str | None = None  # chat: the message content (text before the tool calls)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when the request asked for them
     routed_experts: Any = None  # the engine's routing of prompt + output (routing replay), when it records it
+    routed_start: int = 0  # the input position routed_experts' first row belongs to (the request's start)
 
 
 @dataclass
@@ -100,11 +101,13 @@ class OpenAIFront:
                 for j in range(req.n)]
 
     async def _generate(self, prompt_ids: list[int], params: list[SamplingParams],
-                        session: S.Session | None) -> list[Completion]:
+                        session: S.Session | None, routed_start: int = 0) -> list[Completion]:
+        """routed_start: routing replay, the first position whose routing the continued branch lacks."""
         call = next(self._rid)
         head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
         return list(await asyncio.gather(*(
-            self._one(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p))
+            self._one(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p,
+                              routed_experts_start=routed_start))
             for j, p in enumerate(params))))
 
     async def _one(self, request: Request) -> Completion:
@@ -146,7 +149,7 @@ class OpenAIFront:
         plan = S.plan_chat(session, messages, template_tools, self.tokenizer, self._render_prompt,
                            self._render_suffix)
         params = self._params(req, len(plan.prompt_ids))
-        completions = await self._generate(plan.prompt_ids, params, session)
+        completions = await self._generate(plan.prompt_ids, params, session, plan.routed_experts_start)
         parser = None
         if template_tools:
             from mtrain.tools.parsers import ToolCallParser
@@ -155,7 +158,8 @@ class OpenAIFront:
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
             ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text,
-                        top_logprobs=_cut(c.top_logprobs, len(ids)), routed_experts=c.routed_experts)
+                        top_logprobs=_cut(c.top_logprobs, len(ids)), routed_experts=c.routed_experts,
+                        routed_start=c.routed_experts_start)
             if parser is not None:
                 parsed = parser.parse(text)
                 if parsed.calls:
@@ -169,7 +173,8 @@ class OpenAIFront:
                 if ch.tool_calls:
                     reply["tool_calls"] = ch.tool_calls
                 b = S.record(session, plan, messages, S.tools_key(template_tools), reply, ids, ch.logprobs,
-                             ch.versions, text, stop_text, ch.finish_reason, routed=ch.routed_experts)
+                             ch.versions, text, stop_text, ch.finish_reason, routed=ch.routed_experts,
+                             routed_start=ch.routed_start)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1
@@ -187,7 +192,7 @@ class OpenAIFront:
         plan = S.plan_tokens(session, prompt) if not isinstance(req.prompt, str) else S.Plan(
             None, prompt, [], "", rerendered=bool(session is not None and session.branches))
         params = self._params(req, len(prompt))
-        completions = await self._generate(prompt, params, session)
+        completions = await self._generate(prompt, params, session, plan.routed_experts_start)
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
@@ -196,7 +201,7 @@ class OpenAIFront:
             if session is not None:
                 b = S.record(session, plan, [], "completions", {"role": "completion", "content": text}, ids,
                              c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish,
-                             routed=c.routed_experts)
+                             routed=c.routed_experts, routed_start=c.routed_experts_start)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1

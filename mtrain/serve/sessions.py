@@ -46,6 +46,14 @@ class Plan:
     env_text: str
     rerendered: bool = False  # a fresh rendering although the session already had branches (edited history)
 
+    @property
+    def routed_experts_start(self) -> int:
+        """Routing replay: the first position whose routing the parent branch lacks (0 for a fresh rendering), so the
+        call asks the engine only for the rows past those the branch already holds."""
+        if self.parent is None:
+            return 0
+        return self.parent.trajectory.routing_start
+
 
 @dataclass
 class Session:
@@ -154,11 +162,12 @@ def plan_tokens(session: Session | None, prompt_ids: list[int]) -> Plan:
 
 def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: str,
            reply: dict[str, Any], output_ids: list[int], logprobs: list[float], versions: list[int], text: str,
-           stop_text: str | None, finish_reason: str, routed: Any = None) -> Branch:
+           stop_text: str | None, finish_reason: str, routed: Any = None, routed_start: int = 0) -> Branch:
     """Add one choice of a call as a branch. key: `tools_key(tools)` for chat, "completions" for token prompts.
-    routed: the engine's routing of this call's prompt + output (routing replay): the branch keeps its parent's rows
-    as first recorded and extends them (`Trajectory.record_routing`). Callers hold no lock: only the HTTP loop's one
-    thread records."""
+    routed: the engine's routing of this call's prompt + output from position `routed_start` on (the completion's
+    `routed_experts_start`; the call asked from `plan.routed_experts_start`) (routing replay): the branch keeps its
+    parent's rows as first recorded and extends them (`Trajectory.record_routing`). Callers hold no lock: only the
+    HTTP loop's one thread records."""
     if plan.parent is not None:
         segments = copy.deepcopy(plan.parent.trajectory.segments)
         if plan.env_ids:
@@ -172,8 +181,10 @@ def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: st
     bid = len(session.branches)
     traj = Trajectory(rid=f"{session.id}/{bid}", segments=segments, messages=messages + [reply],
                       finish_reason=finish_reason, turns=turns + 1)
-    traj.routed_experts = plan.parent.trajectory.routed_experts if plan.parent is not None else None
-    traj.record_routing(routed)
+    if plan.parent is not None:
+        traj.routed_experts = plan.parent.trajectory.routed_experts
+        traj.routing_rows_received = plan.parent.trajectory.routing_rows_received
+    traj.record_routing(routed, routed_start)
     b = Branch(bid, messages + [reply], key, traj, stop_text,
                plan.parent.id if plan.parent is not None else None,
                rerendered=plan.rerendered)

@@ -75,10 +75,18 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
     A completion is the two-segment trajectory (prompt, model turn): one batch builder, `trajectory.to_batch`."""
     if not completions:
         raise ValueError("build_batch: no completions")
+    from mtrain.rollout.routing import held_rows
     from mtrain.rollout.trajectory import Segment, Trajectory, to_batch  # that module builds on this one
+    for c in completions:  # rows from position s > 0 belong after rows a caller held: merged there, never placed here
+        if c.routed_experts is not None and c.routed_experts_start:
+            raise ValueError(f"build_batch: completion {c.rid!r} carries routed experts from position "
+                             f"{c.routed_experts_start} on, not a whole sample's; merge them into the sample's "
+                             f"routing first (mtrain.rollout.routing.merge_resumed)")
     trajectories = [Trajectory(c.rid, [Segment("prompt", list(c.prompt_ids)),
                                        Segment("model", list(c.output_ids), list(c.logprobs), c.versions)],
-                               vision=c.vision, routed_experts=c.routed_experts) for c in completions]
+                               vision=c.vision, routed_experts=c.routed_experts,
+                               routing_rows_received=held_rows(c.routed_experts) if c.routed_rows_received is None
+                               else c.routed_rows_received) for c in completions]
     return to_batch(trajectories, pad_id, pad_to_multiple, rewards=rewards, routing=routing)
 
 

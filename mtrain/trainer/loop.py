@@ -264,7 +264,8 @@ class Trainer:
                 minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
                                     {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
                                      "num_seqs": float(kept)}))
-            local.update(routing_metrics(self.actor))  # engine vs trainer's own routing, from the scoring pass
+            # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
+            local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
             self._engine_memory("release_memory", ("kv_cache", "weights"))
             offload_metrics.update(self.offload.reload())
             t2 = time.perf_counter()

@@ -200,10 +200,15 @@ class RouterReplayFeeder:
         return {"routing/disagreement": differ / counted} if counted else {}
 
 
-def routing_metrics(actor) -> dict[str, float]:
+def routing_metrics(actor, samples=None) -> dict[str, float]:
     """A step's routing-replay metrics (collective when the actor replays): the disagreement its scoring passes
-    measured, and what the stored routing costs per token (ours, and SGLang's int32 payload)."""
+    measured, what the stored routing costs per token, and what the engines really sent for the step's `samples`
+    (its Completions or Trajectories), in SGLang's int32 payload bytes per stored row and per sample
+    (`routing.received_bytes`; without samples, the payload of one row)."""
     if actor.replay is None or actor.routing is None:  # off, or trainer (no engine routing to compare with)
         return {}
+    from mtrain.rollout.routing import received_bytes
+    sent = received_bytes(samples or [], actor.routing) or {
+        "routing/engine_bytes_per_token": float(actor.routing.sglang_bytes_per_token)}
     return {**actor.replay.take_disagreement(), "routing/bytes_per_token": float(actor.routing.bytes_per_token),
-            "routing/engine_bytes_per_token": float(actor.routing.sglang_bytes_per_token)}
+            **sent}

@@ -261,4 +261,6 @@ def test_agents_sessions_carry_the_engines_routing_for_replay(hf_dirs, tmp_path)
         assert rec["logprob_diff/max_abs"] <= 1e-5, rec
         assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
         assert rec["session/calls"] == 2.0
+        # the second call asked only for the rows its branch lacked: one int32 payload row per token (4 layers x top-2)
+        assert rec["routing/engine_bytes_per_token"] == 4 * 2 * 4, rec
 

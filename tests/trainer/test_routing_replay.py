@@ -198,3 +198,5 @@ def test_rl_loop_replays_the_engines_routing_of_multi_turn_trajectories(tmp_path
         assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
         assert rec["logprob_diff/max_abs"] <= LP_TOL, rec
         assert any(k.startswith("tools/") for k in rec), rec
+        # every turn asked only for the rows its trajectory lacked: one int32 payload row per token, no more
+        assert rec["routing/engine_bytes_per_token"] == 4 * 2 * 4, rec

@@ -145,13 +145,16 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
             comp_ids, comp_lp, finish, version = [], [], "length", client.weight_version
         else:
             aborts = int(traj.metrics.get("aborts", 0))  # a resumed turn samples from a fresh seed
+            # routing replay: only the rows the trajectory lacks (its earlier turns' rows stay as first recorded)
             req = Request(rid=f"{traj.rid}t{traj.turns}-{aborts}-", prompt_ids=traj.tokens,
-                          params=replace(ctx.params, max_new_tokens=room, seed=seed + traj.turns * 16 + aborts % 16))
+                          params=replace(ctx.params, max_new_tokens=room, seed=seed + traj.turns * 16 + aborts % 16),
+                          routed_experts_start=traj.routing_start)
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
         if room > 0:
-            traj.record_routing(comp.routed_experts)  # routing replay: None unless the engine records routing
+            # routing replay: None unless the engine records routing
+            traj.record_routing(comp.routed_experts, comp.routed_experts_start)
         resuming = False
         if finish == "abort":
             traj.finish_reason = "abort"
