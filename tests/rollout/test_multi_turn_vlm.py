@@ -141,3 +141,47 @@ def test_a_sampled_image_token_ends_the_trajectory_and_images_need_a_vision_mode
                               system_prompt=None)
     with pytest.raises(ValueError, match="sample 0: the sample has 1 image.*no vision tower"):
         asyncio.run(rollout_group(sample, 1, client, text_ctx))
+
+
+def test_aborted_image_trajectory_resumes_with_its_image_across_a_checkpoint(scripted):
+    """Aborted in its second turn (after the tool call), checkpointed (the buffer's plain data through torch.save)
+    and resumed at the same turn with the same image inputs: token for token the uninterrupted trajectory."""
+    import io
+
+    from mtrain.rollout import partial_multi_turn as pmt
+    from mtrain.rollout.agents.multi_turn import resume_group
+
+    d, proc, script_ids = scripted
+    engine = ReferenceEngine.from_pretrained(str(d), decode_delay_s=0.005)
+    sample = PromptSample(0, QUESTION, REPLY, images=(picture(),))
+    ctx = ctx_for(proc)
+    turn1 = len(proc.encode(TURN1, add_special_tokens=False)) + 1
+    try:
+        async def abort_in_turn_two():
+            client = RecordingClient(engine)
+            task = asyncio.create_task(rollout_group(sample, 1, client, ctx))
+            while not any(r.endswith("t1-0-") and n >= 2 for r, n in engine.active_requests().items()):
+                await asyncio.sleep(0.002)
+            client.abort(ctx.rid_prefix)
+            return await task
+        (t,) = asyncio.run(abort_in_turn_two())
+        assert t.finish_reason == "abort" and t.turns == 1 and [s.kind for s in t.segments][-2:] == ["env", "model"]
+        done = len(t.segments[-1].ids)
+        buf = io.BytesIO()
+        torch.save(pmt.to_state([pmt.TrajectoryGroup(0, 0, [t])]), buf)
+        buf.seek(0)
+        (group,) = pmt.from_state(torch.load(buf, weights_only=False), [sample])
+        engine.finish_weight_update(2)
+        client = RecordingClient(engine)
+        (t,) = asyncio.run(resume_group(group.trajectories, client, ctx))
+    finally:
+        engine.shutdown()
+    assert t.finish_reason == "stop" and t.turns == 2 and t.reward == 1.0
+    assert t.tokens == script_ids  # the uninterrupted trajectory (greedy), image tokens included
+    (req, _), = client.log
+    assert req.vision is t.vision and req.prompt_ids == script_ids[:len(req.prompt_ids)]
+    assert torch.equal(t.vision.pixel_values, proc.vision_inputs([picture()], "x").pixel_values)
+    v0 = t.segments[1].versions[0]  # the weights before the sync
+    assert v0 != 2 and t.segments[1].versions == [v0] * turn1
+    assert t.segments[3].versions == [v0] * done + [2] * (len(t.segments[3].ids) - done)
+    assert [c["output"] for c in t.tool_calls] == ["36"]  # replayed into the fresh session, logged once
