@@ -3,7 +3,9 @@ scripted calculator conversation (tests/rollout/scripted_vlm.py) on the referenc
 prompts hold an image file, `multi_turn.rollout_fn` with the calculator, and Megatron recomputing the logprobs of the
 multi-turn batch with the image (MRoPE positions over the whole sequence, image features on the prompt's image
 tokens only). Checked: the rollouts really call the tool (two model turns), first-step KL 0 and clip fraction 0,
-and the trainer's logprobs equal the engine's (<= 1e-5, float32) in both steps, the second after a weight sync."""
+and the trainer's logprobs equal the engine's (<= 1e-5, float32) in both steps, the second after a weight sync.
+Partial rollout with images: multi-turn image trajectories wait in the buffer, survive a checkpoint and resume; the
+single-turn count_shapes task with rollout.partial keeps its images in the buffer and trains."""
 from __future__ import annotations
 
 import importlib.util
@@ -119,3 +121,28 @@ def test_partial_multi_turn_vlm_buffer_checkpoints_and_resumes(scripted, tmp_pat
     # are older-version (masked by rollout.offpolicy=mask): a gap is reported only when some are current.
     assert r["rollout/resumed"] >= 1 and r["tools/traj/turns"] >= 1.0 and "grad_norm" in r
     assert r.get("logprob_diff/max_abs", 0.0) <= 1e-5
+
+
+def _single_turn_partial_steps(rank, world, hf, run_dir):
+    from mtrain.config import load_config
+    from mtrain.trainer.loop import Trainer
+    over = {"model.hf_path": hf, "train.run_dir": run_dir, "train.steps": 2, "rollout.partial": "true",
+            "rollout.prompts_per_step": 1, "rollout.over_sample": 3, "rollout.max_new_tokens": 24,
+            "reward.fn": f"{REWARD}:right_answer_plus_first_sample"}
+    t = Trainer(load_config(CONFIG, [f"{k}={v}" for k, v in over.items()]))
+    records = [t.train_step() for _ in range(2)]
+    buffered = [g.vision is not None for g in t.partial.buffer]
+    state = t.partial.state_dict()
+    t.close()
+    return records, buffered, [g["vision"] is not None for g in state["buffer"]]
+
+
+def test_partial_single_turn_vlm_trains(scripted, tmp_path):
+    """rollout.partial on the single-turn count_shapes task (images in every prompt): groups keep their images in
+    the buffer and its state; the trainer's logprobs equal the engine's on the current-version tokens."""
+    hf, _ = scripted
+    (res,) = run_on_ranks(_single_turn_partial_steps, 1, hf, tmp_path / "run", timeout=400)
+    records, buffered, in_state = res
+    assert records[0]["logprob_diff/max_abs"] <= 1e-5 and records[0]["kl/mean"] == 0.0
+    assert all(r.get("logprob_diff/max_abs", 0.0) <= 1e-5 for r in records)
+    assert buffered and all(buffered) and in_state == buffered
