@@ -41,20 +41,21 @@ def script(proc, user: str, images, turns: list[str], tool_replies: list[list[di
 
 
 def train_scripted_vlm(hf_dir: Path, ids: list[int], mask: list[int], vision, steps: int = 300,
-                       lr: float = 1e-2) -> None:
-    """Train the folder's model until its loss on the model tokens is below 1e-3; write the weights back."""
+                       lr: float = 1e-2, device: str = "cpu") -> None:
+    """Train the folder's model until its loss on the model tokens is below 1e-3; write the weights back (the
+    vision tower stays as it was: the language model learns on its image features)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForImageTextToText
 
     from mtrain.rollout.reference_engine import hf_disk_views
 
     model = AutoModelForImageTextToText.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                        attn_implementation="eager")
+                                                        attn_implementation="eager").to(device)
     opt = torch.optim.Adam([p for n, p in model.named_parameters() if "visual" not in n], lr=lr)
-    x = torch.tensor([ids])
-    m = torch.tensor([mask[1:]], dtype=torch.float32)
-    kwargs = dict(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
-                  mm_token_type_ids=vision.mm_token_type_ids(x))
+    x = torch.tensor([ids], device=device)
+    m = torch.tensor([mask[1:]], dtype=torch.float32, device=device)
+    kwargs = dict(pixel_values=vision.pixel_values.to(device), image_grid_thw=vision.image_grid_thw.to(device),
+                  mm_token_type_ids=vision.mm_token_type_ids(x.cpu()).to(device))
     for _ in range(steps):
         logits = model(input_ids=x, **kwargs).logits[:, :-1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, 1:, None])[..., 0]
@@ -65,5 +66,5 @@ def train_scripted_vlm(hf_dir: Path, ids: list[int], mask: list[int], vision, st
         if loss.item() < 1e-3:
             break
     assert loss.item() < 1e-2, f"the scripted VLM did not learn its script (loss {loss.item()})"
-    save_file({k: v.detach().contiguous().clone() for k, v in hf_disk_views(model).items()},
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in hf_disk_views(model).items()},
               str(Path(hf_dir) / "model.safetensors"), metadata={"format": "pt"})
