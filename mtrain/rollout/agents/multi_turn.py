@@ -21,6 +21,10 @@ An aborted turn (the engine's finish_reason "abort", e.g. a weight sync interrup
 call with finish_reason "abort" and the partial tokens kept (tagged with the weight version they were sampled
 under); `resume_trajectory` continues it at the same turn: a fresh tool session replays the logged calls, then
 generation continues from the partial turn.
+
+Images (a vision model, a sample with `<image>` markers): the prompt segment holds the expanded image tokens, the
+trajectory its VisionInputs (computed once), and every turn's request carries them; an image token after the prompt
+(sampled, or in a tool's text) ends the trajectory with finish_reason "image_token" (docs/design-vlm-data.md).
 """
 from __future__ import annotations
 
