@@ -104,6 +104,33 @@ class VisionInputs:
             out[..., prompt_len:] = 0
         return out
 
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for checkpoints (a partial rollout's buffer keeps the images of its aborted samples)."""
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "image_token_id": self.image_token_id, "merge_size": self.merge_size}
+
+    @staticmethod
+    def from_state(state: "dict[str, Any] | VisionInputs | None") -> "VisionInputs | None":
+        """The inverse of to_state (dataclasses.asdict of a holder gives the same dict); None stays None."""
+        if state is None or isinstance(state, VisionInputs):
+            return state
+        return VisionInputs(state["pixel_values"], state["image_grid_thw"], int(state["image_token_id"]),
+                            int(state["merge_size"]))
+
+    def expand(self, ids: Sequence[int], where: str, *, strict: bool = True) -> list[int]:
+        """Rendered ids holding one image_token_id per image -> each expanded to its image's token count (token
+        level: the text around the images is never re-tokenized). strict=False: more image tokens may follow (a
+        re-rendered conversation whose model turn sampled one); only the first num_images are images."""
+        found = sum(1 for t in ids if t == self.image_token_id)
+        if found < self.num_images or (strict and found != self.num_images):
+            raise VisionError(f"{where}: the rendered prompt has {found} image tokens for {self.num_images} images; "
+                              f"the chat template does not render image content as one image token per image")
+        expanded: list[int] = []
+        counts = iter(self.tokens_per_image)
+        for t in ids:
+            expanded.extend([t] * next(counts, 1) if t == self.image_token_id else [t])
+        return expanded
+
     @staticmethod
     def concat(items: Sequence["VisionInputs | None"]) -> "VisionInputs | None":
         """The images of several sequences in order (a batch row after row, or a packed row): pixel values and
@@ -358,15 +385,26 @@ class VisionProcessor:
             text = f"{system_prompt}\n\n{text}" if system_prompt else text
             ids = list(self.tokenizer.encode(text, add_special_tokens=True))
         vision = self.vision_inputs(images, where)
-        found = ids.count(self.image_token_id)
-        if found != vision.num_images:
-            raise VisionError(f"{where}: the rendered prompt has {found} image tokens for {vision.num_images} images; "
-                              f"the chat template does not render image content as {self.image_markup!r}")
-        expanded: list[int] = []
-        counts = iter(vision.tokens_per_image)
-        for t in ids:  # token-level expansion: the text around the images is never re-tokenized
-            expanded.extend([t] * next(counts) if t == self.image_token_id else [t])
+        if ids.count(self.image_token_id) != vision.num_images:
+            raise VisionError(f"{where}: the rendered prompt has {ids.count(self.image_token_id)} image tokens for "
+                              f"{vision.num_images} images; the chat template does not render image content as "
+                              f"{self.image_markup!r}")
+        expanded = vision.expand(ids, where)
         return text, expanded, vision
+
+    def render_messages(self, messages: list[dict[str, Any]], images: Sequence[Any], tools: list[dict] | None = None,
+                        *, sample_id: Any = None) -> tuple[list[dict[str, Any]], str, list[int], VisionInputs]:
+        """A multi-turn rollout's first prompt: chat messages with `<image>` markers (system prompt included) ->
+        (the messages with HF image content, the rendered text, expanded ids, VisionInputs); `tools`: the schemas
+        for the template (apply_chat_template(tools=...))."""
+        where = f"sample {sample_id}"
+        check_placeholders(messages, len(images), where)
+        content = to_content_messages(messages)
+        kwargs = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(content, tokenize=False, add_generation_prompt=True, **kwargs)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        vision = self.vision_inputs(images, where)
+        return content, text, vision.expand(ids, where), vision
 
 
 def check_samples(samples: Sequence[Any], max_pixels: int | None) -> None:

@@ -46,6 +46,9 @@ class GroupState:
     samples: list[SampleState]
     rewards: list[float] | None = None
     responses: list[str] | None = None
+    # the prompt's images (mtrain.data.vision.VisionInputs; prompt_ids hold their tokens): every resumed request
+    # carries them and the trained completions keep them; checkpointed as plain tensors (VisionInputs.to_state)
+    vision: Any = None
 
     @property
     def finished(self) -> bool:
@@ -60,21 +63,29 @@ class GroupState:
                            logprobs=list(s.logprobs), finish_reason=s.finish_reason or "abort",
                            weight_version=max(s.versions, default=0), token_versions=list(s.versions),
                            routed_experts=s.routing if s.output_ids else None,
-                           routed_rows_received=s.routing_rows_received)
+                           routed_rows_received=s.routing_rows_received, vision=self.vision)
                 for j, s in enumerate(self.samples)]
 
 
-def new_group(uid: int, sample_index: int, prompt_ids: list[int], n: int, base_seed: int) -> GroupState:
-    return GroupState(uid, sample_index, list(prompt_ids), [SampleState(seed=base_seed + uid * n + j) for j in range(n)])
+def new_group(uid: int, sample_index: int, prompt_ids: list[int], n: int, base_seed: int,
+              vision: Any = None) -> GroupState:
+    return GroupState(uid, sample_index, list(prompt_ids), [SampleState(seed=base_seed + uid * n + j) for j in range(n)],
+                      vision=vision)
 
 
-def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix: str) -> Request | None:
-    """Sample j's next request: its prompt plus everything it generated so far, for the rest of its budget."""
+def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix: str,
+                   image_token_id: int | None = None) -> Request | None:
+    """Sample j's next request: its prompt plus everything it generated so far, for the rest of its budget.
+    image_token_id (a vision model's): a sample that sampled it before its abort ends there ("length"): fed back as
+    input, the engines would take it for an image slot (SGLang finds images as runs of that token)."""
     s = group.samples[j]
     if s.finish_reason is not None:
         return None
     left = params.max_new_tokens - len(s.output_ids)
     if left <= 0:  # a budget that shrank (growing-length schedules only grow; a config change could) ends it
+        s.finish_reason = "length"
+        return None
+    if image_token_id is not None and image_token_id in s.output_ids:
         s.finish_reason = "length"
         return None
     # A resumed sample draws from a fresh stream (seed advanced by its resume count): its sampler state was lost
@@ -84,7 +95,7 @@ def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix
                    params=SamplingParams(max_new_tokens=left, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, stop_token_ids=params.stop_token_ids,
                                          seed=s.seed + 7919 * s.resumes),
-                   routed_experts_start=held_rows(s.routing) if s.output_ids else 0)
+                   routed_experts_start=held_rows(s.routing) if s.output_ids else 0, vision=group.vision)
 
 
 def apply(group: GroupState, j: int, c: Completion) -> None:
@@ -105,10 +116,11 @@ def apply(group: GroupState, j: int, c: Completion) -> None:
 
 
 async def advance(group: GroupState, client: EngineClient, params: SamplingParams, rid_prefix: str, score,
-                  filter_uniform: bool) -> tuple[bool, GroupState]:
+                  filter_uniform: bool, image_token_id: int | None = None) -> tuple[bool, GroupState]:
     """Run a group's unfinished samples until they finish or are aborted; score it once finished.
     Returns (counts toward the step's quota, the group). score(group) -> (rewards, responses), run in a thread."""
-    todo = [(j, r) for j in range(len(group.samples)) if (r := resume_request(group, j, params, rid_prefix))]
+    todo = [(j, r) for j in range(len(group.samples))
+            if (r := resume_request(group, j, params, rid_prefix, image_token_id))]
     if todo:
         outs = await asyncio.gather(*(client.generate(r) for _, r in todo))
         for (j, _), c in zip(todo, outs):
@@ -122,13 +134,15 @@ async def advance(group: GroupState, client: EngineClient, params: SamplingParam
 
 
 def to_state(groups: list[GroupState]) -> list[dict[str, Any]]:
-    """The buffer as plain data (checkpoints)."""
-    return [asdict(g) for g in groups]
+    """The buffer as plain data (checkpoints); a group's images as their tensors (VisionInputs.to_state)."""
+    return [{**asdict(g), "vision": None if g.vision is None else g.vision.to_state()} for g in groups]
 
 
 def from_state(state: list[dict[str, Any]]) -> list[GroupState]:
+    from mtrain.data.vision import VisionInputs
     state = copy.deepcopy(state)  # the samples grow in place as they resume: never into the caller's state
-    return [GroupState(**{**g, "samples": [SampleState(**s) for s in g["samples"]]}) for g in state]
+    return [GroupState(**{**g, "samples": [SampleState(**s) for s in g["samples"]],
+                          "vision": VisionInputs.from_state(g.get("vision"))}) for g in state]
 
 
 def length_budget(rollout_cfg, step: int) -> int:

@@ -76,21 +76,26 @@ async def advance(group: TrajectoryGroup, sample, n: int, client, ctx, rollout_f
 
 
 def to_state(groups: list[TrajectoryGroup]) -> list[dict[str, Any]]:
-    """Plain data for checkpoints; the prompt sample is stored by its index (rebuilt from the dataset)."""
+    """Plain data for checkpoints; the prompt sample is stored by its index (rebuilt from the dataset), the images
+    (VisionInputs) as their tensors: a resumed trajectory's turns carry the same pixel values."""
     out = []
     for g in groups:
-        trajs = None if g.trajectories is None else [{**asdict(t), "sample": None} for t in g.trajectories]
+        trajs = None if g.trajectories is None else [
+            {**asdict(t), "sample": None, "vision": None if t.vision is None else t.vision.to_state()}
+            for t in g.trajectories]
         out.append({"uid": g.uid, "sample_index": g.sample_index, "trajectories": trajs})
     return out
 
 
 def from_state(state: list[dict[str, Any]], dataset) -> list[TrajectoryGroup]:
+    from mtrain.data.vision import VisionInputs
     state = copy.deepcopy(state)  # the groups grow in place as they resume: never into the caller's state
     groups = []
     for g in state:
         trajs = None
         if g["trajectories"] is not None:
             trajs = [Trajectory(**{**t, "segments": [Segment(**s) for s in t["segments"]],
-                                   "sample": dataset[g["sample_index"]]}) for t in g["trajectories"]]
+                                   "sample": dataset[g["sample_index"]],
+                                   "vision": VisionInputs.from_state(t.get("vision"))}) for t in g["trajectories"]]
         groups.append(TrajectoryGroup(g["uid"], g["sample_index"], trajs))
     return groups

@@ -50,7 +50,9 @@ class Segment:
 @dataclass
 class Trajectory:
     """One sample of a group. `finish_reason`: stop (the model answered without a tool call), length (a turn hit
-    max_new_tokens), max_turns, budget (the token budget ran out), abort (aborted mid-turn: resumable)."""
+    max_new_tokens), max_turns, budget (the token budget ran out), abort (aborted mid-turn: resumable), image_token (a
+    vision model's image token after the prompt, sampled or in a tool's text: engines would take it for an image slot,
+    so it is never fed back). `vision`: the prompt's images; every turn's request carries them, `to_batch` too."""
 
     rid: str
     segments: list[Segment]

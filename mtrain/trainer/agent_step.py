@@ -49,7 +49,8 @@ class AgentRollout:
 
         with_images = [s.index for s in samples if getattr(s, "images", ())]
         if with_images:  # the OpenAI front takes text messages only
-            raise ValueError(f"sample {with_images[0]} has images: serve.agent rollouts do not support image prompts")
+            raise ValueError(f"sample {with_images[0]} has images: serve.agent rollouts (the OpenAI front) do not "
+                             f"support image prompts yet; multi_turn.rollout_fn runs tool rollouts with images")
         run = self.pool.run(len(samples), agent_group_fn(self.fronts, self.agent, samples, n, rid_prefix=rid_prefix),
                             rid_prefix=rid_prefix)
         trajectories = [t for group in run.results for t in group]

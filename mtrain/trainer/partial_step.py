@@ -69,11 +69,8 @@ class PartialRollout:
                                    apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
                                    drop_overlong=d.drop_overlong_prompts)
         out = []
-        for p in prompts:
-            if p.vision is not None:  # the buffer (and its checkpoint) would have to keep the pixel values
-                raise ValueError(f"sample {p.sample.index} has images: rollout.partial does not support image prompts "
-                                 f"yet; set rollout.partial=false")
-            out.append(partial.new_group(self.next_uid, p.sample.index, p.ids, n, base_seed))
+        for p in prompts:  # a group keeps its prompt's images (pixel values computed once) in the buffer
+            out.append(partial.new_group(self.next_uid, p.sample.index, p.ids, n, base_seed, vision=p.vision))
             self.next_uid += 1
         return out
 
@@ -133,7 +130,8 @@ class PartialRollout:
                 return await pmt.advance(g, sample, n, client, ctx, rollout_fn, resume_fn,
                                          bool(a.filter_uniform_groups))
             own = sample_params(params, sample)  # a task's per-sample length cap
-            return await partial.advance(g, client, own, prefix, self._score, bool(a.filter_uniform_groups))
+            return await partial.advance(g, client, own, prefix, self._score, bool(a.filter_uniform_groups),
+                                         getattr(self.tokenizer, "image_token_id", None))
 
         t1 = time.perf_counter()
         run = self.pool.run(len(groups), run_group, rid_prefix=prefix, quota=quota, in_flight=target)

@@ -118,9 +118,9 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
 
     r = cfg.rollout
     with_images = [s.index for s in samples if getattr(s, "images", ())]
-    if with_images:  # tool turns re-render the conversation: images would need re-expanding in every turn
-        raise PromptError(f"sample {with_images[0]} has images: multi-turn rollouts (rollout.fn / agents) do not "
-                          f"support image prompts yet; use the single-turn rollout")
+    if with_images and not hasattr(tokenizer, "render_messages"):  # before any generation, on every rank
+        raise PromptError(f"sample {with_images[0]} has images but the model has no vision tower (its config.json "
+                          f"has no vision_config/image_token_id)")
     params = SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
     width = len(str(max(len(samples) - 1, 0)))

@@ -24,3 +24,9 @@ def raises(response: str, answer, **_) -> float:
 
 def not_a_number(response: str, answer, **_):
     return "1.0"
+
+
+def right_answer_plus_first_sample(response: str, answer, trajectory=None, **_) -> float:
+    """1 for the right answer, +1 for the first sample of each group: never a uniform group (a learning signal in
+    every step, whatever the policy samples)."""
+    return float(str(answer) in response) + float(trajectory is not None and trajectory.rid.endswith("-0-"))

@@ -21,6 +21,10 @@ An aborted turn (the engine's finish_reason "abort", e.g. a weight sync interrup
 call with finish_reason "abort" and the partial tokens kept (tagged with the weight version they were sampled
 under); `resume_trajectory` continues it at the same turn: a fresh tool session replays the logged calls, then
 generation continues from the partial turn.
+
+Images (a vision model, a sample with `<image>` markers): the prompt segment holds the expanded image tokens, the
+trajectory its VisionInputs (computed once), and every turn's request carries them; an image token after the prompt
+(sampled, or in a tool's text) ends the trajectory with finish_reason "image_token" (docs/design-vlm-data.md).
 """
 from __future__ import annotations
 
@@ -98,14 +102,35 @@ def initial_messages(sample: PromptSample, ctx: RolloutContext) -> list[dict[str
 
 
 def new_trajectory(sample: PromptSample, ctx: RolloutContext, rid: str) -> Trajectory:
+    """The prompt segment. A sample with images (a vision model): the chat template renders their markers, the
+    processor computes pixel values and grids once, each image token is expanded to its image's token count; the
+    trajectory keeps the VisionInputs and every turn's request carries them (the engine prefills the whole
+    trajectory each turn), as `to_batch` hands them to the trainer."""
     messages = initial_messages(sample, ctx)
-    text, ids = tito.prompt_ids(ctx.tokenizer, messages, ctx.template_schemas)
+    vision = None
+    if getattr(sample, "images", ()):
+        if not hasattr(ctx.tokenizer, "render_messages"):
+            raise ValueError(f"sample {sample.index}: the sample has {len(sample.images)} image(s) but the model has "
+                             f"no vision tower (its config.json has no vision_config/image_token_id)")
+        messages, text, ids, vision = ctx.tokenizer.render_messages(messages, sample.images, ctx.template_schemas,
+                                                                    sample_id=sample.index)
+    else:
+        text, ids = tito.prompt_ids(ctx.tokenizer, messages, ctx.template_schemas)
     if len(ids) >= ctx.token_budget:
         raise ValueError(f"sample {sample.index}: the prompt has {len(ids)} tokens, not below the token budget "
                          f"{ctx.token_budget} (multi_turn.max_total_tokens={ctx.max_total_tokens}, model context "
                          f"{ctx.max_positions})")
     return Trajectory(rid=rid, segments=[Segment("prompt", ids, text=text)], messages=messages, sample=sample,
+                      vision=vision,
                       metrics={"tool_calls": 0.0, "valid_tool_calls": 0.0, "tool_errors": 0.0, "aborts": 0.0})
+
+
+def _has_image_token(ctx: RolloutContext, ids: list[int]) -> bool:
+    """A vision model's image token after the prompt (sampled by the model, or in a tool's text): the engines take
+    image slots from every image-token run of a request's input, so the trajectory cannot be fed back; it ends
+    ("image_token"). Images from tool turns are not supported."""
+    image_token = getattr(ctx.tokenizer, "image_token_id", None)
+    return image_token is not None and image_token in ids
 
 
 def _strip_stop(ids: list[int], stops: tuple[int, ...]) -> tuple[list[int], int | None]:
@@ -148,7 +173,8 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
             # routing replay: only the rows the trajectory lacks (its earlier turns' rows stay as first recorded)
             req = Request(rid=f"{traj.rid}t{traj.turns}-{aborts}-", prompt_ids=traj.tokens,
                           params=replace(ctx.params, max_new_tokens=room, seed=seed + traj.turns * 16 + aborts % 16),
-                          routed_experts_start=traj.routing_start)
+                          routed_experts_start=traj.routing_start,
+                          vision=traj.vision)  # the same images every turn: the engine prefills them again
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
@@ -156,7 +182,8 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
             # routing replay: None unless the engine records routing
             traj.record_routing(comp.routed_experts, comp.routed_experts_start)
         resuming = False
-        if finish == "abort":
+        sampled_image_token = _has_image_token(ctx, traj.segments[-1].ids)
+        if finish == "abort" and not sampled_image_token:
             traj.finish_reason = "abort"
             traj.metrics["aborts"] = traj.metrics.get("aborts", 0) + 1
             return
@@ -166,6 +193,9 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
         turn.text = tok.decode(body, skip_special_tokens=False)
         traj.turns += 1
         traj.messages.append({"role": "assistant", "content": turn.text})
+        if sampled_image_token:  # trained as sampled (text, as the engine embedded it), never fed back
+            traj.finish_reason = "image_token"
+            return
         if finish == "length":
             traj.finish_reason = "length"
             return
@@ -185,6 +215,9 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
         text, ids = tito.suffix(tok, tool_msgs, ctx.template_schemas, stop_text=stop_text)
         if sum(len(s.ids) for s in traj.segments) + len(ids) >= ctx.token_budget:
             traj.finish_reason = "budget"  # no room to generate after the tool results: stop before them
+            return
+        if _has_image_token(ctx, ids):  # a tool's text holding the image token: not fed to the engine
+            traj.finish_reason = "image_token"
             return
         traj.segments.append(Segment("env", ids, text=text))
         traj.messages.extend(tool_msgs)
@@ -215,7 +248,7 @@ async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
         else None
     traj.metrics.update(tito.drift(
         ctx.tokenizer, traj.messages, ctx.template_schemas, traj.tokens,
-        ends_with_generation_prompt=traj.segments[-1].kind == "env",
+        ends_with_generation_prompt=traj.segments[-1].kind == "env", vision=traj.vision,
         stop_text=ctx.tokenizer.decode([stop_id], skip_special_tokens=False) if stop_id is not None else None))
     traj.metrics["turns"] = float(traj.turns)
     traj.metrics["model_tokens"] = float(traj.num_model_tokens)
@@ -284,6 +317,6 @@ def group_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     for k in ("turns", "model_tokens", "drift/tokens"):
         out[f"traj/{k}"] = sum(t.metrics.get(k, 0.0) for t in trajectories) / n
     out["traj/drift_any"] = sum(t.metrics.get("drift/tokens", 0) > 0 for t in trajectories) / n
-    for reason in ("stop", "length", "max_turns", "budget", "abort"):
+    for reason in ("stop", "length", "max_turns", "budget", "abort", "image_token"):
         out[f"finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / n
     return out

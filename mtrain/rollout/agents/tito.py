@@ -68,13 +68,14 @@ def suffix(tokenizer: Any, new_messages: list[dict[str, Any]], tools: list[dict]
 
 
 def drift(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, tokens: list[int],
-          *, ends_with_generation_prompt: bool, stop_text: str | None = None) -> dict[str, float]:
+          *, ends_with_generation_prompt: bool, stop_text: str | None = None, vision=None) -> dict[str, float]:
     """Compare `tokens` (the trajectory) with re-tokenizing the conversation rendered in one go.
 
     A trajectory that ends with a model turn is compared with the rendering cut after that turn's content (and
     its stop text), since the model's tokens end there and the template's closing glue was never generated.
     drift/tokens: tokens not in a common subsequence (difflib's matching blocks), on either side, so 0 means
-    identical; drift/first: the first position where they differ (-1 when identical)."""
+    identical; drift/first: the first position where they differ (-1 when identical). vision: the trajectory's
+    images (VisionInputs; `messages` then hold HF image content): the re-rendered image tokens are expanded too."""
     text = render(tokenizer, messages, tools, add_generation_prompt=ends_with_generation_prompt)
     last = messages[-1] if messages else {}
     if not ends_with_generation_prompt and last.get("role") == "assistant" and last.get("content"):
@@ -85,6 +86,8 @@ def drift(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | No
                 end += len(stop_text)
             text = text[:end]
     ref = encode(tokenizer, text)
+    if vision is not None:  # the trajectory's prompt holds each image as its expanded run of image tokens
+        ref = vision.expand(ref, "drift", strict=False)
     sm = difflib.SequenceMatcher(a=tokens, b=ref, autojunk=False)
     matched = sum(b.size for b in sm.get_matching_blocks())
     first = next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y),
