@@ -9,6 +9,11 @@
 #   front    the OpenAI front on SGLang under 64 concurrent clients vs direct engine calls (issue 13; 1 GPU)
 #   tool     multi-turn calculator rollouts on SGLang, token-in-token-out checked (issue 12; 1 GPU)
 #   routing_dsv3 / routing_qwen3moe  GRPO with routing replay off vs on: logprob gap, disagreement, overhead (issue 14)
+#   routing_start  rows from routed_experts_start_len equal the start-0 rows; multi-turn bytes (issue 14; 1 GPU)
+#   fp8_qwen3moe   FP8 sync vs bf16 vs copy floor on Qwen3-30B-A3B's layer shape, pull, contiguous (issue 15)
+#   kernel5  the kernel's run-to-run spread: 5 processes each of bench_kernel (dense, moe) and bench_fp8_kernel
+#            (qwen3moe), plus one bench_fp8_kernel on llama8b (issue 15 point 4; 1 GPU)
+#   vlm_mt   Qwen2.5-VL multi-turn tool rollouts with an image on SGLang (issue 20; needs .gpu-extra/)
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-round3}
@@ -60,3 +65,22 @@ for m in dsv3 qwen3moe; do
         step routing_$m 420 python benchmarks/gpu_routing_replay.py --models $m --out "$out/routing_replay_$m.json"
     fi
 done
+if [[ $parts == *" routing_start "* ]]; then
+    step routing_start 300 python benchmarks/gpu_routing_start_len.py --out "$out/routing_start_len.json"
+fi
+if [[ $parts == *" fp8_qwen3moe "* ]]; then
+    step fp8_qwen3moe 420 python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model qwen3moe12l --contiguous-params
+fi
+if [[ $parts == *" kernel5 "* ]]; then
+    for i in 1 2 3 4 5; do  # separate processes: the MoE bucket's speed depended on the allocation pattern
+        mkdir -p "$out/kernel5/run$i"
+        step kernel_run$i 120 env OUT="$out/kernel5/run$i" python benchmarks/bench_kernel.py --gb 2 --no-sweep \
+            --scenarios dense,moe
+        step fp8_kernel_run$i 120 env OUT="$out/kernel5/run$i" python benchmarks/bench_fp8_kernel.py --model qwen3moe \
+            --layers 2
+    done
+    step fp8_kernel_llama8b 120 env OUT="$out/kernel5" python benchmarks/bench_fp8_kernel.py --model llama8b --layers 4
+fi
+if [[ $parts == *" vlm_mt "* ]]; then
+    (cd /tmp && step vlm_mt 300 python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json")
+fi
