@@ -140,6 +140,18 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             msg, param = _validation_message(e)
             raise FrontError(400, msg, param=param) from e
 
+    async def streamed(job) -> StreamedCall:
+        """Start a streamed call. It keeps a slot of `max_concurrency` until its engine work ends (the handler, which
+        the middleware counts, returns as soon as the stream starts)."""
+        call = StreamedCall(front, job)
+        await call.start()
+        app.state.running += 1
+
+        def release(_):
+            app.state.running -= 1
+        call.task.add_done_callback(release)
+        return call
+
     def session_of(sid: str | None):
         return front.sessions.get(sid) if sid is not None else None
 
@@ -180,8 +192,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         job = front.prepare_chat(req, session)
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
-            call = StreamedCall(front, job)
-            await call.start()
+            call = await streamed(job)
             return StreamingResponse(chat_events(call, req, cid, created, usage), media_type="text/event-stream")
         res = await front.run(job)
         choices = []
@@ -200,8 +211,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         job = front.prepare_complete(req, session)
         cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
-            call = StreamedCall(front, job)
-            await call.start()
+            call = await streamed(job)
             return StreamingResponse(completion_events(call, req, cid, created, usage),
                                      media_type="text/event-stream")
         res = await front.run(job)

@@ -199,3 +199,28 @@ def test_the_recorded_trajectory_is_the_same_with_and_without_streaming(server):
         if sa.logprobs is not None:
             assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-5)
     assert ta.finish_reason == tb.finish_reason
+
+
+def test_a_stream_keeps_its_concurrency_slot_until_its_engine_work_ends(engine, tokenizer):
+    import openai
+
+    client = GatedClient(engine)
+    front = OpenAIFront(client, tokenizer, model_name=MODEL, max_positions=512, default_max_tokens=24)
+    with FrontServer(front, max_concurrency=1) as srv:
+        c = OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0, timeout=60)
+        try:
+            stream = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=50, seed=3, stream=True)
+            next(iter(stream))  # the response has started; the engine is held mid-request
+            with pytest.raises(openai.RateLimitError):
+                c.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+        finally:
+            client.release.set()
+        for _ in stream:
+            pass
+        for _ in range(100):  # the slot is given back when the call's task ends, just after the last chunk
+            try:
+                r = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+                break
+            except openai.RateLimitError:
+                time.sleep(0.05)
+        assert r.choices[0].finish_reason in ("stop", "length")
