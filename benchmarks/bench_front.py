@@ -125,7 +125,8 @@ async def stream_check(client, prompt, stops, base_url, api_key, model, messages
                 ids = [t for d in deltas for t in d.output_ids]
                 lps = [x for d in deltas for x in d.logprobs]
                 if (ids, lps) != (item.output_ids, item.logprobs):
-                    raise SystemExit(f"stream {rid}: deltas {ids[:8]}... are not the completion {item.output_ids[:8]}...")
+                    raise SystemExit(f"stream {rid}: deltas {ids[:8]}... are not the completion "
+                                     f"{item.output_ids[:8]}...")
                 return {"deltas": len(deltas), "tokens": len(ids), "finish": item.finish_reason,
                         "first_delta_s": first, "completion_s": time.perf_counter() - t0}
             first = first if first is not None else time.perf_counter() - t0
@@ -143,7 +144,8 @@ async def stream_check(client, prompt, stops, base_url, api_key, model, messages
     full = (await c.chat.completions.create(**kw)).choices[0].message.content
     pieces = [ch.delta.content or "" async for chunk in await c.chat.completions.create(**kw, stream=True)
               for ch in chunk.choices]
-    out["front"] = {"chunks_with_text": sum(bool(p) for p in pieces), "same_text_as_non_streamed": "".join(pieces) == full}
+    out["front"] = {"chunks_with_text": sum(bool(p) for p in pieces),
+                    "same_text_as_non_streamed": "".join(pieces) == full}
     return out
 
 

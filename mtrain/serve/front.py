@@ -5,6 +5,11 @@ and parses tool calls (`mtrain.tools.parsers`), so the same code serves SGLang o
 CPU: the engine only ever sees token ids. Stop strings are applied to the decoded output: the output is cut after
 the token that completed the stop string (the recorded tokens end there, as SGLang's do) and the returned text
 before it.
+
+Each endpoint is `prepare_*` (checks and tokens: every request error is raised here, before any response starts) and
+`run(job, on_delta)` (generation, then `Job.finish`: choices and records). With `on_delta` the engines stream each
+choice's tokens as they are made (`client.stream`; the HTTP side is mtrain/serve/sse.py); the Result and what is
+recorded are the same either way.
 """
 from __future__ import annotations
 
