@@ -140,11 +140,18 @@ async def stream_check(client, prompt, stops, base_url, api_key, model, messages
     if out["aborted"]["finish"] != "abort":
         raise SystemExit(f"an abort after 3 deltas did not abort: {out['aborted']}")
     c = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    kw = dict(model=model, messages=messages, max_tokens=48, temperature=0, seed=1)
+    kw = dict(model=model, messages=messages, max_tokens=128, temperature=0, seed=1)
+    t0 = time.perf_counter()
     full = (await c.chat.completions.create(**kw)).choices[0].message.content
-    pieces = [ch.delta.content or "" async for chunk in await c.chat.completions.create(**kw, stream=True)
-              for ch in chunk.choices]
-    out["front"] = {"chunks_with_text": sum(bool(p) for p in pieces),
+    whole_s = time.perf_counter() - t0
+    t0, first, pieces = time.perf_counter(), None, []
+    async for chunk in await c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.content and first is None:
+                first = time.perf_counter() - t0
+            pieces.append(ch.delta.content or "")
+    out["front"] = {"chunks_with_text": sum(bool(p) for p in pieces), "first_text_chunk_s": first,
+                    "stream_total_s": time.perf_counter() - t0, "non_streamed_s": whole_s,
                     "same_text_as_non_streamed": "".join(pieces) == full}
     return out
 
