@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Any, AsyncIterator
 
+from mtrain.rollout.protocol import TokenDelta
 from mtrain.serve.front import Job, OpenAIFront, Result
 from mtrain.serve.streaming import ChoiceStream, legacy_top, token_entry
 
@@ -55,15 +56,34 @@ class StreamedCall:
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the front's per-choice streams abort their engine requests
 
-    async def deltas(self) -> AsyncIterator[tuple[int, str, int, Any]]:
-        """(choice, final text, tokens taken, delta) as they arrive."""
-        item = self._first
-        while item is not None:
-            j, d = item
-            piece, taken = self.streams[j].push(d.output_ids)
-            if piece or taken:
-                yield j, piece, taken, d
+    async def deltas(self) -> AsyncIterator[tuple[int, str, int, TokenDelta]]:
+        """(choice, final text, tokens taken, its tokens) as they arrive. Deltas already queued when the loop gets
+        to them are merged per choice (a busy server sends fewer, larger chunks instead of falling behind)."""
+        if self._first is None:
+            return
+        batch, ended = [self._first], False
+        while True:
+            while not ended and not self._queue.empty():
+                item = self._queue.get_nowait()
+                ended = item is None  # the end marker is the last thing queued
+                if not ended:
+                    batch.append(item)
+            merged: dict[int, list[TokenDelta]] = {}
+            for j, d in batch:
+                merged.setdefault(j, []).append(d)
+            for j, ds in merged.items():
+                d = ds[0] if len(ds) == 1 else TokenDelta(
+                    [t for x in ds for t in x.output_ids], [v for x in ds for v in x.logprobs],
+                    None if ds[0].top_logprobs is None else [r for x in ds for r in x.top_logprobs])
+                piece, taken = self.streams[j].push(d.output_ids)
+                if piece or taken:
+                    yield j, piece, taken, d
+            if ended:
+                return
             item = await self._queue.get()
+            if item is None:
+                return
+            batch = [item]
 
     def result(self) -> Result:
         return self.task.result()
