@@ -105,3 +105,28 @@ def test_invalid_bytes_end_up_in_the_finished_text():
     full = tok.decode(ids, skip_special_tokens=True)
     out, taken, s = run(tok, ids, valid=False)
     assert full.startswith(out) and taken == 200 and out + s.finish(full) == full
+
+
+def test_queued_deltas_are_merged_per_choice_in_order():
+    import asyncio
+    from types import SimpleNamespace
+
+    from mtrain.rollout.protocol import TokenDelta
+    from mtrain.serve.sse import StreamedCall
+
+    tok = chatml_tokenizer()
+    ids = tok.encode("ab56cd", add_special_tokens=False)
+    front = SimpleNamespace(tokenizer=tok, stops=(tok.eos_token_id,))
+    job = SimpleNamespace(params=[None, None], stops=[], tool_marker=None)
+
+    async def main():
+        call = StreamedCall(front, job)
+        call._first = (0, TokenDelta(ids[:1], [-1.0]))
+        for item in [(1, TokenDelta(ids[:2], [-2.0, -3.0])), (0, TokenDelta(ids[1:3], [-4.0, -5.0])),
+                     (0, TokenDelta(ids[3:], [-6.0] * len(ids[3:]))), None]:
+            call._queue.put_nowait(item)
+        return [(j, piece, taken, d.logprobs) async for j, piece, taken, d in call.deltas()]
+
+    got = asyncio.run(main())
+    assert [(j, piece, taken) for j, piece, taken, _ in got] == [(0, "ab56cd", len(ids)), (1, "ab", 2)]
+    assert got[0][3] == [-1.0, -4.0, -5.0] + [-6.0] * len(ids[3:])
