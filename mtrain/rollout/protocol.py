@@ -94,8 +94,8 @@ class TokenDelta:
 #   as it has new tokens of that request (the reference engine after every decoding step, SGLang per stream chunk);
 # - before the request's future resolves, the deltas concatenate to exactly the Completion's output_ids, logprobs and
 #   top_logprobs (an abort included); the Completion stays the record: streaming never changes what it holds;
-# - the hook must be quick and must not block; one that raises is logged and not called again for that request,
-#   the generation itself goes on. Whatever sits between a caller and an engine passes the Request, hook included.
+# - the hook must be quick and must not block; one that raises is logged and not called again for that request (its
+#   deltas then stop short of the Completion), the generation itself goes on. Whatever sits between a caller and an engine passes the Request, hook included.
 TokenHook = Callable[[TokenDelta], None]
 
 

@@ -11,6 +11,8 @@ Every failure is one OpenAI-style error object ({"error": {"message", "type", "p
 that are not JSON or fail validation (unknown fields, bad types, too long a prompt), 401 for a wrong key, 404 for
 an unknown model or session, 413 for an oversized body, 429 when `max_concurrency` requests are already running,
 503 when the engine fails the request (shut down, dead).
+A streamed call (`stream: true`) is checked and started before its 200 goes out, so the errors above still apply;
+a failure after its first chunk is an SSE error event (mtrain/serve/sse.py).
 The handlers never let an exception escape to the server: anything unexpected is a 500 error object and the
 next request is served as usual.
 """
