@@ -10,6 +10,10 @@ Three phases of `--duration` seconds each, on the same engine, same prompts, sam
           the clients in a process of their own and once inside the server's process (sharing its interpreter).
 Reported: requests served, requests/s, generated tokens/s, p50/p99 latency per phase, and front/direct ratios.
 Checked after the front phase: every client's calls are in its own session (count and content), none lost or mixed.
+Streaming check (first, always; `--stream-only` runs just it): the engine's streamed deltas (`Request.on_tokens`
+through `client.stream`) concatenate to exactly its Completion, arrive in more than one piece (time of the first
+delta vs the completion reported), an abort after 3 deltas keeps the contract; through the front, a streamed greedy
+chat gives the same text as the non-streamed one (reported, not asserted: SGLang is not batch-invariant).
 The tiny random Llama (head_dim 64 for SGLang's rope) has a real HF fast tokenizer's vocabulary (tests/serve).
 """
 from __future__ import annotations
@@ -107,12 +111,58 @@ def front_phase(server, model, messages, clients, duration, max_tokens, separate
     return out
 
 
+async def stream_check(client, prompt, stops, base_url, api_key, model, messages) -> dict:
+    from openai import AsyncOpenAI
+
+    from mtrain.rollout.client import stream
+    from mtrain.rollout.protocol import Completion, Request, SamplingParams
+
+    async def run(rid, max_new, abort_after=None):
+        t0, first, deltas = time.perf_counter(), None, []
+        req = Request(rid, list(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=stops))
+        async for item in stream(client, req):
+            if isinstance(item, Completion):
+                ids = [t for d in deltas for t in d.output_ids]
+                lps = [x for d in deltas for x in d.logprobs]
+                if (ids, lps) != (item.output_ids, item.logprobs):
+                    raise SystemExit(f"stream {rid}: deltas {ids[:8]}... are not the completion "
+                                     f"{item.output_ids[:8]}...")
+                return {"deltas": len(deltas), "tokens": len(ids), "finish": item.finish_reason,
+                        "first_delta_s": first, "completion_s": time.perf_counter() - t0}
+            first = first if first is not None else time.perf_counter() - t0
+            deltas.append(item)
+            if abort_after is not None and len(deltas) == abort_after:
+                client.abort(rid)
+
+    out = {"engine": await run("stream-check-a", 64), "aborted": await run("stream-check-b", 512, abort_after=3)}
+    if out["engine"]["tokens"] > 1 and out["engine"]["deltas"] < 2:
+        raise SystemExit(f"the engine streamed {out['engine']['tokens']} tokens in one piece: {out['engine']}")
+    if out["aborted"]["finish"] != "abort":
+        raise SystemExit(f"an abort after 3 deltas did not abort: {out['aborted']}")
+    c = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    kw = dict(model=model, messages=messages, max_tokens=128, temperature=0, seed=1)
+    t0 = time.perf_counter()
+    full = (await c.chat.completions.create(**kw)).choices[0].message.content
+    whole_s = time.perf_counter() - t0
+    t0, first, pieces = time.perf_counter(), None, []
+    async for chunk in await c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.content and first is None:
+                first = time.perf_counter() - t0
+            pieces.append(ch.delta.content or "")
+    out["front"] = {"chunks_with_text": sum(bool(p) for p in pieces), "first_text_chunk_s": first,
+                    "stream_total_s": time.perf_counter() - t0, "non_streamed_s": whole_s,
+                    "same_text_as_non_streamed": "".join(pieces) == full}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["sglang", "reference"], default="sglang")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--stream-only", action="store_true", help="run only the streaming check")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_front.json"))
     a = ap.parse_args()
 
@@ -148,6 +198,14 @@ def main() -> None:
     report = {"engine": a.engine, "clients": a.clients, "duration_s": a.duration, "max_tokens": a.max_tokens,
               "prompt_tokens": len(prompt)}
     with FrontServer(front, max_concurrency=max(256, 2 * a.clients)) as server:
+        report["streaming"] = asyncio.run(stream_check(client, prompt, (tok.eos_token_id,), server.base_url,
+                                                       server.api_key, "bench", messages))
+        print(json.dumps(report["streaming"], indent=2))
+        if a.stream_only:
+            engine.shutdown()
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(report, indent=2))
+            return
         asyncio.run(direct_phase(client, prompt, min(a.clients, 4), 2.0, a.max_tokens, (tok.eos_token_id,)))  # warm
         d = asyncio.run(direct_phase(client, prompt, a.clients, a.duration, a.max_tokens, (tok.eos_token_id,)))
         fs = [front_phase(server, "bench", messages, a.clients, a.duration, a.max_tokens, separate)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -76,6 +79,38 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens one request generated since its previous delta (streaming, `Request.on_tokens`): ids, their logprobs
+    and, when the request asked for them, their top logprobs (same meaning as in `Completion`)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+# The streaming hook's contract (the one place it is declared):
+# - an engine calls `request.on_tokens(delta)` from any thread (its own decode thread / event loop), in order, as soon
+#   as it has new tokens of that request (the reference engine after every decoding step, SGLang per stream chunk);
+# - before the request's future resolves, the deltas concatenate to exactly the Completion's output_ids, logprobs and
+#   top_logprobs (an abort included); the Completion stays the record: streaming never changes what it holds;
+# - the hook must be quick and must not block; one that raises is logged and not called again for that request (its
+#   deltas then stop short of the Completion), the generation itself goes on. Whatever sits between a caller and an engine passes the Request, hook included.
+TokenHook = Callable[[TokenDelta], None]
+
+
+def emit_tokens(request: "Request", delta: TokenDelta) -> None:
+    """Call the request's hook (engines use this); a failing hook is logged and dropped, never fails the batch."""
+    hook = request.on_tokens
+    if hook is None or not delta.output_ids:
+        return
+    try:
+        hook(delta)
+    except Exception:  # noqa: BLE001 - the consumer's bug (or its loop is gone); the generation is unaffected
+        log.warning("request %r: its on_tokens hook raised; no more deltas for it", request.rid, exc_info=True)
+        request.on_tokens = None
+
+
 @dataclass
 class Request:
     """One sequence to generate. `rid` must be unique among in-flight requests (abort matches by prefix)."""
@@ -90,6 +125,8 @@ class Request:
     # a caller that already holds the rows of prompt_ids[:start] (an earlier turn, an aborted request it resumes)
     # asks for the rest only. 0 <= start <= len(prompt_ids); 0 = every row. Ignored by engines that record none.
     routed_experts_start: int = 0
+    # Streaming: called with each TokenDelta as tokens are generated (contract above `TokenHook`). None: no streaming.
+    on_tokens: TokenHook | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         bad = routed_start_error(self)

@@ -28,7 +28,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.batcher import Batcher
 from mtrain.rollout.protocol import (MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams,
-                                     routed_start_error)
+                                     TokenDelta, emit_tokens, routed_start_error)
 from mtrain.rollout.vision_requests import check_vision_request, vision_prefill
 
 
@@ -503,6 +503,10 @@ class ReferenceEngine(RolloutEngine):
             with self._abort_lock:
                 for i in alive:
                     self._progress[reqs[i].rid] = len(outputs[i])
+            for i in alive:  # streaming: this step's token of every request that asked for deltas
+                if reqs[i].on_tokens is not None:
+                    emit_tokens(reqs[i], TokenDelta([outputs[i][-1]], [logprobs[i][-1]],
+                                                    [tops[i][-1]] if tops[i] is not None else None))
             if self._decode_delay_s:
                 time.sleep(self._decode_delay_s)
             input_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)

@@ -47,7 +47,9 @@ from mtrain.rollout.protocol import (
     EngineError,
     Request,
     RolloutEngine,
+    emit_tokens,
 )
+from mtrain.rollout.sglang_stream import StreamAssembler
 from mtrain.rollout.vision_requests import check_vision_request
 from mtrain.rollout.sglang_loader import (
     DUMP_PARAMS,
@@ -235,14 +237,26 @@ class SGLangEngine(RolloutEngine):
         seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(62)
         check_vision_request(req, self._image_token_id, self._model_type)  # as the reference engine refuses
         images = sglang_image_data(req)  # None for text; one "processor_output" item for all of a prompt's images
+        kwargs = dict(input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
+                      return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
+                      **({"image_data": images} if images is not None else {}),
+                      **routing_request_args(req, self._routing))
+        assembler = None
         try:
-            return await self._engine.async_generate(
-                input_ids=list(req.prompt_ids), sampling_params=to_sglang_sampling(req.params, seed),
-                return_logprob=True, rid=srid, top_logprobs_num=req.params.top_logprobs,
-                **({"image_data": images} if images is not None else {}),
-                **routing_request_args(req, self._routing))
+            if req.on_tokens is None:
+                return await self._engine.async_generate(**kwargs)
+            # Streaming (Request.on_tokens): SGLang's cumulative chunks as deltas; the output is the same dict a
+            # non-streamed call returns (sglang_stream.py says which SGLang facts this rests on).
+            chunks = await self._engine.async_generate(**kwargs, stream=True)  # an async generator (ENG:535-536)
+            assembler = StreamAssembler(req)
+            async for chunk in chunks:
+                delta = assembler.feed(chunk)
+                if delta is not None:
+                    emit_tokens(req, delta)
+            return assembler.output()
         except self._aborted_error:
-            return None  # aborted before it reached the scheduler: no tokens
+            # aborted before it reached the scheduler: no tokens (or, streamed, the ones already passed on)
+            return assembler.output(aborted=True) if assembler is not None else None
 
     def submit(self, request: Request) -> concurrent.futures.Future:
         """One request onto engine.loop, where SGLang batches it with every other running request."""

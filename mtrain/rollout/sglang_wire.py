@@ -77,6 +77,9 @@ def engine_server_args(
     if routed_experts:  # routing replay: requests may then ask for meta_info["routed_experts"] (server_args.py:3364)
         args["enable_return_routed_experts"] = True
     for k, v in (extra or {}).items():
+        if k == "incremental_streaming_output" and v:
+            raise EngineError("server_args incremental_streaming_output=True is not supported: mtrain's streaming "
+                              "(mtrain/rollout/sglang_stream.py) reads SGLang's default cumulative stream chunks")
         if k == "custom_weight_loader":
             args[k] = list(args[k]) + [x for x in v if x not in args[k]]
         else:
@@ -215,7 +218,8 @@ def top_logprobs_from_meta(req: Request, meta: Mapping[str, Any], n_tokens: int)
     if len(rows) != n_tokens or any(row is None or len(row) < k for row in rows):
         raise EngineError(f"request {req.rid!r}: asked for {k} top logprobs per token, SGLang returned "
                           f"{len(rows)} rows for {n_tokens} tokens (or a row with fewer than {k})")
-    return [sorted(((int(e[1]), float(e[0])) for e in row), key=lambda p: -p[1])[:k] for row in rows]
+    from mtrain.rollout.sglang_stream import top_row
+    return [top_row(row, k) for row in rows]
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:

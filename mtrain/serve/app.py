@@ -11,12 +11,13 @@ Every failure is one OpenAI-style error object ({"error": {"message", "type", "p
 that are not JSON or fail validation (unknown fields, bad types, too long a prompt), 401 for a wrong key, 404 for
 an unknown model or session, 413 for an oversized body, 429 when `max_concurrency` requests are already running,
 503 when the engine fails the request (shut down, dead).
+A streamed call (`stream: true`) is checked and started before its 200 goes out, so the errors above still apply;
+a failure after its first chunk is an SSE error event (mtrain/serve/sse.py).
 The handlers never let an exception escape to the server: anything unexpected is a 500 error object and the
 next request is served as usual.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -31,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationEr
 from mtrain.rollout.protocol import EngineError
 from mtrain.serve.front import Choice, OpenAIFront, Result
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
+from mtrain.serve.sse import StreamedCall, chat_events, completion_events
+from mtrain.serve.streaming import legacy_top, token_entry
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +59,15 @@ def _token_text(front: OpenAIFront, token: int) -> str:
 
 
 def _logprobs_content(front: OpenAIFront, ch: Choice) -> list[dict[str, Any]]:
-    def entry(t: int, lp: float) -> dict[str, Any]:
-        s = _token_text(front, t)
-        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
-    tops = ch.top_logprobs or [[] for _ in ch.output_ids]
-    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
-            for t, lp, top in zip(ch.output_ids, ch.logprobs, tops)]
+    tops = ch.top_logprobs or [None for _ in ch.output_ids]
+    return [token_entry(front.tokenizer, t, lp, top) for t, lp, top in zip(ch.output_ids, ch.logprobs, tops)]
 
 
 def _legacy_top_logprobs(front: OpenAIFront, ch: Choice) -> list[dict[str, float]] | None:
-    """The completions API's per-token {token text: logprob} of the most likely tokens. Two ids can decode to the
-    same text; the more likely one is kept, as a dict can hold one."""
+    """The completions API's per-token {token text: logprob} of the most likely tokens."""
     if ch.top_logprobs is None:
         return None
-    out = []
-    for top in ch.top_logprobs:
-        d: dict[str, float] = {}
-        for t, lp in top:
-            d.setdefault(_token_text(front, t), float(lp))
-        out.append(d)
-    return out
+    return [legacy_top(front.tokenizer, top) for top in ch.top_logprobs]
 
 
 def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 4 << 20,
@@ -150,6 +142,18 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             msg, param = _validation_message(e)
             raise FrontError(400, msg, param=param) from e
 
+    async def streamed(job) -> StreamedCall:
+        """Start a streamed call. It keeps a slot of `max_concurrency` until its engine work ends (the handler, which
+        the middleware counts, returns as soon as the stream starts)."""
+        call = StreamedCall(front, job)
+        await call.start()
+        app.state.running += 1
+
+        def release(_):
+            app.state.running -= 1
+        call.task.add_done_callback(release)
+        return call
+
     def session_of(sid: str | None):
         return front.sessions.get(sid) if sid is not None else None
 
@@ -187,11 +191,12 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     async def chat(request: Request, sid: str | None):
         session = session_of(sid)
         req = await body_of(request, ChatRequest)
-        res = await front.chat(req, session)
+        job = front.prepare_chat(req, session)
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
-            return StreamingResponse(_chat_stream(front, req, res, cid, created, usage(res)),
-                                     media_type="text/event-stream")
+            call = await streamed(job)
+            return StreamingResponse(chat_events(call, req, cid, created, usage), media_type="text/event-stream")
+        res = await front.run(job)
         choices = []
         for ch in res.choices:
             msg: dict[str, Any] = {"role": "assistant", "content": ch.content}
@@ -205,8 +210,13 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     async def completions(request: Request, sid: str | None):
         session = session_of(sid)
         req = await body_of(request, CompletionRequest)
-        res = await front.complete(req, session)
+        job = front.prepare_complete(req, session)
         cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        if req.stream:
+            call = await streamed(job)
+            return StreamingResponse(completion_events(call, req, cid, created, usage),
+                                     media_type="text/event-stream")
+        res = await front.run(job)
 
         def lp(ch: Choice):
             if req.logprobs is None:
@@ -217,16 +227,6 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
 
         choices = [{"index": ch.index, "text": ch.text, "finish_reason": ch.finish_reason, "logprobs": lp(ch)}
                    for ch in res.choices]
-        if req.stream:
-            async def events():
-                for c in choices:
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": front.model_name, "choices": [c]})
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": front.model_name, "choices": [], "usage": usage(res)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
         return {"id": cid, "object": "text_completion", "created": created, "model": front.model_name,
                 "choices": choices, "usage": usage(res)}
 
@@ -256,41 +256,3 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         return await completions(request, sid)
 
     return app
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _chat_stream(front: OpenAIFront, req: ChatRequest, res: Result, cid: str, created: int,
-                       use: dict[str, int]):
-    """SSE chunks of finished choices: the engine protocol returns whole completions, so the stream is the
-    completion cut into per-token deltas (what an OpenAI streaming client expects), sent once it is done."""
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": front.model_name}
-    for ch in res.choices:
-        yield _sse({**head, "choices": [{"index": ch.index, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}]})
-        content = ch.content or ""
-        sent = 0
-        lps = _logprobs_content(front, ch) if req.logprobs else None
-        for k in range(1, len(ch.output_ids) + 1):  # one chunk per token whose text is complete
-            t = front.tokenizer.decode(ch.output_ids[:k], skip_special_tokens=True)[:len(content)]
-            piece = t[sent:] if content.startswith(t) and not t.endswith("\ufffd") else ""
-            if piece or lps:
-                yield _sse({**head, "choices": [{"index": ch.index, "delta": {"content": piece},
-                                                 "finish_reason": None,
-                                                 "logprobs": {"content": [lps[k - 1]]} if lps else None}]})
-                sent += len(piece)
-        if sent < len(content):
-            yield _sse({**head, "choices": [{"index": ch.index, "delta": {"content": content[sent:]},
-                                             "finish_reason": None, "logprobs": None}]})
-        if ch.tool_calls:
-            calls = [{"index": i, **c} for i, c in enumerate(ch.tool_calls)]
-            yield _sse({**head, "choices": [{"index": ch.index, "delta": {"tool_calls": calls},
-                                             "finish_reason": None, "logprobs": None}]})
-        yield _sse({**head, "choices": [{"index": ch.index, "delta": {}, "finish_reason": ch.finish_reason,
-                                         "logprobs": None}]})
-    if req.stream_options and req.stream_options.include_usage:
-        yield _sse({**head, "choices": [], "usage": use})
-    yield "data: [DONE]\n\n"
-    await asyncio.sleep(0)

@@ -5,6 +5,11 @@ and parses tool calls (`mtrain.tools.parsers`), so the same code serves SGLang o
 CPU: the engine only ever sees token ids. Stop strings are applied to the decoded output: the output is cut after
 the token that completed the stop string (the recorded tokens end there, as SGLang's do) and the returned text
 before it.
+
+Each endpoint is `prepare_*` (checks and tokens: every request error is raised here, before any response starts) and
+`run(job, on_delta)` (generation, then `Job.finish`: choices and records). With `on_delta` the engines stream each
+choice's tokens as they are made (`client.stream`; the HTTP side is mtrain/serve/sse.py); the Result and what is
+recorded are the same either way.
 """
 from __future__ import annotations
 
@@ -12,13 +17,16 @@ import asyncio
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from mtrain.rollout.agents import tito
-from mtrain.rollout.client import EngineClient
-from mtrain.rollout.protocol import Completion, Request, SamplingParams
+from mtrain.rollout.client import EngineClient, stream
+from mtrain.rollout.protocol import Completion, Request, SamplingParams, TokenDelta
 from mtrain.serve import sessions as S
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
+
+
+DeltaSink = Callable[[int, TokenDelta], None]  # (choice index, its new tokens), called on the front's event loop
 
 
 @dataclass
@@ -41,6 +49,20 @@ class Result:
     prompt_ids: list[int]
     choices: list[Choice]
     branches: list[int]  # the session branch each choice was recorded as (empty without a session)
+
+
+@dataclass
+class Job:
+    """A request checked and tokenized, not yet generated: errors in it surface before any response starts (a
+    stream's HTTP status is sent with its first chunk). `finish` turns the completions into the Result (and records
+    them), the same code with or without streaming."""
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    session: S.Session | None
+    stops: list[str]
+    tool_marker: str | None  # where tool calls begin in the text (requests with tools)
+    finish: Callable[[list[Completion]], Result]
+    routed_start: int = 0  # routing replay: the first position whose routing the continued branch lacks
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -100,15 +122,24 @@ class OpenAIFront:
                                stop_token_ids=self.stops, seed=seed0 + j, top_logprobs=req.top_logprobs_wanted)
                 for j in range(req.n)]
 
-    async def _generate(self, prompt_ids: list[int], params: list[SamplingParams],
-                        session: S.Session | None, routed_start: int = 0) -> list[Completion]:
+    async def _generate(self, prompt_ids: list[int], params: list[SamplingParams], session: S.Session | None,
+                        on_delta: DeltaSink | None = None, routed_start: int = 0) -> list[Completion]:
         """routed_start: routing replay, the first position whose routing the continued branch lacks."""
         call = next(self._rid)
         head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
-        return list(await asyncio.gather(*(
-            self._one(Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p,
-                              routed_experts_start=routed_start))
-            for j, p in enumerate(params))))
+        requests = [Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p,
+                            routed_experts_start=routed_start) for j, p in enumerate(params)]
+        if on_delta is None:
+            return list(await asyncio.gather(*(self._one(r) for r in requests)))
+
+        async def streamed(j: int, request: Request) -> Completion:
+            async for item in stream(self.client, request):  # aborts the request if this task is cancelled
+                if isinstance(item, Completion):
+                    return item
+                on_delta(j, item)
+            raise RuntimeError(f"request {request.rid!r}: the stream ended without a completion")
+
+        return list(await asyncio.gather(*(streamed(j, r) for j, r in enumerate(requests))))
 
     async def _one(self, request: Request) -> Completion:
         """One engine call that a cancelled HTTP handler (client gone, server stopping) aborts in the engine instead
@@ -138,7 +169,17 @@ class OpenAIFront:
         return ids, text, ("stop" if c.finish_reason == "stop" else c.finish_reason), stop_text
 
     # -- endpoints --------------------------------------------------------------------------------------------
+    async def run(self, job: Job, on_delta: DeltaSink | None = None) -> Result:
+        """Generate a prepared job; with `on_delta`, every choice's tokens are passed on as they arrive."""
+        return job.finish(await self._generate(job.prompt_ids, job.params, job.session, on_delta, job.routed_start))
+
     async def chat(self, req: ChatRequest, session: S.Session | None) -> Result:
+        return await self.run(self.prepare_chat(req, session))
+
+    async def complete(self, req: CompletionRequest, session: S.Session | None) -> Result:
+        return await self.run(self.prepare_complete(req, session))
+
+    def prepare_chat(self, req: ChatRequest, session: S.Session | None) -> Job:
         self._check_model(req.model)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         if tools and req.tool_choice != "none" and self.tool_parser is None:
@@ -149,11 +190,15 @@ class OpenAIFront:
         plan = S.plan_chat(session, messages, template_tools, self.tokenizer, self._render_prompt,
                            self._render_suffix)
         params = self._params(req, len(plan.prompt_ids))
-        completions = await self._generate(plan.prompt_ids, params, session, plan.routed_experts_start)
         parser = None
         if template_tools:
             from mtrain.tools.parsers import ToolCallParser
             parser = ToolCallParser(self.tool_parser, template_tools)
+        return Job(plan.prompt_ids, params, session, req.stop or [], parser.start_marker if parser else None,
+                   lambda completions: self._chat_result(req, session, plan, messages, template_tools, parser,
+                                                         completions), plan.routed_experts_start)
+
+    def _chat_result(self, req, session, plan, messages, template_tools, parser, completions) -> Result:
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)
@@ -180,7 +225,7 @@ class OpenAIFront:
             session.calls += 1
         return Result(plan.prompt_ids, choices, branches)
 
-    async def complete(self, req: CompletionRequest, session: S.Session | None) -> Result:
+    def prepare_complete(self, req: CompletionRequest, session: S.Session | None) -> Job:
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             prompt = list(self.tokenizer.encode(req.prompt))
@@ -192,7 +237,11 @@ class OpenAIFront:
         plan = S.plan_tokens(session, prompt) if not isinstance(req.prompt, str) else S.Plan(
             None, prompt, [], "", rerendered=bool(session is not None and session.branches))
         params = self._params(req, len(prompt))
-        completions = await self._generate(prompt, params, session, plan.routed_experts_start)
+        return Job(prompt, params, session, req.stop or [], None,
+                   lambda completions: self._complete_result(req, session, plan, prompt, completions),
+                   plan.routed_experts_start)
+
+    def _complete_result(self, req, session, plan, prompt, completions) -> Result:
         choices, branches = [], []
         for j, c in enumerate(completions):
             ids, text, finish, stop_text = self._cut(c, req.stop)

@@ -159,6 +159,12 @@ class ToolCallParser:
             self._sglang = FunctionCallParser([Tool(**s) for s in schemas], name)
         self.backend = "sglang" if self._sglang is not None else "mtrain"
 
+    @property
+    def start_marker(self) -> str:
+        """The text a tool call starts with (`<tool_call>\\n` / `<tool_call>`): normal text is what comes before the
+        first one, so a streaming front may send text as content only up to where this could begin."""
+        return self._ours.bot
+
     def parse(self, text: str) -> ParseResult:
         ours = self._ours.parse(text, self.names)
         if self._sglang is None:

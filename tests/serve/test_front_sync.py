@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
@@ -14,7 +15,19 @@ from mtrain.rollout.protocol import Request, SamplingParams
 from mtrain.rollout.reference_engine import as_hf_config, hf_disk_views
 
 
-def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, tokenizer):
+def finish_of(c, stream: bool, **kw) -> str:
+    """The first choice's finish_reason of a call, streamed (the front holds a stream's start the same way) or not."""
+    if not stream:
+        return c.chat.completions.create(**kw).choices[0].finish_reason
+    finish = None
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+    return finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, tokenizer, stream):
     sid = server.front.sessions.create().id
     c = OpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key=server.api_key, max_retries=0)
     m = [{"role": "user", "content": "Turn one."}]
@@ -24,8 +37,8 @@ def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, to
 
     engine.pause()  # what the pool does before a sync
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", c.chat.completions.create(
-        model=MODEL, messages=m, max_tokens=8, seed=6)))
+    t = threading.Thread(target=lambda: out.setdefault("r", finish_of(c, stream, model=MODEL, messages=m,
+                                                                      max_tokens=8, seed=6)))
     t.start()
     time.sleep(0.5)
     assert t.is_alive() and "r" not in out  # held, not failed
@@ -36,7 +49,7 @@ def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, to
     engine.finish_weight_update(v0 + 1)
     engine.resume()
     t.join(timeout=60)
-    assert "r" in out and out["r"].choices[0].finish_reason in ("stop", "length")
+    assert "r" in out and out["r"] in ("stop", "length")
 
     traj = server.front.sessions.get(sid).leaves()[0].trajectory
     model_segs = [s for s in traj.segments if s.kind == "model"]
@@ -47,14 +60,15 @@ def test_sync_between_turns_holds_the_call_and_keeps_versions(server, engine, to
     assert model_segs[1].ids == ref.output_ids  # turn two ran on the new weights
 
 
-def test_a_pool_abort_by_prefix_reaches_a_sessions_held_call(server, engine):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pool_abort_by_prefix_reaches_a_sessions_held_call(server, engine, stream):
     """Sessions made by agent_group_fn carry the pool call's rid prefix: aborting it ends the agent's call."""
     s = server.front.sessions.create(rid_prefix="step7-3-1-")
     c = OpenAI(base_url=f"{server.url}/sessions/{s.id}/v1", api_key=server.api_key, max_retries=0)
     engine.pause()
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", c.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8)))
+    t = threading.Thread(target=lambda: out.setdefault("r", finish_of(
+        c, stream, model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8)))
     try:
         t.start()
         time.sleep(0.5)
@@ -63,7 +77,7 @@ def test_a_pool_abort_by_prefix_reaches_a_sessions_held_call(server, engine):
         t.join(timeout=30)
     finally:
         engine.resume()
-    assert out["r"].choices[0].finish_reason == "abort"
+    assert out["r"] == "abort"
     assert s.branches[-1].trajectory.finish_reason == "abort"
 
 
