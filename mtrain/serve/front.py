@@ -24,6 +24,7 @@ from mtrain.rollout.client import EngineClient, stream
 from mtrain.rollout.protocol import Completion, Request, SamplingParams, TokenDelta
 from mtrain.serve import sessions as S
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
+from mtrain.serve.streaming import ChoiceStream
 
 
 DeltaSink = Callable[[int, TokenDelta], None]  # (choice index, its new tokens), called on the front's event loop
@@ -123,20 +124,29 @@ class OpenAIFront:
                 for j in range(req.n)]
 
     async def _generate(self, prompt_ids: list[int], params: list[SamplingParams], session: S.Session | None,
-                        on_delta: DeltaSink | None = None, routed_start: int = 0) -> list[Completion]:
-        """routed_start: routing replay, the first position whose routing the continued branch lacks."""
+                        on_delta: DeltaSink | None = None, routed_start: int = 0,
+                        stops: list[str] | None = None) -> list[Completion]:
+        """routed_start: routing replay, the first position whose routing the continued branch lacks. stops: the
+        request's stop strings; a choice whose text completes one is aborted in the engine at once (the engine
+        stops on token ids only, and `_cut` drops everything after the stop string anyway)."""
         call = next(self._rid)
         head = session.rid_prefix if session is not None and session.rid_prefix else "front-"
         requests = [Request(rid=f"{head}c{call}-{j}-", prompt_ids=list(prompt_ids), params=p,
                             routed_experts_start=routed_start) for j, p in enumerate(params)]
-        if on_delta is None:
+        if on_delta is None and not stops:
             return list(await asyncio.gather(*(self._one(r) for r in requests)))
 
         async def streamed(j: int, request: Request) -> Completion:
+            watch = ChoiceStream(self.tokenizer, stops, self.stops) if stops else None
             async for item in stream(self.client, request):  # aborts the request if this task is cancelled
                 if isinstance(item, Completion):
                     return item
-                on_delta(j, item)
+                if on_delta is not None:
+                    on_delta(j, item)
+                if watch is not None and not watch.done:
+                    watch.push(list(item.output_ids))
+                    if watch.done:  # the stop string is complete: the tokens after it would only be cut
+                        self.client.abort(request.rid)
             raise RuntimeError(f"request {request.rid!r}: the stream ended without a completion")
 
         return list(await asyncio.gather(*(streamed(j, r) for j, r in enumerate(requests))))
@@ -171,7 +181,8 @@ class OpenAIFront:
     # -- endpoints --------------------------------------------------------------------------------------------
     async def run(self, job: Job, on_delta: DeltaSink | None = None) -> Result:
         """Generate a prepared job; with `on_delta`, every choice's tokens are passed on as they arrive."""
-        return job.finish(await self._generate(job.prompt_ids, job.params, job.session, on_delta, job.routed_start))
+        return job.finish(await self._generate(job.prompt_ids, job.params, job.session, on_delta, job.routed_start,
+                                               job.stops))
 
     async def chat(self, req: ChatRequest, session: S.Session | None) -> Result:
         return await self.run(self.prepare_chat(req, session))

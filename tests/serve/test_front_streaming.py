@@ -224,3 +224,41 @@ def test_a_stream_keeps_its_concurrency_slot_until_its_engine_work_ends(engine, 
             except openai.RateLimitError:
                 time.sleep(0.05)
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+class RecordingClient(LocalClient):
+    """LocalClient that keeps every completion the engine returned (what it generated, before the front's cut)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.done = []
+
+    async def generate(self, request):
+        c = await super().generate(request)
+        self.done.append(c)
+        return c
+
+
+def test_a_completed_stop_string_ends_the_engine_request_early(engine, tokenizer):
+    # The engine stops on token ids only; a stop string is the front's. Once a choice's text completes one, the front
+    # aborts its engine request instead of letting it run to max_tokens (streamed or not), and the answer is the same.
+    client = RecordingClient(engine)
+    front = OpenAIFront(client, tokenizer, model_name=MODEL, max_positions=512, default_max_tokens=24)
+    with FrontServer(front) as srv:
+        c = OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
+        kw = dict(model=MODEL, messages=USER, max_tokens=160, seed=11)
+        full = c.chat.completions.create(**kw)
+        text, n_full = full.choices[0].message.content, len(client.done[-1].output_ids)
+        assert n_full >= 60, "the baseline answer must be long enough for an early stop to show"
+        stop = text[4:7]
+        for streamed in (False, True):
+            if streamed:
+                got, _, finish = _collect(c.chat.completions.create(**kw, stop=[stop], stream=True))
+                got, finish = got[0], finish[0]
+            else:
+                r = c.chat.completions.create(**kw, stop=[stop]).choices[0]
+                got, finish = r.message.content, r.finish_reason
+            assert got == text[:text.find(stop)] and finish == "stop"
+            engine_side = client.done[-1]
+            assert engine_side.finish_reason == "abort" and len(engine_side.output_ids) < n_full // 2, (
+                streamed, engine_side.finish_reason, len(engine_side.output_ids))
