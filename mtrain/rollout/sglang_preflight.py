@@ -6,6 +6,10 @@ Two failures found by reading SGLang 0.5.17 and the GPU bundle (/work/shared/dev
   `flashmla_ops` to stay small (build-sglang-bundle.sh); `sgl_kernel/flash_attn.py:7-12` raises ImportError at the
   first attention call, which kills the scheduler (2026-11-30: the Qwen2.5-VL vision tower, whose Hopper default is
   "fa3", layers/attention/vision.py:1215-1230).
+- A vision model without the Python packages SGLang's Qwen2.5-VL code imports and the bundle does not hold
+  (torchvision and PIL: multimodal/processors/qwen_vl.py:9-11, in this process when the engine builds its
+  processor; einops: layers/attention/vision.py:13, models/qwen2_5_vl.py:34, in the schedulers at model load). They
+  come from the carried `.gpu-extra/` wheels (BUILD.md, "GPU").
 - A rotary head size without SGLang's fused rope kernel: on CUDA only 64/128/256/512 take it
   (layers/rotary_embedding/base.py:103-124); other sizes go to a JIT fallback, and the schedulers died with head size
   32 (tiny Llama, /work/shared/device/README.md) and 16 (tiny Qwen2.5-VL, mtrain/tiny_vlm.py) on the H200.
@@ -55,6 +59,16 @@ def missing_kernels(args: Mapping[str, Any], extensions: set[str] | None) -> lis
     return out
 
 
+VISION_MODULES = ("torchvision", "PIL", "einops")
+
+
+def missing_vision_modules(hf_config: Mapping[str, Any], modules: Iterable[str] = VISION_MODULES) -> list[str]:
+    """The modules of `modules` that cannot be imported, when `hf_config` is a vision model's; [] otherwise."""
+    if not isinstance(hf_config.get("vision_config"), Mapping):
+        return []
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
 def rope_head_size(hf_config: Mapping[str, Any]) -> int | None:
     """The head size SGLang builds the language model's rotary embedding with: qk_rope_head_dim for MLA
     (DeepSeek), else head_dim or hidden_size / num_attention_heads (a VLM's text_config when nested)."""
@@ -82,6 +96,10 @@ def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | N
     """Everything that would make this engine start fail later; [] when none is known."""
     out = missing_kernels(args, extensions)
     if hf_config is not None:
+        missing = missing_vision_modules(hf_config)
+        if missing:
+            out.append(f"a vision model needs {', '.join(missing)} (SGLang's Qwen2.5-VL processor and vision tower "
+                       f"import them; the GPU bundle lacks them): install or carry the .gpu-extra/ wheels")
         rope = rope_problem(hf_config)
         if rope:
             out.append(rope)

@@ -3,7 +3,8 @@ whose sgl_kernel extension the GPU bundle lacks, and rotary head sizes without S
 import json
 from pathlib import Path
 
-from mtrain.rollout.sglang_preflight import extensions_in, preflight_problems, rope_head_size, sgl_kernel_extensions
+from mtrain.rollout.sglang_preflight import (extensions_in, missing_kernels, missing_vision_modules, preflight_problems,
+                                             rope_head_size, rope_problem, sgl_kernel_extensions)
 from mtrain.rollout.sglang_wire import engine_server_args
 from mtrain.tiny_configs import tiny_config
 from mtrain.tiny_vlm import TINY_VLM_GPU_OVERRIDES, tiny_vlm_config
@@ -32,8 +33,9 @@ def test_our_server_args_and_gpu_models_pass_on_the_bundle(tmp_path):
                   json.loads((REPO / "examples/deepseek_v3/tiny/gpu_config.json").read_text()),
                   dict(model_type="llama", hidden_size=256, num_attention_heads=4, head_dim=64),
                   dict(model_type="llama", hidden_size=4096, num_attention_heads=32)]  # Llama-8B: 4096 / 32
+    assert missing_kernels(_args(), bundle) == []
     for cfg in gpu_models:
-        assert preflight_problems(_args(), cfg, bundle) == [], cfg
+        assert rope_problem(cfg) is None, cfg
 
 
 def test_fa3_and_flashmla_refused_without_their_extension(tmp_path):
@@ -54,5 +56,12 @@ def test_rope_head_sizes_that_crashed_the_schedulers_are_refused():
     assert rope_head_size({"text_config": {"hidden_size": 2048, "num_attention_heads": 16}}) == 128
     for cfg, size in ((dict(model_type="llama", hidden_size=128, num_attention_heads=4), 32),  # device README
                       (tiny_vlm_config(), 16)):  # the CPU tiny VLM (mtrain/tiny_vlm.py)
-        (msg,) = preflight_problems(_args(), cfg, None)
-        assert f"rotary head size {size} has no fused rope kernel" in msg
+        assert f"rotary head size {size} has no fused rope kernel" in rope_problem(cfg)
+    (msg,) = preflight_problems(_args(), dict(model_type="llama", hidden_size=128, num_attention_heads=4), None)
+    assert "rotary head size 32" in msg
+
+
+def test_vision_model_needs_its_python_packages():
+    vlm = tiny_vlm_config(**TINY_VLM_GPU_OVERRIDES)
+    assert missing_vision_modules(vlm, ("json", "mtrain_no_such_module")) == ["mtrain_no_such_module"]
+    assert missing_vision_modules(tiny_config("deepseek_v3"), ("mtrain_no_such_module",)) == []  # text model
