@@ -9,6 +9,8 @@
 #   front    the OpenAI front on SGLang under 64 concurrent clients vs direct engine calls (issue 13; 1 GPU)
 #   tool     multi-turn calculator rollouts on SGLang, token-in-token-out checked (issue 12; 1 GPU)
 #   routing_dsv3 / routing_qwen3moe  GRPO with routing replay off vs on: logprob gap, disagreement, overhead (issue 14)
+#   kernels  the not-yet-run SGLang kernels (vision attention/rotary, JIT rope, DeepSeek top-k) against float64, ~1 min
+#            without an engine (benchmarks/gpu_kernel_preflight.py, docs/sglang-bundle-audit.md; 1 GPU)
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-round3}
@@ -54,6 +56,9 @@ if [[ $parts == *" front "* ]]; then
 fi
 if [[ $parts == *" tool "* ]]; then
     (cd /tmp && step tool 300 python "$repo/benchmarks/gpu_tool_rollout.py" --engine sglang --out "$out/tool_rollout.json")
+fi
+if [[ $parts == *" kernels "* ]]; then
+    step kernels 240 python benchmarks/gpu_kernel_preflight.py --out "$out/kernel_preflight.json"
 fi
 for m in dsv3 qwen3moe; do
     if [[ $parts == *" routing_$m "* ]]; then
