@@ -1,7 +1,7 @@
 """What an SGLang engine start is refused for before `sglang.Engine(...)` spends 40-110 s starting schedulers that
 would die at the first request (pure functions; docs/sglang-bundle-audit.md has the whole audit).
 
-Two failures found by reading SGLang 0.5.17 and the GPU bundle (/work/shared/device), not by a crash:
+Failures found by reading SGLang 0.5.17 and the GPU bundle (/work/shared/device) (paths under sglang/srt/):
 - An attention backend whose kernels the installed `sgl_kernel` lacks. The bundle drops `flash_ops` (FA3) and
   `flashmla_ops` to stay small (build-sglang-bundle.sh); `sgl_kernel/flash_attn.py:7-12` raises ImportError at the
   first attention call, which kills the scheduler (2026-11-30: the Qwen2.5-VL vision tower, whose Hopper default is
@@ -26,7 +26,7 @@ FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)  # layers/rotary_embedding/base.py:1
 BACKEND_EXTENSIONS = {"fa3": "flash_ops", "flashmla": "flashmla_ops"}
 ATTENTION_ARGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
                   "mm_attention_backend")
-# the same choice in one word, for the error message
+# what to use instead, for the error message (triton for the text backends)
 SAFE_BACKEND = {"mm_attention_backend": "triton_attn"}
 
 
