@@ -14,6 +14,8 @@
 #   kernel5  the kernel's run-to-run spread: 5 processes each of bench_kernel (dense, moe) and bench_fp8_kernel
 #            (qwen3moe), plus one bench_fp8_kernel on llama8b (issue 15 point 4; 1 GPU)
 #   vlm_mt   Qwen2.5-VL multi-turn tool rollouts with an image on SGLang (issue 20; needs .gpu-extra/)
+#   kernels  the not-yet-run SGLang kernels (vision attention/rotary, JIT rope, DeepSeek top-k) against float64, ~1 min
+#            without an engine (benchmarks/gpu_kernel_preflight.py, docs/sglang-bundle-audit.md; 1 GPU)
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-round3}
@@ -59,6 +61,9 @@ if [[ $parts == *" front "* ]]; then
 fi
 if [[ $parts == *" tool "* ]]; then
     (cd /tmp && step tool 300 python "$repo/benchmarks/gpu_tool_rollout.py" --engine sglang --out "$out/tool_rollout.json")
+fi
+if [[ $parts == *" kernels "* ]]; then
+    step kernels 240 python benchmarks/gpu_kernel_preflight.py --out "$out/kernel_preflight.json"
 fi
 for m in dsv3 qwen3moe; do
     if [[ $parts == *" routing_$m "* ]]; then

@@ -51,6 +51,7 @@ from mtrain.rollout.protocol import (
 )
 from mtrain.rollout.sglang_stream import StreamAssembler
 from mtrain.rollout.vision_requests import check_vision_request
+from mtrain.rollout.sglang_preflight import preflight_problems, sgl_kernel_extensions
 from mtrain.rollout.sglang_loader import (
     DUMP_PARAMS,
     DUMP_PREFIX,
@@ -119,6 +120,11 @@ class SGLangEngine(RolloutEngine):
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
                                     deterministic=deterministic, extra=server_args, routed_experts=routing is not None)
+        # Refuse, before a 40-110 s start, what would kill the schedulers at the first request (sglang_preflight.py).
+        problems = preflight_problems(kwargs, _config_of(model_path), sgl_kernel_extensions())
+        if problems:
+            shutil.rmtree(self._status_dir, ignore_errors=True)
+            raise EngineError(f"SGLang engine for {model_path!r} not started: " + "; ".join(problems))
         # A further node's part of an engine spanning nodes (node_rank > 0): its schedulers serve that node's TP ranks
         # and take every request and weight call from node 0's part by SGLang's own broadcast; this object only
         # holds them. SGLang would block in the constructor unless told not to (engine.py:1105-1132).
@@ -507,12 +513,20 @@ class SGLangEngine(RolloutEngine):
 _LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
 
 
-def _vision_of(model_path: str) -> tuple[int | None, str]:
-    """(image_token_id or None, model_type) from the model folder's config.json (a VLM declares vision_config)."""
+def _config_of(model_path: str) -> dict | None:
+    """The model folder's config.json, or None when it cannot be read (SGLang then reports it at start)."""
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _vision_of(model_path: str) -> tuple[int | None, str]:
+    """(image_token_id or None, model_type) from the model folder's config.json (a VLM declares vision_config)."""
+    cfg = _config_of(model_path)
+    if cfg is None:
         return None, "unknown"
     vlm = isinstance(cfg.get("vision_config"), dict) and cfg.get("image_token_id") is not None
     return (int(cfg["image_token_id"]) if vlm else None), str(cfg.get("model_type", "unknown"))
