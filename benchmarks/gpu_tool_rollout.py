@@ -48,7 +48,7 @@ def main() -> None:
     from mtrain.data.rewards import exact_match_reward
     from mtrain.rollout import SamplingParams
     from mtrain.rollout.agents.multi_turn import RolloutContext, group_metrics, rollout_group
-    from mtrain.rollout.client import LocalClient
+    from mtrain.rollout.client import RecordingClient
     from mtrain.tools.calculator import CalculatorTool
     from mtrain.tools.parsers import ToolCallParser
     from mtrain.tools.server import ToolServer
@@ -73,16 +73,6 @@ def main() -> None:
         from mtrain.rollout import ReferenceEngine
         engine = ReferenceEngine.from_pretrained(hf_dir, dtype=torch.bfloat16)
 
-    class Recording(LocalClient):
-        def __init__(self, eng):
-            super().__init__(eng)
-            self.log = []
-
-        async def generate(self, request):
-            out = await super().generate(request)
-            self.log.append((request, out))
-            return out
-
     tools = ToolServer([CalculatorTool()])
     sample = PromptSample(0, question, "56088")
 
@@ -94,7 +84,7 @@ def main() -> None:
                               max_turns=4 if tool_turns else 1, max_total_tokens=1024, system_prompt=None)
 
     async def run(tool_turns: bool):
-        client = Recording(engine)
+        client = RecordingClient(engine)
         t0 = time.perf_counter()
         groups = await asyncio.gather(*(rollout_group(sample, a.n, client, ctx(i, tool_turns=tool_turns))
                                         for i in range(a.groups)))

@@ -44,7 +44,7 @@ def main() -> int:
     from mtrain.data.vision import load_vision_processor
     from mtrain.rollout import SamplingParams
     from mtrain.rollout.agents.multi_turn import RolloutContext, group_metrics, rollout_group
-    from mtrain.rollout.client import LocalClient
+    from mtrain.rollout.client import RecordingClient
     from mtrain.rollout.protocol import Request
     from mtrain.tiny_vlm import TINY_VLM_GPU_OVERRIDES, tiny_vlm_config, write_tiny_vlm
     from mtrain.tools.calculator import CalculatorTool
@@ -76,16 +76,6 @@ def main() -> int:
         from mtrain.rollout.reference_engine import ReferenceEngine
         engine = ReferenceEngine.from_pretrained(str(model_dir))
 
-    class Recording(LocalClient):
-        def __init__(self, eng):
-            super().__init__(eng)
-            self.log = []
-
-        async def generate(self, request):
-            out = await super().generate(request)
-            self.log.append((request, out))
-            return out
-
     sample = PromptSample(0, QUESTION, REPLY, images=(picture(),))
 
     def ctx(i):
@@ -97,7 +87,7 @@ def main() -> int:
                               system_prompt=None)
 
     async def run():
-        client = Recording(engine)
+        client = RecordingClient(engine)
         t = time.perf_counter()
         groups = await asyncio.gather(*(rollout_group(sample, a.n, client, ctx(i)) for i in range(a.groups)))
         return [x for g in groups for x in g], client.log, time.perf_counter() - t

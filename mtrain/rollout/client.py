@@ -82,3 +82,17 @@ async def stream(client: EngineClient, request: Request) -> AsyncIterator[TokenD
         if not task.done():
             client.abort(request.rid)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it now
+
+
+class RecordingClient(LocalClient):
+    """A LocalClient that keeps every (request, completion) it served, in completion order: the engine's own
+    output, before any caller cuts it, for checks and benchmarks to compare a trajectory or an answer with."""
+
+    def __init__(self, engine: RolloutEngine):
+        super().__init__(engine)
+        self.log: list[tuple[Request, Completion]] = []
+
+    async def generate(self, request: Request) -> Completion:
+        out = await super().generate(request)
+        self.log.append((request, out))
+        return out

@@ -17,7 +17,7 @@ from mtrain.data import CharTokenizer, PromptSample
 from mtrain.data.rewards import RewardError, exact_match_reward
 from mtrain.rollout import EngineError, SamplingParams
 from mtrain.rollout.agents.multi_turn import RolloutContext, group_metrics, resume_group, rollout_group
-from mtrain.rollout.client import LocalClient
+from mtrain.rollout.client import LocalClient, RecordingClient
 from mtrain.rollout.trajectory import to_batch
 from mtrain.tools.base import BaseTool, ToolError
 from mtrain.tools.calculator import CalculatorTool
@@ -43,19 +43,6 @@ def trained():
     weights = [(k, v.clone()) for k, v in engine._views.items()]
     yield engine, weights
     engine.shutdown()
-
-
-class RecordingClient(LocalClient):
-    """The real LocalClient, keeping every request and completion to compare the trajectory with."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.log = []
-
-    async def generate(self, request):
-        out = await super().generate(request)
-        self.log.append((request, out))
-        return out
 
 
 def ctx_for(tools=None, reward_fn=exact_match_reward, **kw):

@@ -21,7 +21,7 @@ from mtrain.data.mrope import batch_mrope_positions
 from mtrain.data.vision import load_vision_processor
 from mtrain.rollout import SamplingParams
 from mtrain.rollout.agents.multi_turn import RolloutContext, rollout_group
-from mtrain.rollout.client import LocalClient
+from mtrain.rollout.client import RecordingClient
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.trajectory import to_batch
 from mtrain.tiny_vlm import tiny_vlm_config, write_tiny_vlm
@@ -41,17 +41,6 @@ def scripted(tmp_path_factory):
     ids, mask, vision = script(proc, QUESTION, [picture()], [TURN1, ANSWER], [REPLIES], tools.schemas)
     train_scripted_vlm(d, ids, mask, vision)
     return d, proc, ids
-
-
-class RecordingClient(LocalClient):
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.log = []
-
-    async def generate(self, request):
-        out = await super().generate(request)
-        self.log.append((request, out))
-        return out
 
 
 def ctx_for(proc, **kw):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mtrain.data import CharTokenizer, PromptSample
-from mtrain.rollout.client import LocalClient
+from mtrain.rollout.client import LocalClient, RecordingClient
 from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams
 from mtrain.rollout.routing import RoutingError, RoutingShape, merge_resumed, received_bytes, routing_shape
 from mtrain.tiny_configs import tiny_config
@@ -31,20 +31,7 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\
 QUESTION = "What is 6*7?"
 
 
-class Recording(LocalClient):
-    """The real LocalClient, keeping every (request, completion)."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.log = []
-
-    async def generate(self, request):
-        out = await super().generate(request)
-        self.log.append((request, out))
-        return out
-
-
-class FromZero(Recording):
+class FromZero(RecordingClient):
     """Today's behaviour, the reference: every request asks for all of its rows, whatever its caller holds."""
 
     async def generate(self, request):
@@ -175,7 +162,7 @@ def test_multi_turn_trajectory_asks_only_for_new_rows(tool_engine):
     from mtrain.rollout.trajectory import to_batch
     shape = routing_shape(MOE)
     sample = PromptSample(0, QUESTION, "42")
-    new, old = Recording(tool_engine), FromZero(tool_engine)
+    new, old = RecordingClient(tool_engine), FromZero(tool_engine)
     (t,) = asyncio.run(rollout_group(sample, 1, new, _ctx()))
     (ref,) = asyncio.run(rollout_group(sample, 1, old, _ctx()))
     assert t.turns == 2 and t.tool_calls and [s.kind for s in t.segments] == ["prompt", "model", "env", "model"]
@@ -224,7 +211,7 @@ def test_multi_turn_resume_after_abort_asks_only_for_new_rows(tool_engine):
         tool_engine._decode_delay_s = 0.0
     assert t.finish_reason == "abort" and t.routed_experts.shape[0] == len(t.tokens) - 1
     a, b = copy.deepcopy(t), copy.deepcopy(t)
-    new, old = Recording(tool_engine), FromZero(tool_engine)
+    new, old = RecordingClient(tool_engine), FromZero(tool_engine)
     (a,) = asyncio.run(resume_group([a], new, _ctx()))
     (b,) = asyncio.run(resume_group([b], old, _ctx()))
     assert a.finish_reason == b.finish_reason == "stop" and a.tokens == b.tokens

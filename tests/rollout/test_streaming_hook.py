@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from mtrain.rollout import ReferenceEngine, Request, SamplingParams
-from mtrain.rollout.client import LocalClient, stream
+from mtrain.rollout.client import RecordingClient, stream
 from mtrain.rollout.protocol import Completion, TokenDelta
 
 CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -84,17 +84,7 @@ def test_an_abort_from_the_hook_and_a_failing_hook(engine):
 
 
 def test_client_stream_yields_deltas_then_the_completion_and_aborts_when_left(engine):
-    class Recording(LocalClient):
-        def __init__(self, e):
-            super().__init__(e)
-            self.done: list[Completion] = []
-
-        async def generate(self, request):
-            c = await super().generate(request)
-            self.done.append(c)
-            return c
-
-    client = Recording(engine)
+    client = RecordingClient(engine)
 
     async def main():
         items = [x async for x in stream(client, _req(1, max_new=10))]
@@ -105,10 +95,10 @@ def test_client_stream_yields_deltas_then_the_completion_and_aborts_when_left(en
             break
         await gen.aclose()
         for _ in range(600):
-            if len(client.done) == 2:
+            if len(client.log) == 2:
                 break
             await asyncio.sleep(0.05)
 
     asyncio.run(main())
-    left = client.done[-1]
+    left = client.log[-1][1]
     assert left.rid == "left-" and left.finish_reason == "abort" and len(left.output_ids) < 400

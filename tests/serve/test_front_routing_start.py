@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from front_fixtures import MODEL, chatml_tokenizer
 from mtrain.rollout import ReferenceEngine
-from mtrain.rollout.client import LocalClient
+from mtrain.rollout.client import RecordingClient
 from mtrain.rollout.routing import received_bytes, routing_shape
 from mtrain.serve import sessions as S
 from mtrain.serve.front import OpenAIFront
@@ -20,17 +20,15 @@ from mtrain.serve.server import FrontServer
 from mtrain.tiny_configs import tiny_config
 
 
-class Recording(LocalClient):
+class Recording(RecordingClient):
     def __init__(self, engine, from_zero: bool):
         super().__init__(engine)
-        self.from_zero, self.log = from_zero, []
+        self.from_zero = from_zero
 
     async def generate(self, request):
         if self.from_zero:  # today's behaviour: every call asks for all of its rows
             request = dataclasses.replace(request, routed_experts_start=0)
-        out = await super().generate(request)
-        self.log.append((request, out))
-        return out
+        return await super().generate(request)
 
 
 def _session(client, tokenizer):

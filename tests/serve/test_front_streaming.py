@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from front_fixtures import MODEL
-from mtrain.rollout.client import LocalClient
+from mtrain.rollout.client import LocalClient, RecordingClient
 from mtrain.serve.front import OpenAIFront
 from mtrain.serve.server import FrontServer
 
@@ -226,19 +226,6 @@ def test_a_stream_keeps_its_concurrency_slot_until_its_engine_work_ends(engine, 
         assert r.choices[0].finish_reason in ("stop", "length")
 
 
-class RecordingClient(LocalClient):
-    """LocalClient that keeps every completion the engine returned (what it generated, before the front's cut)."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.done = []
-
-    async def generate(self, request):
-        c = await super().generate(request)
-        self.done.append(c)
-        return c
-
-
 def test_a_completed_stop_string_ends_the_engine_request_early(engine, tokenizer):
     # The engine stops on token ids only; a stop string is the front's. Once a choice's text completes one, the front
     # aborts its engine request instead of letting it run to max_tokens (streamed or not), and the answer is the same.
@@ -248,7 +235,7 @@ def test_a_completed_stop_string_ends_the_engine_request_early(engine, tokenizer
         c = OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
         kw = dict(model=MODEL, messages=USER, max_tokens=160, seed=11)
         full = c.chat.completions.create(**kw)
-        text, n_full = full.choices[0].message.content, len(client.done[-1].output_ids)
+        text, n_full = full.choices[0].message.content, len(client.log[-1][1].output_ids)
         assert n_full >= 60, "the baseline answer must be long enough for an early stop to show"
         stop = text[4:7]
         for streamed in (False, True):
@@ -259,6 +246,6 @@ def test_a_completed_stop_string_ends_the_engine_request_early(engine, tokenizer
                 r = c.chat.completions.create(**kw, stop=[stop]).choices[0]
                 got, finish = r.message.content, r.finish_reason
             assert got == text[:text.find(stop)] and finish == "stop"
-            engine_side = client.done[-1]
+            engine_side = client.log[-1][1]
             assert engine_side.finish_reason == "abort" and len(engine_side.output_ids) < n_full // 2, (
                 streamed, engine_side.finish_reason, len(engine_side.output_ids))
