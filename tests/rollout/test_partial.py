@@ -6,7 +6,6 @@ contribute nothing to the gradient".
 """
 import asyncio
 import random
-import time
 
 import torch
 
@@ -14,23 +13,12 @@ from mtrain.config import load_config
 from mtrain.rollout import ReferenceEngine, Request, SamplingParams
 from mtrain.rollout import partial
 from mtrain.rollout.client import LocalClient
+from aborts import abort_after
 
 CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
               tie_word_embeddings=False)
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
-
-
-def _abort_after(engine, rid_prefix, tokens):
-    """Abort the request once it has generated at least `tokens` tokens (a real abort mid-generation)."""
-    def watch():
-        while True:
-            if any(v >= tokens for r, v in engine.active_requests().items() if r.startswith(rid_prefix)):
-                engine.abort(rid_prefix)
-                return
-            time.sleep(0.0002)
-    import threading
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def test_resumed_greedy_sample_equals_uninterrupted_and_versions_follow_the_engine():
@@ -44,7 +32,7 @@ def test_resumed_greedy_sample_equals_uninterrupted_and_versions_follow_the_engi
     g = partial.new_group(uid=0, sample_index=0, prompt_ids=prompt, n=1, base_seed=0)
 
     async def first():
-        _abort_after(engine, "s0-", cut)
+        abort_after(engine, "s0-", cut)
         return await partial.advance(g, client, GREEDY, "s0", score=lambda grp: ([0.0], [""]), filter_uniform=False)
 
     counts, g = asyncio.run(first())

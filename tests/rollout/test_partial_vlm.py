@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import random
-import threading
-import time
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from mtrain.rollout.client import LocalClient
 from mtrain.rollout.protocol import Request, SamplingParams
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.tiny_vlm import tiny_vlm_config, write_tiny_vlm
+from aborts import abort_after
 
 IMAGE_TOKEN = tiny_vlm_config()["image_token_id"]
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0)
@@ -46,16 +45,6 @@ def checkpointed(state):
     return torch.load(buf, weights_only=False)
 
 
-def _abort_after(engine, rid_prefix, tokens):
-    def watch():
-        while True:
-            if any(v >= tokens for r, v in engine.active_requests().items() if r.startswith(rid_prefix)):
-                engine.abort(rid_prefix)
-                return
-            time.sleep(0.0002)
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def same_images(a: VisionInputs, b: VisionInputs) -> bool:
     return torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw) and \
         (a.image_token_id, a.merge_size) == (b.image_token_id, b.merge_size)
@@ -72,7 +61,7 @@ def test_aborted_vlm_sample_resumes_with_its_image_across_a_checkpoint(setup):
     g = partial.new_group(uid=0, sample_index=0, prompt_ids=prompt.ids, n=1, base_seed=0, vision=prompt.vision)
 
     async def first():
-        _abort_after(engine, "s0-", cut)
+        abort_after(engine, "s0-", cut)
         return await partial.advance(g, client, GREEDY, "s0", score=lambda grp: ([0.0], [""]), filter_uniform=False,
                                      image_token_id=IMAGE_TOKEN)
 
