@@ -36,27 +36,40 @@ class StreamAssembler:
     def __init__(self, request: Request):
         self.request = request
         self.ids: list[int] = []
+        # our own copies, extended by each chunk's new tail only: copying the whole cumulative lists at every chunk
+        # would cost O(n^2) over an n-token stream
+        self.entries: list[Any] = []
+        self.tops: list[Any] = []
         self.last: Mapping[str, Any] | None = None
 
     def feed(self, chunk: Mapping[str, Any]) -> TokenDelta | None:
         meta = chunk.get("meta_info") or {}
-        entries = list(meta.get("output_token_logprobs") or [])  # a copy: the live list grows after this returns
-        self.last = {**chunk, "meta_info": {**meta, "output_token_logprobs": entries}}
-        new = entries[len(self.ids):]
+        live = meta.get("output_token_logprobs") or []  # the live list: it grows after this returns
+        new = list(live[len(self.ids):])
+        # the chunk as it is now: its meta_info shallow-copied, of output_ids only the last id (what output() checks)
+        self.last = {**chunk, "output_ids": list((chunk.get("output_ids") or [])[-1:]), "meta_info": dict(meta)}
         if not new:
             return None
         ids = [int(e[1]) for e in new]
         tops = None
         k = self.request.params.top_logprobs
         if k:
-            rows = list(meta.get("output_top_logprobs") or [])[len(self.ids):len(entries)]
+            rows = list((meta.get("output_top_logprobs") or [])[len(self.ids):len(self.ids) + len(new)])
             if len(rows) != len(new) or any(r is None or len(r) < k for r in rows):
                 raise EngineError(f"request {self.request.rid!r}: a stream chunk has {len(new)} new tokens but "
                                   f"{len(rows)} top-logprob rows (or a row with fewer than {k})")
             tops = [top_row(r, k) for r in rows]
-            self.last["meta_info"]["output_top_logprobs"] = list(meta.get("output_top_logprobs") or [])
+            self.tops += rows
         self.ids += ids
+        self.entries += new
         return TokenDelta(ids, [float(e[0]) for e in new], tops)
+
+    def _meta(self) -> dict[str, Any]:
+        """The last chunk's meta_info with the logprob lists as streamed (our copies, not the live lists)."""
+        meta = {**(self.last.get("meta_info") or {}), "output_token_logprobs": list(self.entries)}
+        if self.request.params.top_logprobs:
+            meta["output_top_logprobs"] = list(self.tops)
+        return meta
 
     def output(self, aborted: bool = False) -> Mapping[str, Any] | None:
         """The last chunk with `output_ids` = every token streamed (None: the stream sent nothing). aborted: the
@@ -65,9 +78,9 @@ class StreamAssembler:
             return None
         if aborted:
             return {**self.last, "output_ids": list(self.ids),
-                    "meta_info": {**self.last["meta_info"], "finish_reason": {"type": "abort"}}}
+                    "meta_info": {**self._meta(), "finish_reason": {"type": "abort"}}}
         got = list(self.last.get("output_ids") or [])
         if got and self.ids and int(got[-1]) != self.ids[-1]:  # cumulative, or the abort chunk's [last id]
             raise EngineError(f"request {self.request.rid!r}: SGLang's last stream chunk ends with token {got[-1]}, "
                               f"its logprobs with {self.ids[-1]}")
-        return {**self.last, "output_ids": list(self.ids)}
+        return {**self.last, "output_ids": list(self.ids), "meta_info": self._meta()}

@@ -81,7 +81,8 @@ def test_live_lists_growing_after_a_chunk_do_not_leak_into_it():
     state.step(2)
     d = asm.feed(state.chunk())
     state.step(3)  # the live lists grow before the next chunk: the first delta and the kept state must not change
-    assert d.output_ids == [11, 12] and asm.last["meta_info"]["output_token_logprobs"] == state.logprobs[:2]
+    assert d.output_ids == [11, 12] and asm.output()["meta_info"]["output_token_logprobs"] == state.logprobs[:2]
+    assert asm.output()["output_ids"] == [11, 12]
     assert asm.feed(state.chunk()).output_ids == [13, 14, 15]
 
 
