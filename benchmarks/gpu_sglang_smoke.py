@@ -104,16 +104,17 @@ def main() -> int:
 
     from mtrain.rollout.protocol import EngineError, Request, SamplingParams
     from mtrain.rollout.sglang_engine import SGLangEngine
+    from gpu_summary import reported  # this script's folder is on sys.path
 
     summary: dict = {"ok": False, "timings_s": {}, "checks": {}}
     T = summary["timings_s"]
     fake_torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "TORCHELASTIC_RUN_ID": "smoke"}
     os.environ.update(fake_torchrun)
-    eng = None
-    try:
+    with reported(summary, "sglang_smoke.json") as engines:
         eng, T["engine_start"] = timed(SGLangEngine, model_dir, tp_size=1, mem_fraction_static=0.3,
                                        deterministic=args.deterministic, server_args={"dtype": "bfloat16"})
+        engines.append(eng)
         summary["checks"]["torchrun_env_restored"] = all(os.environ.get(k) == v for k, v in fake_torchrun.items())
         hf0 = hf0.cuda().eval()
         g = torch.Generator().manual_seed(0)
@@ -195,20 +196,6 @@ def main() -> int:
             and c["logprobs_vs_hf_v0"]["mean_abs"] < 0.05 and c["logprobs_vs_hf_v1"]["mean_abs"] < 0.05
             and c["logprobs_vs_hf_after_resume"]["mean_abs"] < 0.05 and c["released_gib"] > 0
             and c.get("batch_invariant", True))
-    except BaseException as e:  # the summary still says how far it got
-        import traceback
-
-        summary["error"] = f"{type(e).__name__}: {e}"
-        summary["traceback"] = traceback.format_exc()[-4000:]
-        raise
-    finally:
-        if eng is not None:
-            eng.shutdown()
-        print(json.dumps(summary, indent=1))
-        out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, "sglang_smoke.json"), "w") as f:
-                json.dump(summary, f, indent=1)
     return 0 if summary["ok"] else 1
 
 

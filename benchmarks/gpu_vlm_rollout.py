@@ -96,13 +96,14 @@ def main() -> int:
     from transformers import AutoModelForImageTextToText
 
     from mtrain.rollout.sglang_engine import SGLangEngine
+    from gpu_summary import reported  # this script's folder is on sys.path
 
     T, C = summary["timings_s"], summary["checks"]
-    eng = None
-    try:
+    with reported(summary, "vlm_rollout.json") as engines:
         t0 = time.perf_counter()
         eng = SGLangEngine(str(model_dir), tp_size=1, mem_fraction_static=0.3, deterministic=args.deterministic,
                            server_args={"dtype": "bfloat16"})
+        engines.append(eng)
         T["engine_start"] = time.perf_counter() - t0
         eng.generate(reqs[:2])  # warm-up (kernels, the multimodal processor's workers)
         torch.cuda.synchronize()
@@ -137,20 +138,6 @@ def main() -> int:
         g = C["logprob_gap_vs_hf_bfloat16"]
         summary["ok"] = bool(C["finish_length"] == 1.0 and C["distinct_per_group"] > 1 and g["mean_abs"] < 0.05
                              and C.get("other_pixels_change_tokens", True))
-    except BaseException as e:
-        import traceback
-
-        summary["error"] = f"{type(e).__name__}: {e}"
-        summary["traceback"] = traceback.format_exc()[-4000:]
-        raise
-    finally:
-        if eng is not None:
-            eng.shutdown()
-        print(json.dumps(summary, indent=1))
-        out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, "vlm_rollout.json"), "w") as f:
-                json.dump(summary, f, indent=1)
     return 0 if summary["ok"] else 1
 
 
