@@ -22,7 +22,13 @@ CONFIG = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_s
 def script_tokens(tok: CharTokenizer, user: str, turns: list[str], tool_replies: list[list[dict]], tools=None):
     """(ids, trained mask) of one scripted conversation: model turns end with <eos>; tool replies between them."""
     _, ids = tito.prompt_ids(tok, [{"role": "user", "content": user}], tools)
-    mask = [0] * len(ids)
+    return append_turns(tok, ids, turns, tool_replies, tools)
+
+
+def append_turns(tok, prompt_ids: list[int], turns: list[str], tool_replies: list[list[dict]], tools=None):
+    """(ids, trained mask): the prompt (mask 0), then each model turn ending with <eos> (mask 1) and the tool replies
+    after it as the chat template appends them (mask 0)."""
+    ids, mask = list(prompt_ids), [0] * len(prompt_ids)
     for i, turn in enumerate(turns):
         t = tok.encode(turn, add_special_tokens=False) + [tok.eos_token_id]
         ids, mask = ids + t, mask + [1] * len(t)

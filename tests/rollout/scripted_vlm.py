@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from mtrain.rollout.agents import tito
+from scripted_model import append_turns
 
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 QUESTION = "<image>What is 12*3?"
@@ -29,14 +29,8 @@ def picture(w: int = 84, h: int = 56, seed: int = 0) -> Image.Image:
 
 def script(proc, user: str, images, turns: list[str], tool_replies: list[list[dict]], tools=None):
     """(ids, trained mask, VisionInputs) of one scripted conversation, built as the rollout builds it."""
-    _, _, ids, vision = proc.render_messages([{"role": "user", "content": user}], images, tools)
-    mask = [0] * len(ids)
-    for i, turn in enumerate(turns):
-        t = proc.encode(turn, add_special_tokens=False) + [proc.eos_token_id]
-        ids, mask = ids + t, mask + [1] * len(t)
-        if i < len(tool_replies):
-            _, s = tito.suffix(proc, tool_replies[i], tools, stop_text=proc.eos_token)
-            ids, mask = ids + s, mask + [0] * len(s)
+    _, _, prompt, vision = proc.render_messages([{"role": "user", "content": user}], images, tools)
+    ids, mask = append_turns(proc, prompt, turns, tool_replies, tools)
     return ids, mask, vision
 
 

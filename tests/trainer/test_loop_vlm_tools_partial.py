@@ -8,8 +8,8 @@ Partial rollout with images: multi-turn image trajectories wait in the buffer, s
 single-turn count_shapes task with rollout.partial keeps its images in the buffer and trains."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +22,9 @@ REWARD = REPO / "tests" / "trainer" / "rewards_for_tests.py"
 
 
 def _scripted_vlm():
-    spec = importlib.util.spec_from_file_location("scripted_vlm", REPO / "tests" / "rollout" / "scripted_vlm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))  # scripted_vlm and the scripted_model it builds on
+    import scripted_vlm
+    return scripted_vlm
 
 
 @pytest.fixture(scope="module")
