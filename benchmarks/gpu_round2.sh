@@ -5,17 +5,8 @@
 # per-phase times, one job, about 3.5 min), partial_learn (both modes' reward curves over 12 steps, two runs from the
 # same weights, about 4 min: a digit-share reward that a random model can climb, on the same heavy-tailed lengths).
 set -uo pipefail
-repo=$(pwd)
-out=${OUT:-/tmp/mtrain-round2}
-mkdir -p "$out"
-source benchmarks/gpu_setup.sh || exit 1
-parts=" ${PARTS:-fp8 fp8loop partial} "
-step() {  # name timeout cmd...
-    local name=$1 t=$2; shift 2
-    (OUT=$out timeout "$t" "$@" > "$out/log_$name.txt" 2>&1)
-    echo "== $name: exit $?"
-    grep -v -i "warn" "$out/log_$name.txt" | grep -v "steps:" | tail -n 14
-}
+round=round2 default_parts="fp8 fp8loop partial"
+source benchmarks/gpu_round_common.sh || exit 1
 if [[ $parts == *" fp8 "* ]]; then
     step fp8_dsv3tiny 240 python benchmarks/gpu_fp8_sync.py --out "$out" --model dsv3tiny --disk --diag-rows 0
     step fp8_llama8b 420 python benchmarks/gpu_fp8_sync.py --out "$out" --model llama8b --contiguous-params

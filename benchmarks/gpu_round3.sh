@@ -17,19 +17,8 @@
 #   kernels  the not-yet-run SGLang kernels (vision attention/rotary, JIT rope, DeepSeek top-k) against float64, ~1 min
 #            without an engine (benchmarks/gpu_kernel_preflight.py, docs/sglang-bundle-audit.md; 1 GPU)
 set -uo pipefail
-repo=$(pwd)
-out=${OUT:-/tmp/mtrain-round3}
-mkdir -p "$out"
-source benchmarks/gpu_setup.sh || exit 1
-parts=" ${PARTS:-dsv3 timeout pack front tool} "
-step() {  # name timeout cmd...: the command's whole log in $out, its tail here
-    local name=$1 t=$2; shift 2
-    local t0=$(date +%s.%N)
-    (OUT=$out timeout "$t" "$@" > "$out/log_$name.txt" 2>&1)
-    local rc=$?
-    echo "== $name: exit $rc, wall $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
-    grep -v -i "warn" "$out/log_$name.txt" | grep -v "steps:" | tail -n 14
-}
+round=round3 default_parts="dsv3 timeout pack front tool"
+source benchmarks/gpu_round_common.sh || exit 1
 if [[ $parts == *" dsv3 "* ]]; then
     rm -rf /tmp/mtrain-dsv3-small
     step dsv3_small ${DSV3_TIMEOUT:-540} bash examples/deepseek_v3/small/run_gpu.sh ${DSV3_ARGS:-}
