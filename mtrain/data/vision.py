@@ -149,15 +149,6 @@ class VisionInputs:
                             torch.cat([v.image_grid_thw for v in present]), first.image_token_id, first.merge_size)
 
 
-def image_token_mask(tokens: torch.Tensor, prompt_lens: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """[B, T] bool: where a batch's image features go -- image tokens inside each row's prompt only. A sampled
-    <|image_pad|> in a response is a text token (SGLang takes image slots from the prompt's offsets; the reference
-    engine decodes without pixel values), so the trainer must embed it as text too. prompt_lens = seq_lens -
-    response_lens of a RolloutBatch."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
-    return (tokens == image_token_id) & (positions[None, :] < prompt_lens.to(tokens.device)[:, None])
-
-
 class VisionRows:
     """RolloutBatch.vision: one VisionInputs (or None: a text-only row) per batch row, indexable like the batch's
     tensors (slice, index tensor, bool mask, list) so RolloutBatch.select / concat keep rows and images together.

@@ -62,7 +62,7 @@ def test_batch_positions_and_bad_runs(setup):
 def test_image_token_sampled_in_the_response_is_text(setup):
     """prompt_len: a response's <|image_pad|> takes text positions (as in the engines), equal to transformers'
     get_rope_index told by mm_token_type_ids that it is text."""
-    from mtrain.data.vision import image_token_mask
+    from mtrain.models.mrope import image_mask
 
     proc, model = setup
     [p] = tokenize_prompts([PromptSample(0, "<image>?", "1", images=(noise(84, 56, 1),))], proc, max_prompt_len=1000)
@@ -76,5 +76,5 @@ def test_image_token_sampled_in_the_response_is_text(setup):
     assert got[:, -3:].tolist() == [[len(p.ids) + delta + k for k in (1, 2, 3)]] * 3
     with pytest.raises(VisionError):  # without prompt_len the response's tokens would be a third image run
         mrope_positions(ids, p.vision)
-    mask = image_token_mask(full, torch.tensor([len(p.ids)]), img)
+    mask = image_mask(full, img, torch.tensor([len(p.ids)]))
     assert int(mask.sum()) == sum(p.vision.tokens_per_image) and not mask[0, len(p.ids):].any()

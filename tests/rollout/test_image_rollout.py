@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mtrain.data.vision import image_token_mask
+from mtrain.models.mrope import image_mask
 from mtrain.dist import run_on_ranks
 
 N_PROMPTS, N = 4, 2
@@ -61,6 +61,6 @@ def test_image_rollout_over_two_engines(tmp_path):
     for i in range(0, N_PROMPTS * N, N):  # a group's rows share one prompt and its images
         assert a["grids"][i] == a["grids"][i + 1] and a["pixel_sums"][i] == a["pixel_sums"][i + 1]
     assert all(0.0 <= r <= 1.0 for r in a["rewards"])
-    counts = image_token_mask(torch.tensor(a["tokens"]), torch.tensor(a["prompt_lens"]), a["image_token"]).sum(1)
+    counts = image_mask(torch.tensor(a["tokens"]), a["image_token"], torch.tensor(a["prompt_lens"])).sum(1)
     assert counts.tolist() == [g[0][1] * g[0][2] // 4 for g in a["grids"]]
     assert torch.tensor(a["tokens"]).shape[0] == N_PROMPTS * N

@@ -12,12 +12,13 @@ trajectory instead of being fed back as an image slot.
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from mtrain.data.datasets import PromptSample
-from mtrain.data.mrope import batch_mrope_positions
 from mtrain.data.vision import load_vision_processor
 from mtrain.rollout import SamplingParams
 from mtrain.rollout.agents.multi_turn import RolloutContext, rollout_group
@@ -28,6 +29,7 @@ from mtrain.tiny_vlm import tiny_vlm_config, write_tiny_vlm
 from mtrain.tools.calculator import CalculatorTool
 from mtrain.tools.parsers import ToolCallParser
 from mtrain.tools.server import ToolServer
+from mtrain.trainer.vision_inputs import VisionBatcher
 from scripted_vlm import ANSWER, QUESTION, REPLIES, REPLY, TURN1, picture, script, train_scripted_vlm
 
 IMAGE_TOKEN = tiny_vlm_config()["image_token_id"]
@@ -91,7 +93,7 @@ def test_two_turn_calculator_trajectory_with_an_image_equals_transformers(script
     # the trainer's batch: the images per row, the prompt's image tokens only, MRoPE over the full multi-turn sequence
     assert batch.vision.items == [traj.vision]
     assert int(batch.seq_lens[0] - batch.response_lens[0]) == traj.prompt_len
-    ours = batch_mrope_positions(batch.tokens, batch.seq_lens, batch.vision.items)
+    ours, _ = VisionBatcher(json.loads((Path(d) / "config.json").read_text())).batch_inputs(batch)  # the trainer's
     theirs, _ = model.model.get_rope_index(full, mm_token_type_ids=v.mm_token_type_ids(full),
                                            image_grid_thw=v.image_grid_thw)
     assert torch.equal(ours.long(), theirs.long())
