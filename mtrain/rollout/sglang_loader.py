@@ -15,7 +15,8 @@ float32/bf16/fp16 tensor for a float8_e4m3fn parameter `X` is block-quantized in
 `X_scale_inv` (whole 128x128 blocks; `mtrain.kernels` BlockFp8), one kernel launch per bucket.
 
 Control names (a zero-size tensor goes with them):
-    FINISH_NAME      end of a sync: run the model's post-load hook (DeepSeek's kv_b_proj -> w_kc/w_vc).
+    FINISH_NAME      end of a sync: the attention layers' KV scales to 1.0 (`reset_kv_scales`),
+                     then run the model's post-load hook (DeepSeek's kv_b_proj -> w_kc/w_vc).
     DUMP_PREFIX+JSON dump_params only: {"dir": ..., "names": [...] | null, "what": "sha256" | "tensors"}.
 
 A loader must never raise: an exception in a scheduler process makes SGLang SIGQUIT the parent, whose
@@ -244,7 +245,39 @@ def post_load_kwargs(hook: Any, touched: Sequence[str]) -> dict | None:
     return {}
 
 
+_kv_scale_layers: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def reset_kv_scales(model: torch.nn.Module) -> int:
+    """Set every attention layer's k/v scale -- the `k_scale`/`v_scale` parameters and the `k_scale_float`/
+    `v_scale_float` SGLang reads -- to 1.0; returns how many layers have them.
+
+    Only an FP8 engine's attention layers have them (`layers/quantization/kv_cache.py:41-48`), and 1.0 is what
+    SGLang derives for a checkpoint without KV scales (:58-62), which ours never carry. Two things break them
+    otherwise. (1) Our engines start from dummy weights, which overwrite the -1.0 placeholders with random values
+    (`model_loader/weight_utils.py:1532-1546`); a positive one becomes the scale. The triton backend multiplies
+    attention scores by the float (`attention/triton_backend.py:1366-1368`), so a bf16-cached MHA model (Llama)
+    attends with scores scaled by ~1e-4. (2) Releasing the "weights" memory tag discards the parameters like every
+    load-time allocation (only buffers are restored); MLA divides K by the *parameter* before caching it
+    (`triton_backend.py:1292-1304`) and multiplies by the float when reading. DeepSeek on an FP8 engine went from
+    a 0.08 to a 0.79 mean logprob gap after the first release (docs/results.md section 29)."""
+    layers = _kv_scale_layers.get(model)
+    if layers is None:
+        layers = _kv_scale_layers[model] = [
+            m for m in model.modules()
+            if all(isinstance(getattr(m, f"{w}_scale", None), torch.Tensor) and hasattr(m, f"{w}_scale_float")
+                   for w in "kv")]
+    with torch.no_grad():
+        for m in layers:
+            m.k_scale.fill_(1.0)
+            m.v_scale.fill_(1.0)
+            m.k_scale_float = m.v_scale_float = 1.0
+    return len(layers)
+
+
 def run_post_load_hooks(model: Any, touched: Sequence[str]) -> None:
+    """End of a sync: the attention layers' KV scales to 1.0, then the model's own hook."""
+    reset_kv_scales(model)
     hook = getattr(model, "post_load_weights", None)
     if hook is None:
         return

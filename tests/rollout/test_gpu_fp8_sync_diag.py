@@ -97,3 +97,27 @@ def test_quant_checks_on_cpu_agree_with_float64():
     r = G.quant_checks(hf, layout, {1}, rows=128)
     assert r["tensors"] > 0 and r["gpu_quantize_blocks_equal_f64"] == r["tensors"]
     assert r["old_formula_equal_f64"] == r["tensors"] and not r["gpu_mismatches"]
+
+
+def test_explain_names_the_known_sglang_differences_and_nothing_else():
+    """SGLang's Llama loader leaves block scales unloaded (they keep the engine's dummy values) and our sync resets
+    KV scales to 1.0: both are told apart from a real difference, a scale that is wrong on our side."""
+    src = _src()
+    ours = _state(src, quantize_blocks)
+    ours["model.layers.0.self_attn.attn.k_scale"] = torch.tensor(1.0)
+    ref = {n: t.clone() for n, t in ours.items()}
+    dummy = torch.full_like(ref["model.layers.0.mlp.down_proj.weight_scale_inv"], 3e-4)
+    ref["model.layers.0.mlp.down_proj.weight_scale_inv"] = dummy  # what SGLang's loader left
+    ref["model.layers.0.self_attn.attn.k_scale"] = torch.tensor(4.2e-4)  # derived from the dummy weights
+    wrong = ours["model.layers.0.mlp.experts.w13_weight_scale_inv"] * 2
+    ours["model.layers.0.mlp.experts.w13_weight_scale_inv"] = wrong  # a real difference
+    sha = lambda d: {n: {"sha256": G.sha256(t)} for n, t in d.items()}  # noqa: E731
+    reference, after = sha(ref), sha(ours)
+    mismatched = sorted(n for n in reference if after[n]["sha256"] != reference[n]["sha256"])
+    ref["model.layers.0.mlp.experts.w13_weight_scale_inv"] = wrong  # the reference agreeing with a wrong sync
+    scales = G.expected_scales(src)
+    assert set(scales) == {n + "_scale_inv" for n, t in src.items() if t.dim() >= 2}
+    why = G.explain(mismatched, reference, after, scales)
+    assert why == {"model.layers.0.mlp.down_proj.weight_scale_inv": "sglang_loader_dropped_scale",
+                   "model.layers.0.self_attn.attn.k_scale": "kv_scale_reset",
+                   "model.layers.0.mlp.experts.w13_weight_scale_inv": "unexplained"}

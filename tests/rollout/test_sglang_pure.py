@@ -183,6 +183,39 @@ def test_finish_runs_post_load_hook_with_touched_kv_b_proj_names(status_dir):
     assert "must be sent alone" in L.collect_errors(status_dir)[0]
 
 
+class _Fp8RadixAttention(torch.nn.Module):
+    """The k/v scale attributes an FP8 engine's RadixAttention carries (layers/quantization/kv_cache.py:41-48 and
+    :93-96): float32 scalar parameters plus the Python floats the attention kernels read."""
+
+    def __init__(self, k: float, v: float):
+        super().__init__()
+        self.k_scale = torch.nn.Parameter(torch.tensor(k), requires_grad=False)
+        self.v_scale = torch.nn.Parameter(torch.tensor(v), requires_grad=False)
+        self.k_scale_float, self.v_scale_float = k, v
+
+
+def test_finish_resets_kv_scales_of_fp8_attention_layers(status_dir):
+    """After a weights release the parameters hold garbage and after a dummy load the floats hold a value derived
+    from random weights; every sync's end leaves both at 1.0 (a checkpoint without KV scales). Layers of a bf16
+    engine (k_scale None) are left alone."""
+    m = TinySGLangLikeModel()
+    m.model.layers[0].self_attn.attn = _Fp8RadixAttention(4.2e-4, 4.2e-4)  # a positive dummy value became the scale
+    m.model.layers[1].self_attn.attn = _Fp8RadixAttention(1.0, 1.0)
+    m.model.layers[1].self_attn.attn.k_scale.data.fill_(float("nan"))  # released and resumed: garbage
+    plain = torch.nn.Module()
+    plain.k_scale, plain.v_scale, plain.k_scale_float = None, None, None  # a bf16 engine's RadixAttention
+    m.model.layers[1].self_attn.attn_bf16 = plain
+    L.load_direct(m, [(L.FINISH_NAME, torch.empty(0))])
+    assert L.collect_errors(status_dir) == []
+    for layer in m.model.layers:
+        a = layer.self_attn.attn
+        assert a.k_scale.item() == 1.0 and a.v_scale.item() == 1.0
+        assert (a.k_scale_float, a.v_scale_float) == (1.0, 1.0)
+        assert a.k_scale.dtype == torch.float32 and a.k_scale.dim() == 0
+    assert plain.k_scale is None and plain.k_scale_float is None
+    assert L.reset_kv_scales(m) == 2
+
+
 def test_dump_params_checksums_and_tensors(status_dir, tmp_path):
     m = TinySGLangLikeModel()
     qkv = torch.randn(16, 8).to(torch.bfloat16)
