@@ -8,7 +8,7 @@ set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-gpu-rl}
 out=${OUT:-$work}
-rm -rf "$work" && mkdir -p "$work"
+rm -rf "$work" && mkdir -p "$work" "$out"
 common="model.dtype=${DTYPE:-bfloat16} engine.kind=${ENGINE:-sglang} engine.mem_fraction_static=0.25
   train.steps=${STEPS:-4} rollout.prompts_per_step=8 rollout.samples_per_prompt=8 rollout.max_new_tokens=32
   train.micro_batch_size=16 train.save_interval=0 train.eval_interval=0 sync.mode=${SYNC_MODE:-auto}
