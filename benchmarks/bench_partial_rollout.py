@@ -42,7 +42,7 @@ PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync")
 PARTIAL_KEYS = ("time/rollout_pool", "time/rollout_bookkeeping", "time/abort_wait", "rollout/groups_started",
                 "rollout/resumed", "rollout/resume_prefill_tokens", "rollout/offpolicy_token_frac",
                 "rollout/buffered_groups", "rollout/dropped_stale_groups", "rollout/groups_in_flight")
-TASK = ["data.task=longtail", "reward.fn=mtrain.data.longtail:count_reward", "train.save_interval=0",
+TASK = ["data.task=longtail", "reward.fn=mtrain.data.longtail:count_reward", "train.save_interval=-1",
         "train.eval_interval=0", "train.resume=never"]
 
 

@@ -18,7 +18,7 @@ rm -rf "$work" && mkdir -p "$work"
 # that random EOS is rare and lengths vary.
 common="model.dtype=bfloat16 engine.kind=sglang engine.mem_fraction_static=0.3 train.steps=${STEPS:-4}
   rollout.prompts_per_step=32 rollout.samples_per_prompt=8 rollout.max_new_tokens=128 train.micro_batch_size=32
-  train.save_interval=0 train.eval_interval=0 reward.fn=$repo/tests/trainer/signal_reward.py:digit_share
+  train.save_interval=-1 train.eval_interval=0 reward.fn=$repo/tests/trainer/signal_reward.py:digit_share
   model.hf_path=$work/hf"
 loop() {  # name nproc extra...
     local name=$1 nproc=$2; shift 2

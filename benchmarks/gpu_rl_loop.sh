@@ -11,7 +11,7 @@ out=${OUT:-$work}
 rm -rf "$work" && mkdir -p "$work" "$out"
 common="model.dtype=${DTYPE:-bfloat16} engine.kind=${ENGINE:-sglang} engine.mem_fraction_static=0.25
   train.steps=${STEPS:-4} rollout.prompts_per_step=8 rollout.samples_per_prompt=8 rollout.max_new_tokens=32
-  train.micro_batch_size=16 train.save_interval=0 train.eval_interval=0 sync.mode=${SYNC_MODE:-auto}
+  train.micro_batch_size=16 train.save_interval=-1 train.eval_interval=0 sync.mode=${SYNC_MODE:-auto}
   reward.fn=$repo/tests/trainer/signal_reward.py:digit_share"
 run() {  # name, init-tiny args...
     local name=$1; shift

@@ -58,7 +58,7 @@ def run_one(work: Path, model: str, replay: str, args) -> dict:
                  f"engine.mem_fraction_static={args.mem_fraction}", f"train.steps={args.steps}",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
                  f"rollout.max_new_tokens={args.new_tokens}", f"train.micro_batch_size={args.prompts * args.samples // 4}",
-                 "train.save_interval=0", "train.eval_interval=0", "train.seed=1234", "data.seed=0",
+                 "train.save_interval=-1", "train.eval_interval=0", "train.seed=1234", "data.seed=0",
                  f"reward.fn={REPO / 'tests' / 'trainer' / 'signal_reward.py'}:digit_share",
                  f"algo.routing_replay={replay}"]
     log = work / model / f"log_{replay}.txt"

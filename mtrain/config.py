@@ -260,7 +260,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # samples per optimizer step; None = the whole rollout batch
     seed: int = 1234
     run_dir: str = "runs/default"
-    save_interval: int = 0  # 0 = only at the end
+    save_interval: int = 0  # 0 = only at the end; -1 = never (smoke runs and benchmarks: no full checkpoint)
     eval_interval: int = 0  # 0 = no periodic eval
     eval_samples: int = 1  # responses generated per eval prompt
     val_before_train: bool = False

@@ -49,7 +49,8 @@ def validate(cfg: RunConfig) -> None:
            f"must be >= data.count_shapes.min_size ({d.count_shapes.min_size}), got {d.count_shapes.max_size}")
     _at_least(cfg, 28 * 28, "data.max_pixels", optional=True)
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
-              "algo.entropy_coef", "data.arithmetic.num_eval", "train.save_interval", "train.eval_interval")
+              "algo.entropy_coef", "data.arithmetic.num_eval", "train.eval_interval")
+    _at_least(cfg, -1, "train.save_interval")
     _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
     _at_least(cfg, 1, "parallel.etp", optional=True)
     _at_least(cfg, 2, "parallel.vpp", optional=True)

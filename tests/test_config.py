@@ -129,6 +129,7 @@ def test_algorithm_presets_fill_only_unset_knobs():
     (["data.arithmetic.ops=+/"], "data.arithmetic.ops: must be a non-empty string"),
     (["engine.nnodes=0"], "engine.nnodes: must be >= 1"),
     (["rollout.max_groups_in_flight=0"], "rollout.max_groups_in_flight: must be >= 1"),
+    (["train.save_interval=-2"], "train.save_interval: must be >= -1"),
 ])
 def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -306,7 +306,8 @@ class Trainer:
                 m.update(self.evaluate())
             if self.metrics:
                 self.metrics.log(self.step, m)
-            if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == cfg.train.steps:
+            every = cfg.train.save_interval
+            if every >= 0 and ((every and self.step % every == 0) or self.step == cfg.train.steps):
                 self.offload.reload()  # the optimizer state must be in place to be saved
                 state = {"sampler": self.sampler.state_dict()}
                 if self.partial is not None:  # unfinished samples survive a stop: they resume after a restart

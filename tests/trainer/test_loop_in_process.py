@@ -134,6 +134,19 @@ def test_val_only_logs_eval_at_step_0(tiny_llama, tmp_path):
     assert not (run / "checkpoints").exists()
 
 
+def _no_save(rank, world, hf, run_dir):
+    t = _trainer(hf, run_dir, **{"train.steps": 1, "train.save_interval": -1})
+    t.run()
+    t.close()
+
+
+def test_save_interval_minus_one_writes_no_checkpoint(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    run_on_ranks(_no_save, 2, tiny_llama, run, timeout=240)
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not (run / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------------------------------------ failures
 def _ckpt_state(run_dir: Path) -> dict:
     root = run_dir / "checkpoints"
