@@ -63,6 +63,9 @@ def policy_loss(algo: Any, logprobs: Tensor, old_logprobs: Tensor, advantages: T
                                       **common)
     if is_weights is not None:
         metrics["tis/weight_mean"] = masked_mean(is_weights, mask).detach()
+        # the share of tokens whose engine/trainer ratio the cap truncated: how much of the mismatch TIS cannot
+        # correct (the FP8-engine and partial-rollout runs report it beside logprob_diff/*)
+        metrics["tis/capped_frac"] = masked_mean((is_weights >= algo.tis_cap).to(is_weights.dtype), mask).detach()
     if algo.kl_coef > 0 and ref_logprobs is None:
         raise AlgorithmInputError(f"algo.kl_coef={algo.kl_coef} needs ref_logprobs (the reference model's); "
                                   f"set algo.kl_coef=0 to train without a reference model")

@@ -74,6 +74,9 @@ def test_truncated_importance_sampling_weights_the_loss():
                             is_weights=weights)
     assert loss.item() == pytest.approx(want.item(), rel=1e-12) and weights.max() == 2.0
     assert m["tis/weight_mean"].item() == pytest.approx(weights[mask].mean().item())
+    ratio = torch.exp(old - rollout)[mask]
+    capped = (ratio >= 2.0).double().mean().item()
+    assert 0 < capped < 1 and m["tis/capped_frac"].item() == pytest.approx(capped)
     with pytest.raises(AlgorithmInputError, match="tis_cap is set but rollout_logprobs"):
         policy_loss(a, logp, old, adv, mask)
 
