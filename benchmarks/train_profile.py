@@ -97,9 +97,11 @@ def format_profiles(profiles: dict[str, dict]) -> str:
         for title, key in (("self device (CUDA) time", "top_by_self_device"), ("self CPU time", "top_by_self_cpu")):
             if not p[key]:
                 continue
+            dev = p["kernel_launches"] is not None  # no device column on a CPU-only run
             out.append(f"-- top ops by {title}")
-            out.append(f"{'self dev ms':>12} {'self cpu ms':>12} {'calls':>8}  name")
+            out.append((f"{'self dev ms':>12} " if dev else "") + f"{'self cpu ms':>12} {'calls':>8}  name")
             for r in p[key]:
-                out.append(f"{r['self_device_ms']:12.2f} {r['self_cpu_ms']:12.2f} {r['calls']:8d}  {r['name'][:110]}")
+                out.append((f"{r['self_device_ms']:12.2f} " if dev else "") +
+                           f"{r['self_cpu_ms']:12.2f} {r['calls']:8d}  {r['name'][:110]}")
         out.append("")
     return "\n".join(out)
