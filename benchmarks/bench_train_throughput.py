@@ -13,6 +13,9 @@ Modes (the same Actor, the same weights, one after another in each round):
   padded   today's path: every row padded to the batch's longest sample, micro-batches of --mbs samples
   packed   train.max_tokens_per_micro_batch=--budget: samples packed end to end (THD), no padding computed
   ceiling  samples all exactly --fixed-len tokens, micro-batches of budget // fixed-len samples (no padding)
+  ceiling_packed  the same fixed-length batch through the packed path (--budget): packed / ceiling_packed is the
+           cost of variable lengths alone, with the attention kernels held equal (the ceiling runs Megatron's
+           local unfused attention, the packed path flash varlen on a GPU, so packed can beat the ceiling)
 
 Model FLOPs (what "TFLOP/s" counts; padding never counts), Llama with SwiGLU and GQA, per sequence of L tokens:
   linear = 2 * L * [layers * (h*q + 2*h*kv + q*h + 3*h*ffn) + h*vocab]      (q = heads*head_dim, kv = kv_heads*head_dim)
@@ -237,7 +240,8 @@ def main() -> None:
     n_fixed = max(per_micro_fixed, round(useful / args.fixed_len / per_micro_fixed) * per_micro_fixed)
     fixed = make_batch([(args.fixed_len // 2, args.fixed_len - args.fixed_len // 2)] * n_fixed, hf["vocab_size"],
                        args.seed + 1)
-    modes = {"padded": (cfg_padded, batch), "packed": (cfg_packed, batch), "ceiling": (cfg_fixed, fixed)}
+    modes = {"padded": (cfg_padded, batch), "packed": (cfg_packed, batch), "ceiling": (cfg_fixed, fixed),
+             "ceiling_packed": (cfg_packed, fixed)}
     # Numerics on this machine (bf16 flash packed vs Megatron's padded local attention on a GPU): the two paths'
     # logprobs on every real position of the heavy-tailed batch, and the noise floor, before any timed step.
     cfg_ref = config("model.dtype=float32", f"train.micro_batch_size={args.mbs}") \
@@ -273,6 +277,8 @@ def main() -> None:
             "packed_over_ceiling_tokens_per_s": results["packed"]["tokens_per_s"] /
             results["ceiling"]["tokens_per_s"],
             "padded_over_ceiling_tflops": results["padded"]["tflops"] / results["ceiling"]["tflops"],
+            "packed_over_ceiling_packed_tokens_per_s": results["packed"]["tokens_per_s"] /
+            results["ceiling_packed"]["tokens_per_s"],
         }
         if profiles:
             out["profile"] = profiles
@@ -297,10 +303,10 @@ def main() -> None:
         out = run_profiles(args, actor, modes, profiles, report)
     results = out["results"]
     for m, r in results.items():
-        print(f"{m:8s} {r['seconds']:8.3f} s  {r['useful_tokens']:8d} useful tokens  {r['tokens_per_s']:10.1f} tok/s  "
+        print(f"{m:14s} {r['seconds']:8.3f} s  {r['useful_tokens']:8d} useful tokens  {r['tokens_per_s']:10.1f} tok/s  "
               f"{r['tflops']:8.3f} TFLOP/s" + (f"  MFU {r['mfu']:.3f}" if r["mfu"] else ""))
     for k in ("packed_over_padded_tokens_per_s", "packed_over_ceiling_tflops", "packed_over_ceiling_tokens_per_s",
-              "padded_over_ceiling_tflops"):
+              "padded_over_ceiling_tflops", "packed_over_ceiling_packed_tokens_per_s"):
         print(f"{k}: {out[k]:.3f}")
     for k, v in numerics.items():
         print(f"logprobs {k.replace('_', ' ')}: max |diff| {v['max_abs']:.3g}, mean {v['mean_abs']:.3g}")

@@ -22,7 +22,8 @@ def test_bench_bf16_profile_and_numerics(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["dtype"] == "bfloat16"
-    assert set(res["profile"]) == {"padded", "packed", "ceiling"}
+    assert set(res["profile"]) == {"padded", "packed", "ceiling", "ceiling_packed"}
+    assert res["packed_over_ceiling_packed_tokens_per_s"] > 0
     for mode, p in res["profile"].items():
         assert p["wall_s"] > 0 and p["top_by_self_cpu"], mode
         names = {r["name"] for r in p["top_by_self_cpu"]}
@@ -30,7 +31,7 @@ def test_bench_bf16_profile_and_numerics(tmp_path):
         assert all(r["calls"] >= 1 for r in p["top_by_self_cpu"])
         assert p["host_reads"]["aten::_local_scalar_dense"] > 0  # the optimizer and the metrics read scalars
     text = (tmp_path / "bench.profile.txt").read_text()
-    assert all(f"=== {m}:" in text for m in ("padded", "packed", "ceiling"))
+    assert all(f"=== {m}:" in text for m in ("padded", "packed", "ceiling", "ceiling_packed"))
     num = res["logprob_numerics"]
     for k in ("packed_vs_padded", "floor_padded_vs_padded_mbs1", "floor_packed_vs_packed_reversed",
               "padded_vs_float32", "packed_vs_float32"):
