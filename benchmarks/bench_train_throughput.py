@@ -209,6 +209,7 @@ def main() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
+    from mtrain.models import varlen_attention
     from mtrain.trainer.actor import Actor
 
     t_start = time.perf_counter()
@@ -272,6 +273,8 @@ def main() -> None:
             "length_stats": {"mean": useful / len(shapes), "max": int(batch.seq_lens.max()),
                              "padded_width": int(batch.tokens.shape[1])},
             "logprob_packed_vs_padded": lp_diff, "logprob_numerics": numerics,
+            "packed_attention": {"paths": sorted(varlen_attention.PATHS_USED),
+                                 "varlen_error": varlen_attention.VARLEN_ERROR[:1]},
             "packed_over_padded_tokens_per_s": results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"],
             "packed_over_ceiling_tflops": results["packed"]["tflops"] / results["ceiling"]["tflops"],
             "packed_over_ceiling_tokens_per_s": results["packed"]["tokens_per_s"] /
@@ -310,6 +313,7 @@ def main() -> None:
         print(f"{k}: {out[k]:.3f}")
     for k, v in numerics.items():
         print(f"logprobs {k.replace('_', ' ')}: max |diff| {v['max_abs']:.3g}, mean {v['mean_abs']:.3g}")
+    print(f"packed attention ran: {out['packed_attention']}")
     print(json.dumps({k: v for k, v in out.items() if k != "profile"}))
 
 

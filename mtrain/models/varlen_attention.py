@@ -17,12 +17,20 @@ materialised, in float32 for bf16 inputs, forward and backward, per sequence and
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+
+log = logging.getLogger(__name__)
+# Which path ran ("varlen", "sdpa_per_sequence") and, if the varlen kernel raised, its error (then this process
+# stays on the per-sequence path): read by benchmarks/bench_train_throughput.py so a run says what it measured.
+PATHS_USED: set[str] = set()
+VARLEN_ERROR: list[str] = []
 
 
 @lru_cache(maxsize=1)
@@ -45,7 +53,7 @@ def varlen_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     """Whether `varlen_attn` can take these [t, heads, dim] tensors: CUDA, half precision, a flash head size.
     MTRAIN_VARLEN_ATTN=0 forces the per-sequence path (for comparing the two on a GPU)."""
     import os
-    if os.environ.get("MTRAIN_VARLEN_ATTN", "1") == "0" or _varlen() is None:
+    if os.environ.get("MTRAIN_VARLEN_ATTN", "1") == "0" or VARLEN_ERROR or _varlen() is None:
         return False
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
         return False
@@ -73,7 +81,16 @@ def causal_packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             else:
                 k, v = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return fn(q, k, v, cu_device, cu_device, max_seqlen, max_seqlen, **kwargs)
+        try:
+            out = fn(q, k, v, cu_device, cu_device, max_seqlen, max_seqlen, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as e:  # e.g. a GPU or head size its flash build lacks
+            VARLEN_ERROR.append(f"{type(e).__name__}: {e}")
+            log.warning("torch varlen_attn failed (%s); this process uses per-sequence SDPA from now on",
+                        VARLEN_ERROR[-1])
+        else:
+            PATHS_USED.add("varlen")
+            return out
+    PATHS_USED.add("sdpa_per_sequence")
     # [t, h, d] -> [1, h, t, d]: a view; slices along t stay 4-D, which the fused SDPA kernels need
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
     outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale,
