@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mtrain.models import varlen_attention
 from mtrain.models.varlen_attention import causal_packed_attention, varlen_usable
 
 
@@ -72,4 +73,6 @@ def test_varlen_kernel_matches_reference_on_cuda():
     dev = [x.cuda().bfloat16() for x in (q, k, v)]
     assert varlen_usable(*dev)
     out = causal_packed_attention(*dev, torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, 269, 0.125)
+    assert not varlen_attention.VARLEN_ERROR, varlen_attention.VARLEN_ERROR  # the varlen kernel ran, no fallback
+    assert "varlen" in varlen_attention.PATHS_USED
     torch.testing.assert_close(out.double().cpu(), _reference(q, k, v, cu, 0.125), atol=2e-2, rtol=2e-2)

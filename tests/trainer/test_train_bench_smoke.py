@@ -22,6 +22,7 @@ def test_bench_bf16_profile_and_numerics(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["dtype"] == "bfloat16"
+    assert res["packed_attention"] == {"paths": ["sdpa_per_sequence"], "varlen_error": []}  # CPU: no varlen kernel
     assert set(res["profile"]) == {"padded", "packed", "ceiling", "ceiling_packed"}
     assert res["packed_over_ceiling_packed_tokens_per_s"] > 0
     for mode, p in res["profile"].items():
