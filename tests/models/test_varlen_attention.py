@@ -33,13 +33,17 @@ def test_matches_float64_reference_with_gqa_and_scale(heads, kv_heads, scale):
     k = torch.randn(cu[-1], kv_heads, d, generator=g)
     v = torch.randn(cu[-1], kv_heads, d, generator=g)
     scale = scale or d ** -0.5
-    q.requires_grad_(True)
-    out = causal_packed_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), cu, 21, scale)
-    ref = _reference(q.detach(), k, v, cu, scale)
+    ins = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = causal_packed_attention(*ins, torch.tensor(cu, dtype=torch.int32), cu, 21, scale)
+    ref_in = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = _reference(*ref_in, cu, scale)
     assert out.shape == (cu[-1], heads, d)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    out.sum().backward()  # differentiable, gradients only inside each sequence
-    assert torch.isfinite(q.grad).all()
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    out.backward(grad.float())
+    ref.backward(grad)
+    for got, want in zip(ins, ref_in):  # GQA: each K/V head's gradient sums over its query heads
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_kernels_need_4d_and_the_per_sequence_path_gives_them_4d():
@@ -69,10 +73,17 @@ def test_varlen_kernel_is_only_chosen_on_cuda_half_precision(monkeypatch):
 def test_varlen_kernel_matches_reference_on_cuda():
     g = torch.Generator().manual_seed(1)
     cu = [0, 3, 130, 131, 400]
-    q, k, v = (torch.randn(cu[-1], h, 64, generator=g) for h in (8, 2, 2))
-    dev = [x.cuda().bfloat16() for x in (q, k, v)]
+    q, k, v = (torch.randn(cu[-1], h, 64, generator=g).bfloat16().double() for h in (8, 2, 2))
+    dev = [x.cuda().bfloat16().requires_grad_(True) for x in (q, k, v)]
     assert varlen_usable(*dev)
     out = causal_packed_attention(*dev, torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, 269, 0.125)
     assert not varlen_attention.VARLEN_ERROR, varlen_attention.VARLEN_ERROR  # the varlen kernel ran, no fallback
     assert "varlen" in varlen_attention.PATHS_USED
-    torch.testing.assert_close(out.double().cpu(), _reference(q, k, v, cu, 0.125), atol=2e-2, rtol=2e-2)
+    ref_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref = _reference(*ref_in, cu, 0.125)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    out.backward(grad.cuda().bfloat16())  # the trainer needs the kernel's backward (GQA: K/V grads summed)
+    ref.backward(grad)
+    for got, want in zip(dev, ref_in):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, atol=5e-2, rtol=5e-2)
