@@ -7,10 +7,10 @@ from ``cu_seqlens``), MoE routes tokens independently. So the only missing piece
 the spec's ``core_attention`` slot is the extension point for it: ``PackedDotProductAttention`` runs causal
 attention inside each sequence of the stream (mtrain/models/varlen_attention.py: one varlen flash launch per
 layer on a GPU, else torch's fused SDPA per sequence), so attention never crosses a boundary and costs
-sum(L_i^2), not S^2 as a block-diagonal mask over the whole stream would. Unpacked calls go to the parent unchanged. With TE installed,
-TE's own THD attention is used instead (specs.py). Context parallelism (which megatron-core's local attention
-refuses) is done here for packed streams and for padded rows alike: a padded micro-batch under CP is treated as
-a packed stream whose sequences are its rows.
+sum(L_i^2), not S^2 as a block-diagonal mask over the whole stream would. Unpacked calls go to the parent
+unchanged. With TE installed, TE's own THD attention is used instead (specs.py). Context parallelism (which
+megatron-core's local attention refuses) is done here for packed streams and for padded rows alike: a padded
+micro-batch under CP is treated as a packed stream whose sequences are its rows.
 """
 from __future__ import annotations
 
