@@ -96,11 +96,16 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
 
 
 def _ratio_metrics(ratio: Tensor, clipped: Tensor, mask: Tensor, logp: Tensor, old: Tensor) -> dict[str, Tensor]:
-    valid = ratio[mask] if mask.any() else ratio.new_ones(1)
+    # Masked reductions and torch.where instead of ratio[mask] / `if mask.any()`: those read the device (a host
+    # sync in every micro-batch's loss on a GPU). No valid position: all three are 1.
+    some = mask.any()
+    one = ratio.new_ones(())
     return {
         "ppo/clipfrac": masked_mean(clipped.float(), mask),
         "ppo/approx_kl": approx_kl(logp.detach(), old, mask),
-        "ppo/ratio_mean": valid.mean(), "ppo/ratio_max": valid.max(), "ppo/ratio_min": valid.min(),
+        "ppo/ratio_mean": torch.where(some, masked_mean(ratio, mask), one),
+        "ppo/ratio_max": torch.where(some, ratio.masked_fill(~mask, float("-inf")).max(), one),
+        "ppo/ratio_min": torch.where(some, ratio.masked_fill(~mask, float("inf")).min(), one),
     }
 
 

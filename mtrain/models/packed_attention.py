@@ -5,12 +5,12 @@ Everything around it already handles the THD format on its own: ``SelfAttention`
 squeeze the dummy batch dim, RoPE restarts at position 0 for every sequence (``_apply_rotary_pos_emb_thd``,
 from ``cu_seqlens``), MoE routes tokens independently. So the only missing piece is the core attention, and
 the spec's ``core_attention`` slot is the extension point for it: ``PackedDotProductAttention`` runs causal
-attention on each sequence of the stream on its own (torch's ``scaled_dot_product_attention``: flash or
-memory-efficient kernels on a GPU), so attention never crosses a boundary and costs sum(L_i^2), not S^2 as a
-block-diagonal mask over the whole stream would. Unpacked calls go to the parent unchanged. With TE installed,
-TE's own THD attention is used instead (specs.py). Context parallelism (which megatron-core's local attention
-refuses) is done here for packed streams and for padded rows alike: a padded micro-batch under CP is treated as
-a packed stream whose sequences are its rows.
+attention inside each sequence of the stream (mtrain/models/varlen_attention.py: one varlen flash launch per
+layer on a GPU, else torch's fused SDPA per sequence), so attention never crosses a boundary and costs
+sum(L_i^2), not S^2 as a block-diagonal mask over the whole stream would. Unpacked calls go to the parent
+unchanged. With TE installed, TE's own THD attention is used instead (specs.py). Context parallelism (which
+megatron-core's local attention refuses) is done here for packed streams and for padded rows alike: a padded
+micro-batch under CP is treated as a packed stream whose sequences are its rows.
 """
 from __future__ import annotations
 
@@ -21,11 +21,22 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from mtrain.models.varlen_attention import causal_packed_attention
+
 
 def host_cu_seqlens(packed_seq_params) -> list[int]:
     """cu_seqlens as Python ints: the trainer attaches a host copy (no device sync per layer), else read it."""
     host = getattr(packed_seq_params, "mtrain_host_cu_seqlens", None)
     return list(host) if host is not None else packed_seq_params.cu_seqlens_q.tolist()
+
+
+def device_cu_seqlens(packed_seq_params, device: torch.device) -> torch.Tensor:
+    """cu_seqlens (int32) on the attention's device. The trainer may hand megatron-core a host cu_seqlens_q (its
+    THD RoPE reads it with .tolist() in every layer: a device sync each time) and attaches the device copy."""
+    dev = getattr(packed_seq_params, "mtrain_device_cu_seqlens", None)
+    if dev is not None and dev.device == device:
+        return dev
+    return packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -52,24 +63,18 @@ class PackedDotProductAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         self._check_packed(packed_seq_params, attention_bias)
-        # THD: [t, heads, dim] (SelfAttention squeezed the dummy batch dim) -> [heads, t, dim]
+        # THD: [t, heads, dim] (SelfAttention squeezed the dummy batch dim)
         query, key, value = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1 and self.config.context_parallel_size == 1:  # GQA: a key/value head serves `groups` queries
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
         cu = host_cu_seqlens(packed_seq_params)
         if self.config.context_parallel_size > 1:
             return self._context_parallel(query, key, value, cu, groups)
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        outs = []
-        for a, b in zip(cu[:-1], cu[1:]):
-            # Scores in float32 like the parent's softmax (attention_softmax_in_fp32); on a GPU in bf16 the
-            # flash kernel keeps its accumulators in float32 as well.
-            outs.append(F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
-                                                       scale=self.softmax_scale))
-        ctx = torch.cat(outs, dim=1)  # [heads, t, v_dim]
-        return ctx.transpose(0, 1).reshape(ctx.shape[1], 1, -1)  # [t, 1, heads * v_dim], as SelfAttention expects
+        # One varlen flash launch per layer on a GPU, else fused SDPA per sequence (mtrain/models/varlen_attention.py);
+        # scores in float32 either way (the flash kernels keep their accumulators in float32, like the parent's
+        # attention_softmax_in_fp32).
+        ctx = causal_packed_attention(query, key, value, device_cu_seqlens(packed_seq_params, query.device), cu,
+                                      int(packed_seq_params.max_seqlen_q), self.softmax_scale)
+        return ctx.reshape(ctx.shape[0], 1, -1)  # [t, 1, heads * v_dim], as SelfAttention expects
 
     def _context_parallel(self, query, key, value, cu: list[int], groups: int) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -80,9 +85,6 @@ class PackedDotProductAttention(DotProductAttention):
         t = query.shape[0]
         k_all = gather_cp(key, group, sum_grads=True)  # [cp * t, groups_kv, dim], rank-major
         v_all = gather_cp(value, group, sum_grads=True)
-        if groups > 1:
-            k_all = k_all.repeat_interleave(groups, dim=1)
-            v_all = v_all.repeat_interleave(groups, dim=1)
         outs = []
         for a, b in zip(cu[:-1], cu[1:]):
             if (b - a) % (2 * cp):
@@ -94,13 +96,15 @@ class PackedDotProductAttention(DotProductAttention):
             k_seq = torch.cat([k_all[j * t + la + off: j * t + la + off + m] for j, off in chunks])
             v_seq = torch.cat([v_all[j * t + la + off: j * t + la + off + m] for j, off in chunks])
             for c, off in ((r, 0), (2 * cp - 1 - r, m)):
-                q = query[la + off: la + off + m].transpose(0, 1)
+                # 4-D [1, heads, len, dim] (torch's fused SDPA kernels take no other shape); GQA without copies
+                q = query[la + off: la + off + m].transpose(0, 1).unsqueeze(0)
                 n_keys = (c + 1) * m  # causal: global positions up to the end of chunk c
                 allowed = (torch.arange(m, device=q.device)[:, None] + c * m
                            >= torch.arange(n_keys, device=q.device)[None, :])
-                outs.append(F.scaled_dot_product_attention(q, k_seq[:n_keys].transpose(0, 1),
-                                                           v_seq[:n_keys].transpose(0, 1), attn_mask=allowed,
-                                                           scale=self.softmax_scale))
+                outs.append(F.scaled_dot_product_attention(q, k_seq[:n_keys].transpose(0, 1).unsqueeze(0),
+                                                           v_seq[:n_keys].transpose(0, 1).unsqueeze(0),
+                                                           attn_mask=allowed, scale=self.softmax_scale,
+                                                           enable_gqa=groups > 1)[0])
         ctx = torch.cat(outs, dim=1)
         return ctx.transpose(0, 1).reshape(t, 1, -1)
 

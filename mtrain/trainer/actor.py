@@ -18,12 +18,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mtrain.algorithms.objective import policy_loss
+from mtrain.compat.no_te import te_installed
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
-from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack
+from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
 from mtrain.trainer.routing_replay import RouterReplayFeeder
@@ -99,6 +100,9 @@ class Actor:
                                            config_overrides={**split, **(overrides or {})},
                                            train_vision=cfg.model.train_vision)
         c = self.tconfig
+        # Packed streams: megatron-core gets cu_seqlens on the host when mtrain's local core attention serves it
+        # (no device sync in its THD RoPE, Pack.packed_seq_params); TE's attention and MTP read it on the device.
+        self.host_cu_seqlens = not te_installed() and not c.mtp_num_layers
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
@@ -226,7 +230,8 @@ class Actor:
                 if routed is not None:  # which stream positions hold an engine record (routing replay)
                     d["routing_valid"] = pack(pk, routed, width, "routing_valid").to(dev)
                 d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
-                         packed_seq_params=pk.packed_seq_params(dev), width=width)
+                         packed_seq_params=pk.packed_seq_params(dev, self.host_cu_seqlens), width=width)
+                unpack_index(pk, width - 1, width, dev)  # built now: the loss function then copies nothing to dev
                 if self.vision is not None:  # MRoPE positions [3, 1, S] and the stream's images
                     d.update(self.vision.packed_inputs(batch, pk, width, dev))
                 if cp > 1:  # this rank's positions of the stream, and the token each of them predicts

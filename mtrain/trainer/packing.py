@@ -18,7 +18,7 @@ first token of the next one) and holds 0 there. Trailing dims are carried as the
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -92,6 +92,7 @@ class Pack:
     total: int  # packed length S, padding segment included
     cu_seqlens: torch.Tensor  # [n + 1 (+1 with a padding segment)] int32, ends at S
     max_seqlen: int
+    index_cache: dict = field(default_factory=dict, repr=False, compare=False)  # unpack_index's, per device
 
     def position_ids(self) -> torch.Tensor:
         """[1, S]: each sequence (and the padding segment) counts from 0."""
@@ -109,13 +110,20 @@ class Pack:
                       torch.arange(a + (2 * cp - 1 - rank) * m, a + (2 * cp - rank) * m)]
         return torch.cat(parts)
 
-    def packed_seq_params(self, device):
+    def packed_seq_params(self, device, host_cu_seqlens: bool = False):
+        """Megatron's PackedSeqParams for this stream. host_cu_seqlens: hand megatron-core the host copy of
+        cu_seqlens (only with mtrain's local core attention; TE's attention needs it on the device): its unfused
+        THD RoPE reads the sequence lengths with .tolist() for the query and the key of every layer, a device
+        sync each (4 per layer with the `freqs.size(0) == cu_seqlens[-1]` test), which a host tensor avoids."""
         from megatron.core.packed_seq_params import PackedSeqParams
-        cu = self.cu_seqlens.to(device)
+        dev = self.cu_seqlens.to(device)
+        cu = self.cu_seqlens if host_cu_seqlens else dev
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
-        # read by mtrain.models.packed_attention on the local path: no device-to-host copy in every layer
+        # read by mtrain.models.packed_attention on the local path: no device-to-host copy in every layer, and
+        # the device copy for the varlen kernel
         params.mtrain_host_cu_seqlens = self.cu_seqlens.tolist()
+        params.mtrain_device_cu_seqlens = dev
         return params
 
 
@@ -172,16 +180,25 @@ def pack(pack_: Pack, x: torch.Tensor, seq_width: int, name: str = "field") -> t
     return out
 
 
+def unpack_index(pack_: Pack, width: int, seq_width: int, device, name: str = "field") -> tuple:
+    """(destination in the flattened row layout, source position in the stream) for `unpack`, on `device`;
+    cached on the Pack. The trainer builds them with the micro-batch, so the loss function copies nothing from
+    the host (a pageable host-to-device copy waits for the device: one sync per micro-batch otherwise)."""
+    shift = _shift(width, seq_width, name)
+    key = (width, shift, str(torch.device(device)))
+    if key not in pack_.index_cache:
+        local, col, src = _row_positions(pack_, width, shift)
+        pack_.index_cache[key] = ((local * width + col).to(device), src.to(device))
+    return pack_.index_cache[key]
+
+
 def unpack(pack_: Pack, packed: torch.Tensor, width: int, seq_width: int, name: str = "field") -> torch.Tensor:
     """Packed [S', ...] (S' >= the last valid position, e.g. S - 1 for logprobs) -> row layout [n, W, ...] in the
     order of pack_.rows, 0 past each row's values. A gather: gradients flow back to `packed`."""
-    shift = _shift(width, seq_width, name)
     n = len(pack_.lengths)
-    local, col, src = _row_positions(pack_, width, shift)
-    dev = packed.device
-    flat = (local * width + col).to(dev)
+    flat, src = unpack_index(pack_, width, seq_width, packed.device, name)
     out = packed.new_zeros((n * width, *packed.shape[1:]))
-    out = out.index_copy(0, flat, packed.index_select(0, src.to(dev)))
+    out = out.index_copy(0, flat, packed.index_select(0, src))
     return out.view(n, width, *packed.shape[1:])
 
 
