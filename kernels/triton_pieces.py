@@ -30,6 +30,8 @@ DEFAULT_BLOCK = int(os.environ.get("MTRAIN_PIECES_BLOCK", "8192"))
 DEFAULT_WARPS = int(os.environ.get("MTRAIN_PIECES_WARPS", "8"))
 # Tuning knob for benchmarks: force the tile width instead of tiling.choose_block_c's pick (0 = choose).
 FORCED_BLOCK_C = int(os.environ.get("MTRAIN_PIECES_BLOCK_C", "0")) or None
+# Order of the tiles over program ids (tiling.TILE_ORDERS); a benchmark knob, see tiling.plan_tiles.
+TILE_ORDER = os.environ.get("MTRAIN_PIECES_TILE_ORDER", "table")
 MAX_SLOTS = 3
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -155,11 +157,13 @@ def is_interpreted() -> bool:
     return not isinstance(_pieces_kernel, triton.runtime.JITFunction)
 
 
-def _device_tiles(table: PieceTable, device: torch.device, block: int) -> tuple[torch.Tensor, TilePlan]:
+def _device_tiles(table: PieceTable, device: torch.device, block: int,
+                  order: str | None = None) -> tuple[torch.Tensor, TilePlan]:
     cache = table.derived()
-    key = ("tiles", str(device), block)
+    order = order or TILE_ORDER
+    key = ("tiles", str(device), block, order)
     if key not in cache:
-        plan = plan_tiles(table.numpy(), block, FORCED_BLOCK_C)
+        plan = plan_tiles(table.numpy(), block, FORCED_BLOCK_C, order=order)
         tiles = torch.from_numpy(plan.tiles).to(device)
         if tiles.is_cuda:  # built once per plan; make it visible to launches on any stream
             torch.cuda.current_stream(device).synchronize()
@@ -208,18 +212,68 @@ def check_device(dst: torch.Tensor) -> None:
 
 
 def execute_pieces_triton(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable,
-                          block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> None:
+                          block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS,
+                          tile_order: str | None = None) -> None:
     """Execute the table with one Triton launch (none if it writes nothing)."""
     meta = validate_call(dst, srcs, table)
     check_device(dst)
-    launch_pieces(dst, srcs, meta, table, block, num_warps)
+    launch_pieces(dst, srcs, meta, table, block, num_warps, tile_order)
+
+
+def bind_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTable,
+                block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, tile_order: str | None = None):
+    """For benchmarks: all host work of execute_pieces_triton done once; returns a zero-argument
+    function that only launches the kernel, so timing it measures the GPU's work alone. It holds
+    raw addresses: valid only while these exact tensors stay alive and unmoved."""
+    meta = validate_call(dst, srcs, table)
+    check_device(dst)
+    prepared = _prepare_launch(dst, srcs, meta, table, block, num_warps, tile_order)
+    if prepared is None:
+        return lambda: None
+    kernel, args, kwargs = prepared
+    tensors = (dst, list(srcs))
+
+    def launch() -> None:
+        assert tensors  # the closure holds the tensors, so the addresses in args stay theirs
+        kernel(*args, **kwargs)
+    return launch
 
 
 def launch_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], table: PieceTable,
-                  block: int, num_warps: int) -> None:
+                  block: int, num_warps: int, tile_order: str | None = None) -> None:
     """One launch for a validated call. DST_OFFSETs count elements from dst's first element and may
     reach past its end into other allocations of dst's dtype (execute_scatter rebases a group of
     destinations onto the lowest one this way); the caller has checked every write is in bounds."""
+    prepared = _prepare_launch(dst, srcs, meta, table, block, num_warps, tile_order)
+    if prepared is not None:
+        kernel, args, kwargs = prepared
+        kernel(*args, **kwargs)
+
+
+def _source_info(table: PieceTable, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
+                 as_int: torch.dtype | None, compiled: bool, device: torch.device):
+    """Slot bases and the device copy of src_info. In compiled mode the result for the latest call's
+    exact sources (addresses, sizes, dtypes) and stream is kept on the table: a sync repeats the same
+    call every step, and rebuilding this for ~1000 sources (numpy work plus a host-to-device copy)
+    is host time on the critical path. Keyed on the stream too, so a launch on another stream never
+    reads a table whose copy was queued on a stream it is not ordered after. Interpreted mode keeps
+    nothing (its bases are real tensors, which a cache would keep alive)."""
+    key = None
+    if compiled:
+        key = (tuple(meta), as_int, str(device), torch.cuda.current_stream(device).cuda_stream)
+        hit = table.derived().get("src_info")
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+    bases, info = _slot_bases(srcs, meta, as_int, compiled)
+    info_dev = torch.from_numpy(info).to(device, non_blocking=True) if len(meta) else None
+    if key is not None:
+        table.derived()["src_info"] = (key, bases, info_dev)
+    return bases, info_dev
+
+
+def _prepare_launch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], table: PieceTable,
+                    block: int, num_warps: int, tile_order: str | None):
+    """Everything up to the launch: returns (kernel[grid], args, kwargs), or None if nothing is written."""
     compiled = not is_interpreted()
     as_int = None
     if all(m.dtype == dst.dtype for m in meta):
@@ -229,24 +283,26 @@ def launch_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequenc
         dst = dst.view(as_int)
     elif dst.dtype not in CAST_DTYPES:
         raise PieceTableError(f"dst dtype {dst.dtype}: casts are supported only among {CAST_DTYPES}")
-    tiles, plan = _device_tiles(table, dst.device, block)
+    tiles, plan = _device_tiles(table, dst.device, block, tile_order)
     n_tiles = tiles.shape[0]
     if n_tiles == 0:
-        return
-    bases, info = _slot_bases(srcs, meta, as_int, compiled)
-    info_dev = torch.from_numpy(info).to(dst.device, non_blocking=True) if len(meta) else tiles
+        return None
+    bases, info_dev = _source_info(table, srcs, meta, as_int, compiled, dst.device)
+    if info_dev is None:
+        info_dev = tiles
     if compiled:
         dst_base = dst.data_ptr() & ~15
         dst_arg, dst_delta = _Ptr(dst_base, dst.dtype), (dst.data_ptr() - dst_base) // dst.element_size()
     else:
         dst_arg, dst_delta = dst, 0
-    bases_used = list(bases)
+    n_used = len(bases)
+    bases = list(bases)  # the cached list stays as _slot_bases made it
     while len(bases) < MAX_SLOTS:  # unused slots: any pointer will do, they are compiled out
         bases.append((bases[0] if bases else (dst_arg, 16 // dst.element_size())))
     vec_d = 16 // dst.element_size()
-    _pieces_kernel[(n_tiles,)](
-        tiles, info_dev, dst_arg, dst_delta, bases[0][0], bases[1][0], bases[2][0],
-        N_SLOTS=len(bases_used), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1],
-        VEC_D=vec_d, VMAX0=max(bases[0][1], vec_d), VMAX1=max(bases[1][1], vec_d),
-        VMAX2=max(bases[2][1], vec_d), BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
-        TILE_FIELDS=TILE_FIELDS, num_warps=num_warps)
+    args = (tiles, info_dev, dst_arg, dst_delta, bases[0][0], bases[1][0], bases[2][0])
+    kwargs = dict(N_SLOTS=n_used, VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1],
+                  VEC_D=vec_d, VMAX0=max(bases[0][1], vec_d), VMAX1=max(bases[1][1], vec_d),
+                  VMAX2=max(bases[2][1], vec_d), BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
+                  TILE_FIELDS=TILE_FIELDS, num_warps=num_warps)
+    return _pieces_kernel[(n_tiles,)], args, kwargs
