@@ -23,7 +23,8 @@ for model in llama8b qwen3moe; do
 import json, sys
 path, name, rc = sys.argv[1:]
 try:
-    r = json.load(open(path))
+    txt = open(path).read()  # the bench's JSON, possibly after other output
+    r = json.JSONDecoder().raw_decode(txt[txt.index('{\n "model"'):])[0]
     print(f"{name:28} rc={rc} bit_equal={r['bit_equal_to_torch']} fp8 {r['fp8_ms']:.3f} ms = {r['fp8_vs_floor']:.1%} "
           f"of floor; bf16 {r['bf16_ms']:.3f} ms = {r['bf16_vs_copy']:.1%} of copy")
 except Exception as exc:  # a spill or compile error: say so and go on
