@@ -13,7 +13,8 @@ set -uo pipefail
 out=${OUT:-/tmp/moe-spread}
 mkdir -p "$out"
 source benchmarks/gpu_setup.sh || exit 1  # mtrain (and megatron-core for the FP8 bench's planner) importable
-python -m pytest -q tests/kernels/test_kernels_cuda.py > "$out/cuda_tests.txt" 2>&1
+repo=$(pwd)  # pytest from /tmp: the checkout's mtrain/ (no mtrain.kernels mapping) must not shadow gpu_setup's copy
+(cd /tmp && python -m pytest -q -p no:cacheprovider "$repo/tests/kernels/test_kernels_cuda.py") > "$out/cuda_tests.txt" 2>&1
 echo "cuda tests rc=$?"; tail -n 2 "$out/cuda_tests.txt"
 for i in 1 2 3 4 5; do
     mkdir -p "$out/run$i"
