@@ -42,6 +42,7 @@ from mtrain.kernels.triton_pieces import (DEFAULT_BLOCK, DEFAULT_WARPS, TILE_ORD
                                           execute_pieces_triton)
 
 import kernel_diag  # noqa: E402  (benchmarks/, next to this file)
+from mtrain.kernels import triton_pieces  # noqa: E402
 
 
 class Bucket:
@@ -236,6 +237,16 @@ def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], dev
         d[f"kernel_only_vs_copy_{order}"] = t_copy / bench(launch, device, args.reps)
         d[f"call_vs_copy_{order}"] = t_copy / bench(
             lambda: execute_pieces_triton(dst, srcs, table, tile_order=order), device, args.reps)
+    # Whole 384-wide w2 rows per tile (the second session's best in the fresh-allocation state, 74 %): 16384-element
+    # tiles 512 wide, in both orders. A fresh PieceTable: the tile cache is keyed on block and order, not on width.
+    forced = triton_pieces.FORCED_BLOCK_C
+    try:
+        triton_pieces.FORCED_BLOCK_C = 512
+        for order in TILE_ORDERS:
+            wide = bind_pieces(dst, srcs, PieceTable(table.rows.clone()), block=16384, tile_order=order)
+            d[f"kernel_only_vs_copy_{order}_16384x512"] = t_copy / bench(wide, device, args.reps)
+    finally:
+        triton_pieces.FORCED_BLOCK_C = forced
     # The same sources carved from ONE allocation (256-element aligned, like the caching allocator's
     # 512-byte blocks): same count, so the same host work; only where the bytes live differs.
     sizes = [-(-s.numel() // 256) * 256 for s in srcs]
