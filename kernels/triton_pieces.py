@@ -231,11 +231,10 @@ def bind_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceTab
     if prepared is None:
         return lambda: None
     kernel, args, kwargs = prepared
-    tensors = (dst, list(srcs))
 
     def launch() -> None:
-        assert tensors  # the closure holds the tensors, so the addresses in args stay theirs
         kernel(*args, **kwargs)
+    launch.tensors = (dst, list(srcs))  # held, so the addresses in args stay theirs
     return launch
 
 
