@@ -249,44 +249,49 @@ def launch_pieces(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequenc
         kernel(*args, **kwargs)
 
 
-def _source_info(table: PieceTable, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
-                 as_int: torch.dtype | None, compiled: bool, device: torch.device):
-    """Slot bases and the device copy of src_info. In compiled mode the result for the latest call's
-    exact sources (addresses, sizes, dtypes) and stream is kept on the table: a sync repeats the same
-    call every step, and rebuilding this for ~1000 sources (numpy work plus a host-to-device copy)
-    is host time on the critical path. Keyed on the stream too, so a launch on another stream never
-    reads a table whose copy was queued on a stream it is not ordered after. Interpreted mode keeps
-    nothing (its bases are real tensors, which a cache would keep alive)."""
-    key = None
-    if compiled:
-        key = (tuple(meta), as_int, str(device), torch.cuda.current_stream(device).cuda_stream)
-        hit = table.derived().get("src_info")
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-    bases, info = _slot_bases(srcs, meta, as_int, compiled)
-    info_dev = torch.from_numpy(info).to(device, non_blocking=True) if len(meta) else None
-    if key is not None:
-        table.derived()["src_info"] = (key, bases, info_dev)
-    return bases, info_dev
-
-
-def _prepare_launch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], table: PieceTable,
-                    block: int, num_warps: int, tile_order: str | None):
-    """Everything up to the launch: returns (kernel[grid], args, kwargs), or None if nothing is written."""
-    compiled = not is_interpreted()
-    as_int = None
+def _raw_copy_type(dst: torch.Tensor, meta: Sequence[SrcMeta]) -> torch.dtype | None:
+    """The integer type a pure copy moves bits as (every source has dst's dtype), None for a casting call."""
     if all(m.dtype == dst.dtype for m in meta):
         as_int = _INT_OF_SIZE.get(dst.element_size())
         if as_int is None:
             raise PieceTableError(f"dst dtype {dst.dtype} has no same-size integer type for a raw copy")
-        dst = dst.view(as_int)
-    elif dst.dtype not in CAST_DTYPES:
+        return as_int
+    if dst.dtype not in CAST_DTYPES:
         raise PieceTableError(f"dst dtype {dst.dtype}: casts are supported only among {CAST_DTYPES}")
+    return None
+
+
+def _prepare_launch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta], table: PieceTable,
+                    block: int, num_warps: int, tile_order: str | None):
+    """Everything up to the launch: returns (kernel[grid], args, kwargs), or None if nothing is written.
+    In compiled mode what depends on the sources alone (raw-copy type, slot bases, the device src_info
+    table) is kept on the table for the latest call's exact sources (addresses, sizes, dtypes), dst dtype
+    and stream: a sync repeats the same call every step, and rebuilding it for ~1000 sources (Python and
+    numpy work plus a host-to-device copy) is host time on the critical path (docs/results.md, section
+    29). Keyed on the stream, so a launch on another stream never reads a table whose copy was queued
+    on a stream it is not ordered after. Interpreted mode keeps nothing (its bases are real tensors,
+    which a cache would keep alive)."""
+    compiled = not is_interpreted()
+    key = hit = None
+    if compiled:
+        key = (tuple(meta), dst.dtype, str(dst.device), torch.cuda.current_stream(dst.device).cuda_stream)
+        hit = table.derived().get("src_info")
+        if hit is not None and hit[0] != key:
+            hit = None
+    as_int = hit[1] if hit is not None else _raw_copy_type(dst, meta)
+    if as_int is not None:
+        dst = dst.view(as_int)
     tiles, plan = _device_tiles(table, dst.device, block, tile_order)
     n_tiles = tiles.shape[0]
     if n_tiles == 0:
         return None
-    bases, info_dev = _source_info(table, srcs, meta, as_int, compiled, dst.device)
+    if hit is not None:
+        bases, info_dev = hit[2], hit[3]
+    else:
+        bases, info = _slot_bases(srcs, meta, as_int, compiled)
+        info_dev = torch.from_numpy(info).to(dst.device, non_blocking=True) if len(meta) else None
+        if compiled:
+            table.derived()["src_info"] = (key, as_int, bases, info_dev)
     if info_dev is None:
         info_dev = tiles
     if compiled:
