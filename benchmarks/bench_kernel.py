@@ -14,6 +14,12 @@ For each: the bandwidth of one plain torch copy_ of the same element count and d
 bytes / time) in the same run is the baseline; the Triton kernel and the torch executor are reported
 against it. Correctness (Triton == torch executor, bit for bit, on a NaN-poisoned bucket) is checked
 before any timing. The goal is kernel/copy >= 85 % on the bandwidth scenarios.
+
+kernel_ms is the whole call (host work + kernel) under do_bench, as a sync pays it. For dense and moe
+each run also records (benchmarks/kernel_diag.py) the host time of one call, the kernel alone in both
+tile orders, the call as it was before the per-call host caches, the tile table's fingerprint and the
+sources' address alignment: the MoE bucket's run-to-run spread (docs/results.md, "MoE bucket spread").
+`--diag-only` skips the torch executor (host bound, ~20-30 ms a call) to keep 5-process runs short.
 """
 from __future__ import annotations
 
@@ -31,7 +37,12 @@ if "--dry-run" in sys.argv:  # must precede the first triton import
 import torch  # noqa: E402
 
 from mtrain.kernels import PieceTable, execute_pieces_torch  # noqa: E402
-from mtrain.kernels.triton_pieces import DEFAULT_BLOCK, DEFAULT_WARPS, execute_pieces_triton  # noqa: E402
+from mtrain.kernels.tiling import TILE_ORDERS, plan_tiles  # noqa: E402
+from mtrain.kernels.triton_pieces import (DEFAULT_BLOCK, DEFAULT_WARPS, TILE_ORDER, bind_pieces,  # noqa: E402
+                                          execute_pieces_triton)
+
+import kernel_diag  # noqa: E402  (benchmarks/, next to this file)
+from mtrain.kernels import triton_pieces  # noqa: E402
 
 
 class Bucket:
@@ -185,8 +196,11 @@ def run_scenario(name: str, args, device: torch.device) -> dict:
     result = dict(scenario=name, pieces=len(table), sources=len(srcs), bucket_bytes=bucket.numel * dst_es,
                   moved_bytes=moved_bytes, copy_ms=t_copy * 1e3, copy_gbps=moved_bytes / t_copy / 1e9,
                   block=DEFAULT_BLOCK, num_warps=DEFAULT_WARPS)
-    t_kernel = bench(lambda: execute_pieces_triton(dst, srcs, table), device, args.reps)
+    call = lambda: execute_pieces_triton(dst, srcs, table)  # noqa: E731
+    t_kernel = bench(call, device, args.reps)
     result.update(kernel_ms=t_kernel * 1e3, kernel_gbps=moved_bytes / t_kernel / 1e9, kernel_vs_copy=t_copy / t_kernel)
+    if name in ("dense", "moe"):
+        result["diag"] = diagnose(table, dst, srcs, device, args, t_copy, call)
     sweep = {}
     if args.sweep and name in ("dense", "moe"):
         for block in (4096, 8192, 16384, 32768):
@@ -195,11 +209,60 @@ def run_scenario(name: str, args, device: torch.device) -> dict:
                           device, args.reps)
                 sweep[f"block={block},warps={warps}"] = t_copy / t
         result["sweep_kernel_vs_copy"] = sweep
+    if args.diag_only:
+        return result
     torch_reps = max(1, args.reps // 5) if name == "tiny" else args.reps
     t_torch = bench(lambda: execute_pieces_torch(dst, srcs, table), device, torch_reps)
     result.update(torch_ms=t_torch * 1e3, torch_gbps=moved_bytes / t_torch / 1e9, torch_vs_copy=t_copy / t_torch,
                   kernel_speedup_vs_torch=t_torch / t_kernel)
     return result
+
+
+def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], device: torch.device, args,
+             t_copy: float, call) -> dict:
+    """What differs between processes (kernel_diag.py's docstring): ratios are copy time / time."""
+    rows = table.numpy()
+    d = dict(tile_order_default=TILE_ORDER, host=kernel_diag.host_summary(),
+             tiles={o: kernel_diag.tile_summary(plan_tiles(rows, DEFAULT_BLOCK, None, order=o)) for o in TILE_ORDERS},
+             src_addresses=kernel_diag.address_summary([s.data_ptr() for s in srcs]),
+             dst_address=kernel_diag.address_summary([dst.data_ptr()]))
+    old_call = kernel_diag.uncached(table, call)
+    d["host_ms_call"] = kernel_diag.host_ms(call, device)
+    d["host_ms_call_uncached"] = kernel_diag.host_ms(old_call, device)
+    d["call_vs_copy_uncached"] = t_copy / bench(old_call, device, args.reps)
+    d["call_vs_copy_back_to_back"] = t_copy * 1e3 / kernel_diag.back_to_back_ms(call, device)
+    d["call_vs_copy_back_to_back_uncached"] = t_copy * 1e3 / kernel_diag.back_to_back_ms(old_call, device)
+    for order in TILE_ORDERS:  # the kernel alone: host work done once (bind_pieces)
+        launch = bind_pieces(dst, srcs, table, tile_order=order)
+        d[f"kernel_only_vs_copy_{order}"] = t_copy / bench(launch, device, args.reps)
+        d[f"call_vs_copy_{order}"] = t_copy / bench(
+            lambda: execute_pieces_triton(dst, srcs, table, tile_order=order), device, args.reps)
+    # Whole 384-wide w2 rows per tile (the second session's best in the fresh-allocation state, 74 %): 16384-element
+    # tiles 512 wide, in both orders. A fresh PieceTable: the tile cache is keyed on block and order, not on width.
+    forced = triton_pieces.FORCED_BLOCK_C
+    try:
+        triton_pieces.FORCED_BLOCK_C = 512
+        for order in TILE_ORDERS:
+            wide = bind_pieces(dst, srcs, PieceTable(table.rows.clone()), block=16384, tile_order=order)
+            d[f"kernel_only_vs_copy_{order}_16384x512"] = t_copy / bench(wide, device, args.reps)
+    finally:
+        triton_pieces.FORCED_BLOCK_C = forced
+    # The same sources carved from ONE allocation (256-element aligned, like the caching allocator's
+    # 512-byte blocks): same count, so the same host work; only where the bytes live differs.
+    sizes = [-(-s.numel() // 256) * 256 for s in srcs]
+    flat = torch.empty(sum(sizes), device=device, dtype=srcs[0].dtype)
+    carved, off = [], 0
+    for s_, n in zip(srcs, sizes):
+        carved.append(flat[off:off + s_.numel()].copy_(s_))
+        off += n
+    if device.type == "cuda":
+        d["allocator"] = {k: torch.cuda.memory_stats(device).get(k) for k in
+                          ("segment.all.current", "segment.large_pool.current", "reserved_bytes.all.current")}
+    d["carved_sources_span_gb"] = kernel_diag.address_summary([c.data_ptr() for c in carved])["span_gb"]
+    d["kernel_only_vs_copy_carved"] = t_copy / bench(bind_pieces(dst, carved, table), device, args.reps)
+    d["call_vs_copy_carved"] = t_copy / bench(lambda: execute_pieces_triton(dst, carved, table), device, args.reps)
+    del carved, flat
+    return d
 
 
 def main() -> None:
@@ -209,6 +272,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the block/warps sweep")
     p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--diag-only", action="store_true", help="skip the torch executor's timing (diagnostics runs)")
     args = p.parse_args()
     if args.dry_run:
         device, args.reps, args.sweep = torch.device("cpu"), 2, False
@@ -225,8 +289,17 @@ def main() -> None:
         r = run_scenario(name, args, device)
         results.append(r)
         print(f"{name:8} {r['pieces']:>7} {r['moved_bytes'] / 1e6:>9.1f} {r['copy_gbps']:>10.1f} "
-              f"{r['kernel_gbps']:>12.1f} {r['kernel_vs_copy']:>11.1%} {r['torch_gbps']:>11.1f} "
-              f"{r['torch_vs_copy']:>10.1%} {r['kernel_speedup_vs_torch']:>13.1f}x", flush=True)
+              f"{r['kernel_gbps']:>12.1f} {r['kernel_vs_copy']:>11.1%} {r.get('torch_gbps', 0):>11.1f} "
+              f"{r.get('torch_vs_copy', 0):>10.1%} {r.get('kernel_speedup_vs_torch', 0):>13.1f}x", flush=True)
+        if "diag" in r:
+            g = r["diag"]
+            print(f"    host ms/call {g['host_ms_call']:.3f} (uncached {g['host_ms_call_uncached']:.3f}); kernel alone "
+                  + ", ".join(f"{o} {g[f'kernel_only_vs_copy_{o}']:.1%}" for o in TILE_ORDERS)
+                  + "; call " + ", ".join(f"{o} {g[f'call_vs_copy_{o}']:.1%}" for o in TILE_ORDERS)
+                  + f"; carved sources: kernel alone {g['kernel_only_vs_copy_carved']:.1%}, call "
+                  f"{g['call_vs_copy_carved']:.1%}; uncached call {g['call_vs_copy_uncached']:.1%}; back to back "
+                  f"{g['call_vs_copy_back_to_back']:.1%} (uncached {g['call_vs_copy_back_to_back_uncached']:.1%}); "
+                  f"tiles {g['tiles'][TILE_ORDER]['sha256']}", flush=True)
         for cfg, ratio in r.get("sweep_kernel_vs_copy", {}).items():
             print(f"    sweep {cfg:24} kernel/copy {ratio:.1%}")
         if device.type == "cuda":

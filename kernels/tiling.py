@@ -19,6 +19,11 @@ import numpy as np
 from .pieces import DST_OFFSET, DST_STRIDE, FILL, NCOLS, NROWS, SRC_INDEX, SRC_OFFSET, SRC_STRIDE
 
 TILE_FIELDS = 8
+# Order of tiles over program ids. "table": piece by piece as the table lists them (row-major within a
+# piece). "dst": sorted by destination address, so the programs resident at any moment write one
+# contiguous stretch of the destination, the way a plain copy_ does, whatever the table's piece order
+# (e.g. the two TP halves of an MoE w2 row, listed far apart, become neighbours).
+TILE_ORDERS = ("table", "dst")
 MIN_BLOCK_C = 64  # 128+ bytes per tile row for bf16: whole cache lines per row
 
 
@@ -86,8 +91,12 @@ def choose_block_c(rows: np.ndarray, block: int) -> int:
     return best
 
 
-def plan_tiles(rows: np.ndarray, block: int, block_c: int | None = None) -> TilePlan:
-    """Tile a validated piece table. `block` = elements per tile (power of two >= MIN_BLOCK_C)."""
+def plan_tiles(rows: np.ndarray, block: int, block_c: int | None = None, order: str = "table") -> TilePlan:
+    """Tile a validated piece table. `block` = elements per tile (power of two >= MIN_BLOCK_C);
+    `order` one of TILE_ORDERS. The order never changes what is written (pieces do not overlap in
+    the destination), only which tiles run side by side."""
+    if order not in TILE_ORDERS:
+        raise ValueError(f"tile order must be one of {TILE_ORDERS}, got {order!r}")
     if not _is_pow2(block) or block < MIN_BLOCK_C:
         raise ValueError(f"tile block must be a power of two >= {MIN_BLOCK_C}, got {block}")
     if block_c is None:
@@ -120,4 +129,6 @@ def plan_tiles(rows: np.ndarray, block: int, block_c: int | None = None) -> Tile
     fill = t[:, 0] == FILL
     t[fill, 1] = 0
     t[fill, 2] = 0
+    if order == "dst":
+        t = t[np.argsort(t[:, 3], kind="stable")]
     return TilePlan(t, block_r, block_c)

@@ -29,6 +29,11 @@ from .triton_pieces import MAX_SLOTS, _Ptr, _slot_bases, is_interpreted
 # Rows per pass step; the interpreter runs fastest with one step per block (fewer, larger numpy ops).
 STEP_ROWS = int(os.environ.get("MTRAIN_FP8_STEP_ROWS", "32"))
 WARPS = int(os.environ.get("MTRAIN_FP8_WARPS", "4"))
+# Experimental, compiled mode only, off by default: round to e4m3 with the GPU's conversion (Triton's
+# fp32 -> float8e4nv, round to nearest even) instead of _e4m3_bits' ~30 integer instructions per value. The kernel is
+# issue bound (docs/results.md, "MoE bucket spread", FP8 part); this is for the H200 check, where bench_fp8_kernel.py
+# verifies bit equality with the torch executor before timing. Never used by the interpreter.
+HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "0") == "1"
 
 
 @triton.jit
@@ -108,9 +113,12 @@ def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c,
 
 
 @triton.jit
-def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q):
+def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
     """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide."""
-    bits = _e4m3_bits(q)
+    if HW_CVT:  # q is already clamped to [-448, 448]: no saturation case left
+        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = _e4m3_bits(q)
     if ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
         off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
         tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
@@ -121,7 +129,7 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q):
 @triton.jit
 def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
                        N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
-                       FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr):
+                       FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr):
     row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
@@ -132,21 +140,35 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
     p1 = tl.load(row + 6)
     r = tl.arange(0, STEP).to(tl.int64)[:, None]
     c = tl.arange(0, BK)[None, :]
-    amax = tl.zeros([STEP, BK], dtype=tl.float32)
-    for r_lo in tl.static_range(0, BN, STEP):
-        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
+    if STEP == BN:
+        # The whole block in registers (STEP_ROWS = the block's rows): one gather, the amax and the quantization
+        # from the same values, no second pass over the sources. Bit-equal to the two-pass path: the second
+        # gather recomputes exactly these values.
+        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, 0, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
                       SUBF)
-        amax = tl.maximum(amax, tl.abs(acc))
-    amax_s = tl.max(tl.max(amax, axis=1), axis=0)
-    scale = tl.math.div_rn(amax_s, FMAX)
-    tl.store(s_ptr + s_off, scale)
-    safe = tl.where(scale > 0, scale, 1.0)
-    for r_lo in tl.static_range(0, BN, STEP):
-        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
-                      SUBF)
+        amax_s = tl.max(tl.max(tl.abs(acc), axis=1), axis=0)
+        scale = tl.math.div_rn(amax_s, FMAX)
+        tl.store(s_ptr + s_off, scale)
+        safe = tl.where(scale > 0, scale, 1.0)
         q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
         q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-        _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, q)
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, q, HW_CVT)
+    else:
+        amax = tl.zeros([STEP, BK], dtype=tl.float32)
+        for r_lo in tl.static_range(0, BN, STEP):
+            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
+                          BK, SUBF)
+            amax = tl.maximum(amax, tl.abs(acc))
+        amax_s = tl.max(tl.max(amax, axis=1), axis=0)
+        scale = tl.math.div_rn(amax_s, FMAX)
+        tl.store(s_ptr + s_off, scale)
+        safe = tl.where(scale > 0, scale, 1.0)
+        for r_lo in tl.static_range(0, BN, STEP):
+            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
+                          BK, SUBF)
+            q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
+            q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+            _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, q, HW_CVT)
 
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
@@ -179,7 +201,7 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     _fp8_blocks_kernel[(n_blocks,)](
         blocks, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0], bases[2][0],
         N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn, BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-        num_warps=num_warps or WARPS)
+        HW_CVT=HW_CVT and compiled, num_warps=num_warps or WARPS)
 
 
 def rebase(parts: list[tuple[np.ndarray, np.ndarray]], w_ptrs: list[int], s_ptrs: list[int], src_maps: list):

@@ -14,7 +14,7 @@ import torch
 from kernel_tables import ScatterCase, coverage, make_sources, random_table
 from mtrain.kernels import (ScatterTable, execute_pieces, execute_pieces_torch, execute_scatter,
                             execute_scatter_torch, execute_scatter_triton)
-from mtrain.kernels.triton_pieces import execute_pieces_triton, is_interpreted
+from mtrain.kernels.triton_pieces import bind_pieces, execute_pieces_triton, is_interpreted
 
 BF16, FP32, FP16, FP8 = torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn
 SCATTER_CASES = [
@@ -56,6 +56,7 @@ def main() -> int:
                 if not ok:
                     failures.append(f"seed={seed} dst={dst_dt} srcs={src_dts} block={block}")
     failures += scatter_failures()
+    failures += repeated_call_failures()
     print("\n".join(failures) or "all cases equal")
     return 1 if failures else 0
 
@@ -109,6 +110,31 @@ def scatter_failures() -> list[str]:
         outs.append(dsts)
     if not all(torch.equal(bits(a), bits(b)) for a, b in zip(*outs)):
         failures.append("scatter large separate allocations")
+    return failures
+
+
+def repeated_call_failures() -> list[str]:
+    """One table called again and again, as a sync does: the per-call host caches (validate_call's
+    last call, the device source table) must follow new sources, another stream, both tile orders."""
+    failures = []
+    rng = np.random.default_rng(7)
+    table = None
+    side = torch.cuda.Stream()
+    for step, (order, stream) in enumerate([("table", None), ("table", None), ("dst", None), ("table", side),
+                                            ("dst", side), ("table", None)]):
+        srcs = make_sources(rng, [BF16, FP32, BF16], 3000, device="cuda")  # new allocations every step
+        if table is None:
+            table, n = random_table(rng, [s.numel() for s in srcs], n_pieces=40)
+        want = torch.full((n,), float("nan"), device="cuda").to(BF16)
+        got, bound = want.clone(), want.clone()
+        execute_pieces_torch(want, srcs, table)
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            execute_pieces_triton(got, srcs, table, tile_order=order)
+            execute_pieces_triton(got, srcs, table, tile_order=order)  # same sources: the cached path
+            bind_pieces(bound, srcs, table, tile_order=order)()
+        torch.cuda.synchronize()
+        if not (torch.equal(bits(got), bits(want)) and torch.equal(bits(bound), bits(want))):
+            failures.append(f"repeated calls step={step} order={order} side_stream={stream is not None}")
     return failures
 
 

@@ -230,3 +230,19 @@ def test_bad_input_is_refused_before_any_write(backend):
     w_view, s_view = shared[:4096].view(FP8), shared[4092:4096].view(torch.float32)
     _bad(lambda: go(full, dsts=[w_view, plain], quant={0: BlockFp8(s_view, (64, 64))}), r"overlap in memory")
     assert bool((bits(dst) == 0).all()) and scale.item() == -1.0 and bool((plain == 0).all())
+
+
+@pytest.mark.parametrize("shape,block,dtypes,seed", [CASES[1], CASES[2], CASES[5]])
+def test_fp8_two_pass_steps_equal_float64_reference(shape, block, dtypes, seed, monkeypatch):
+    """The interpreter runs a whole block per step (the one-pass branch); the GPU's default steps through
+    the block in passes of STEP_ROWS rows (gather + amax, then gather + quantize). Forced here to 16 rows."""
+    import functools
+
+    from mtrain.kernels import triton_fp8
+
+    monkeypatch.setattr(triton_fp8, "launch_fp8", functools.partial(triton_fp8.launch_fp8, step=16))
+    rng = np.random.default_rng(seed)
+    full, srcs, rows = random_layout(shape, rng, dtypes)
+    q, s = run_fp8(shape, srcs, rows, "triton", block)
+    rq, rs = ref_quant(full, block)
+    assert torch.equal(bits(q), bits(rq)) and torch.equal(s, rs)

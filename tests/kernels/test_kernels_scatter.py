@@ -206,3 +206,25 @@ def test_triton_refuses_a_dtype_without_raw_copy_before_any_launch():
     assert (dsts[0] == 7).all()
     execute_scatter(dsts, srcs, st, backend="torch")
     assert (dsts[0] == 1).all() and (dsts[1] == 2 + 1j).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_call_reuses_checks_only_for_the_same_tensors(backend):
+    """_prepare hands back the previous call's checked result only when every tensor matches it; a
+    changed source or destination is checked again and refused before any write."""
+    st = ScatterTable.from_rows([(0, 0, 0, 0, 0, 1, 8, 0), (1, 0, 4, 0, 8, 2, 4, 1)])
+    srcs = [torch.arange(8.0), torch.arange(10.0, 18.0)]
+    dsts = [torch.zeros(8), torch.zeros(16)]
+    execute_scatter(dsts, srcs, st, backend=backend)
+    execute_scatter(dsts, srcs, st, backend=backend)
+    new_src = torch.arange(30.0, 38.0)
+    execute_scatter(dsts, [srcs[0], new_src], st, backend=backend)
+    assert torch.equal(dsts[1][[0, 1, 2, 3, 8, 9, 10, 11]], new_src)
+    before = [d.clone() for d in dsts]
+    with pytest.raises(PieceTableError, match="reads src 1 elements up to 8 but it has 7"):
+        execute_scatter(dsts, [srcs[0], torch.arange(7.0)], st, backend=backend)
+    with pytest.raises(PieceTableError, match="overlap in memory"):
+        execute_scatter([dsts[1][:8], dsts[1]], srcs, st, backend=backend)
+    with pytest.raises(PieceTableError, match=r"dsts\[1\] must be a flat contiguous 1-D tensor"):
+        execute_scatter([dsts[0], dsts[1].view(2, 8)], srcs, st, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(dsts, before))

@@ -48,3 +48,16 @@ def test_bad_block_sizes():
         plan_tiles(rows, 1000)
     with pytest.raises(ValueError, match="block_c must be a power of two <= block"):
         plan_tiles(rows, 1024, block_c=2048)
+
+
+@pytest.mark.parametrize("block", [64, 2048])
+def test_destination_order_permutes_the_same_tiles(block):
+    rng = np.random.default_rng(block + 7)
+    table, n = random_table(rng, [5000, 7000, 3000], n_pieces=40)
+    by_table = plan_tiles(table.rows.numpy(), block)
+    by_dst = plan_tiles(table.rows.numpy(), block, order="dst")
+    assert (by_dst.block_r, by_dst.block_c) == (by_table.block_r, by_table.block_c)
+    assert (np.diff(by_dst.tiles[:, 3]) >= 0).all()
+    assert sorted(map(tuple, by_dst.tiles.tolist())) == sorted(map(tuple, by_table.tiles.tolist()))
+    with pytest.raises(ValueError, match="tile order must be one of"):
+        plan_tiles(table.rows.numpy(), block, order="shuffled")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
     reason="interpreter tests on CPU tensors (compiled GPU runs: test_kernels_cuda.py, the benchmark)")
 
 if triton_available():
-    from mtrain.kernels.triton_pieces import execute_pieces_triton
+    from mtrain.kernels.triton_pieces import bind_pieces, execute_pieces_triton
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -146,3 +146,40 @@ def test_qkv_regroup_like_the_planner():
     got = torch.full_like(want, float("nan"))
     execute_pieces_triton(got, [qkv, fc1], table, block=1024)
     assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("block", [128, 8192])
+def test_destination_tile_order_bit_exact(block):
+    """tile_order="dst" only permutes the programs: same bits as the torch executor."""
+    rng = np.random.default_rng(block + 1)
+    srcs = make_sources(rng, [torch.bfloat16, torch.float32], 3000)
+    table, n = random_table(rng, [s.numel() for s in srcs], n_pieces=30, fill_fraction=0.1)
+    got, want = run_both(torch.bfloat16, srcs, table, n, block=block, tile_order="dst")
+    assert torch.equal(bits(got), bits(want))
+    bound = torch.full((n,), float("nan")).to(torch.bfloat16)  # the same poison bits as run_both's
+    bind_pieces(bound, srcs, table, block=block, tile_order="dst")()
+    assert torch.equal(bits(bound), bits(want))
+
+
+def test_repeated_calls_follow_changed_sources():
+    """validate_call reuses the previous call's checks only for identical sources: a new tensor in a
+    source's place is read, a too-small or non-contiguous one is refused before any write."""
+    table = PieceTable.from_rows([(0, 0, 4, 0, 8, 3, 4), (1, 2, 0, 24, 0, 1, 6)])
+    a, b = torch.arange(12.0), torch.arange(100.0, 108.0)
+    dst = torch.zeros(32)
+    execute_pieces_triton(dst, [a, b], table)
+    execute_pieces_triton(dst, [a, b], table)
+    a2 = torch.arange(50.0, 62.0)
+    execute_pieces_triton(dst, [a2, b], table)
+    want = torch.zeros(32)
+    execute_pieces_torch(want, [a2, b], table)
+    assert torch.equal(dst, want)
+    with pytest.raises(PieceTableError, match="piece 0: reads src 0 elements up to 12 but it has 11"):
+        execute_pieces_triton(dst, [torch.arange(11.0), b], table)
+    with pytest.raises(PieceTableError, match=r"srcs\[0\] must be a contiguous tensor"):
+        execute_pieces_triton(dst, [torch.arange(24.0).view(2, 12).t(), b], table)
+    with pytest.raises(PieceTableError, match=r"srcs\[1\] has dtype torch.float64"):
+        execute_pieces_triton(dst, [a2, b.double()], table)
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="tile order must be one of"):
+        execute_pieces_triton(dst, [a2, b], table, tile_order="random")
