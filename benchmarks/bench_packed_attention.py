@@ -45,7 +45,8 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
+def timed(fn, repeats: int) -> tuple[float, torch.Tensor, list[float]]:
+    """(median seconds, last output, every timed run): the runs go into the JSON as the spread."""
     times, out = [], None
     for _ in range(repeats + 1):  # the first call warms up
         _sync()
@@ -53,7 +54,7 @@ def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
         out = fn()
         _sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), out
+    return statistics.median(times[1:]), out, times[1:]
 
 
 def main() -> None:
@@ -103,11 +104,14 @@ def main() -> None:
     ref = results["before_fix_3d"][1].float()
     out = {"device": torch.cuda.get_device_name() if cuda else "CPU", "dtype": str(dtype), "torch": torch.__version__,
            "args": vars(args), "sequences": len(seqs), "tokens": cu[-1], "max_len": max(seqs),
-           "seconds_fwd_bwd": {k: t for k, (t, _) in results.items()},
-           "speedup_vs_before": {k: results["before_fix_3d"][0] / t for k, (t, _) in results.items()},
-           "max_abs_diff_vs_before": {k: float((o.float() - ref).abs().max()) for k, (_, o) in results.items()}}
+           "seconds_fwd_bwd": {k: t for k, (t, _, _) in results.items()},
+           "runs_fwd_bwd": {k: runs for k, (_, _, runs) in results.items()},
+           "speedup_vs_before": {k: results["before_fix_3d"][0] / t for k, (t, _, _) in results.items()},
+           "max_abs_diff_vs_before": {k: float((o.float() - ref).abs().max()) for k, (_, o, _) in results.items()}}
     for k, t in out["seconds_fwd_bwd"].items():
-        print(f"{k:22s} {t * 1e3:9.2f} ms fwd+bwd  {out['speedup_vs_before'][k]:6.2f}x  "
+        runs = out["runs_fwd_bwd"][k]
+        print(f"{k:22s} {t * 1e3:9.2f} ms fwd+bwd ({min(runs) * 1e3:.2f}-{max(runs) * 1e3:.2f})  "
+              f"{out['speedup_vs_before'][k]:6.2f}x  "
               f"max |diff| vs before {out['max_abs_diff_vs_before'][k]:.3g}")
     print(json.dumps(out))
     if args.out:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -52,7 +53,6 @@ def _varlen() -> Optional[tuple[Callable, frozenset]]:
 def varlen_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether `varlen_attn` can take these [t, heads, dim] tensors: CUDA, half precision, a flash head size.
     MTRAIN_VARLEN_ATTN=0 forces the per-sequence path (for comparing the two on a GPU)."""
-    import os
     if os.environ.get("MTRAIN_VARLEN_ATTN", "1") == "0" or VARLEN_ERROR or _varlen() is None:
         return False
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
