@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 rollout (issue 15) and partial rollout (issue 11) on one H200; results into $OUT. From the repo root, `.gpu/`
 # carried. PARTS picks: fp8 (sync vs bf16 + bit-equality, tiny DeepSeek-V3 and Llama-8B), fp8loop (GRPO with an FP8
-# engine), fp8tis (the FP8 loop without and with algo.tis_cap=2.0; FP8TIS_MODELS, default dsv3), partial (synchronous vs partial rollout on the longtail task: trained tokens/s with its spread and
+# engine), fp8tis (the FP8 loop without and with algo.tis_cap=2.0; FP8TIS_MODELS, default dsv3; FP8TIS_TIMEOUT s per setting, default 300), partial (synchronous vs partial rollout on the longtail task: trained tokens/s with its spread and
 # per-phase times, one job, about 3.5 min), partial_learn (both modes' reward curves over 12 steps, two runs from the
 # same weights, about 4 min: a digit-share reward that a random model can climb, on the same heavy-tailed lengths).
 set -uo pipefail
@@ -19,7 +19,7 @@ if [[ $parts == *" fp8tis "* ]]; then  # the FP8 loop after the KV-scale reset, 
     for tis in none 2.0; do
         extra="engine.weight_dtype=fp8"; [ "$tis" != none ] && extra="$extra algo.tis_cap=$tis"
         (OUT=$out/fp8tis_$tis STEPS=4 EXTRA="$extra" MODELS="${FP8TIS_MODELS:-dsv3}" WORK=/tmp/mtrain-gpu-rl-$tis \
-            timeout 300 bash benchmarks/gpu_rl_loop.sh > "$out/log_fp8tis_$tis.txt" 2>&1)
+            timeout "${FP8TIS_TIMEOUT:-300}" bash benchmarks/gpu_rl_loop.sh > "$out/log_fp8tis_$tis.txt" 2>&1)
         echo "== fp8tis $tis: exit $?"; tail -n 6 "$out/log_fp8tis_$tis.txt"
     done
 fi
