@@ -16,7 +16,9 @@ def _train(args) -> int:
     from mtrain.config import ConfigError, load_config
     from mtrain.preflight import preflight
     from mtrain.run_output import quiet_known_warnings
+    from mtrain.debug_signals import install_stack_dump_signal
     from mtrain.trainer.watchdog import stop_with_parent
+    install_stack_dump_signal()  # `kill -USR1 PID`: every thread's stack to stderr, for a hung rank
     stop_with_parent()  # a SIGKILLed torchrun must not leave its workers training
     quiet_known_warnings()  # before megatron is imported: most of its warnings come at import
     try:
@@ -36,6 +38,8 @@ def _train(args) -> int:
 
 def _serve(args) -> int:
     from mtrain.config import load_config
+    from mtrain.debug_signals import install_stack_dump_signal
+    install_stack_dump_signal()  # `kill -USR1 PID`: every thread's stack to stderr
     cfg = load_config(args.config, args.overrides)
     from mtrain.serve.cli import serve
     return serve(cfg)

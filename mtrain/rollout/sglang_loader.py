@@ -55,6 +55,18 @@ ERROR_FILE_PREFIX = "error."
 
 logger = logging.getLogger(__name__)
 
+# SIGUSR1 dumps every thread's stack (mtrain/debug_signals.py, sent by benchmarks/hang_dump.sh). The schedulers import
+# this module only at the first weight sync (SGLang's dynamic_import of load_format, weight_updater.py:346-348), so
+# from then on a hung scheduler can be asked where it is. Only where SIGUSR1 has no Python handler: SGLang 0.5.17 sets
+# none, and one it may set later wins. Guarded: an exception here would fail the import, hence the loader call, and
+# SGLang would then kill the whole process tree (module docstring).
+try:
+    from mtrain.debug_signals import install_stack_dump_signal
+
+    install_stack_dump_signal(only_if_default=True)
+except Exception:  # noqa: BLE001 -- a debugging aid must never cost the weight sync
+    pass
+
 _TARGET_RE = re.compile(r"^(?P<param>[^@]+?)(?:@(?P<start>\d+):(?P<stop>\d+))?$")
 
 # Parameters written since the last FINISH_NAME, per scheduler process (one process = one TP rank).
