@@ -21,7 +21,13 @@ round=round3 default_parts="dsv3 timeout pack front tool"
 source benchmarks/gpu_round_common.sh || exit 1
 if [[ $parts == *" dsv3 "* ]]; then
     rm -rf /tmp/mtrain-dsv3-small
+    # a run whose train.log stops growing for DSV3_DUMP_IDLE s gets its processes' stacks in $out/dsv3_stacks.txt
+    # (the first-step hang: no output, no NCCL timeout); gpu_lanes.sh packs the whole lane folder $out
+    HANG_DUMP_IDLE=${DSV3_DUMP_IDLE:-100} bash benchmarks/hang_dump.sh "${WORK:-/tmp/mtrain-dsv3-small}/train.log" \
+        "$out/dsv3_stacks.txt" $$ > "$out/log_dsv3_hang_dump.txt" 2>&1 &
+    dump_pid=$!
     step dsv3_small ${DSV3_TIMEOUT:-540} bash examples/deepseek_v3/small/run_gpu.sh ${DSV3_ARGS:-}
+    kill "$dump_pid" 2>/dev/null; wait "$dump_pid" 2>/dev/null
     cp /tmp/mtrain-dsv3-small/run/metrics.jsonl "$out/dsv3_small_metrics.jsonl" 2>/dev/null
 fi
 if [[ $parts == *" timeout "* ]]; then
