@@ -65,6 +65,13 @@ def engine_server_args(
         # DeepSeek-V3 (256 routed + 1 shared expert) would fuse the shared expert into FusedMoE as expert 256
         # on an H200; the layout tables keep it as mlp.shared_experts.* (deepseek_v2.py:2974-3044).
         disable_shared_experts_fusion=True,
+        # SGLang auto-enables FlashInfer's all-reduce fusion at TP > 1 on Hopper for DeepSeek-V3, Qwen3-MoE and a
+        # few more architectures (arg_groups/overrides.py:1863-1906); the first start then builds flashinfer's
+        # trtllm_comm module with nvcc. On 2 x H200 that build took about 4 of a DeepSeek-V3 engine's 4.5-minute
+        # start, twice (docs/results.md section 32). A fresh node or container has no flashinfer cache, so every
+        # job would pay it. Runs with a warm cache can turn it back on:
+        # server_args={"enforce_disable_flashinfer_allreduce_fusion": False}.
+        enforce_disable_flashinfer_allreduce_fusion=True,
         base_gpu_id=base_gpu_id,
         weight_version="0",
         random_seed=random_seed,

@@ -270,6 +270,11 @@ def test_engine_server_args_pin_the_layout_the_loader_assumes():
             args["enable_memory_saver"], args["cuda_graph_backend_prefill"], args["weight_version"],
             args["mm_attention_backend"]) == ("triton", True, True, True, "disabled", "0", "triton_attn")
     assert (args["tp_size"], args["base_gpu_id"], args["load_format"], args["log_level"]) == (2, 1, "dummy", "info")
+    # no nvcc build of flashinfer's all-reduce fusion at a DeepSeek engine's first start, unless asked for
+    assert args["enforce_disable_flashinfer_allreduce_fusion"] is True
+    assert engine_server_args("/m", tp_size=2, mem_fraction_static=0.3, base_gpu_id=0, load_format="dummy",
+                              random_seed=7, extra={"enforce_disable_flashinfer_allreduce_fusion": False}
+                              )["enforce_disable_flashinfer_allreduce_fusion"] is False
 
 
 def test_sampling_params_translation():
