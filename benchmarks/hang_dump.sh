@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hang watchdog: once LOGFILE exists and has not grown for HANG_DUMP_IDLE s, write into OUTFILE what the run's
 # processes are doing: the process tree (ps), nvidia-smi, every thread's Python stack of the processes that registered
-# the SIGUSR1 dump (mtrain/debug_signals.py: `mtrain train` ranks, SGLang schedulers after the first weight sync),
+# the SIGUSR1 dump (mtrain/debug_signals.py: `mtrain train` ranks, SGLang schedulers from their start),
 # which they print into their stderr = LOGFILE, and `py-spy dump` of every Python process when py-spy is there.
 #   bash benchmarks/hang_dump.sh LOGFILE OUTFILE [ROOT_PID] &
 # ROOT_PID (default: the caller): only its descendants are looked at or signaled. Exits when ROOT_PID is gone, after
@@ -49,7 +49,7 @@ dump() {  # n: one dump, appended to $outf
         echo "######## SIGUSR1 (stacks go to each process's stderr: $log)"
         for p in "${targets[@]}"; do
             if has_handler "$p"; then kill -USR1 "$p" && echo "sent to $p: $(args_of "$p" | cut -c1-160)"
-            else echo "NOT sent to $p (no SIGUSR1 handler yet, e.g. a scheduler before the first weight sync):" \
+            else echo "NOT sent to $p (no SIGUSR1 handler: SIGUSR1 would kill it):" \
                 "$(args_of "$p" | cut -c1-160)"; fi
         done
         sleep "$wait_s"

@@ -56,8 +56,8 @@ ERROR_FILE_PREFIX = "error."
 logger = logging.getLogger(__name__)
 
 # SIGUSR1 dumps every thread's stack (mtrain/debug_signals.py, sent by benchmarks/hang_dump.sh). The schedulers import
-# this module only at the first weight sync (SGLang's dynamic_import of load_format, weight_updater.py:346-348), so
-# from then on a hung scheduler can be asked where it is. Only where SIGUSR1 has no Python handler: SGLang 0.5.17 sets
+# this module as they start: unpickling their server args imports sglang_wire (our custom_sigquit_handler), which
+# imports this module; the 2 x H200 dump of 2026-11-30 has scheduler stacks from inside the engine's warm-up. Only where SIGUSR1 has no Python handler: SGLang 0.5.17 sets
 # none, and one it may set later wins. Guarded: an exception here would fail the import, hence the loader call, and
 # SGLang would then kill the whole process tree (module docstring).
 try:
