@@ -30,6 +30,16 @@ class PieceTableError(ValueError):
     """A piece table, or the tensors passed with it, cannot be executed as given."""
 
 
+def stamped_cache(cache: dict, rows: torch.Tensor) -> dict:
+    """`cache`, emptied first if `rows` was replaced or edited in place since it was last stamped (identity, storage
+    address and version counter): the caches of derived table data (PieceTable, ScatterTable) rest on this."""
+    stamp = (id(rows), rows.data_ptr(), rows._version)
+    if cache.get("stamp") != stamp:
+        cache.clear()
+        cache["stamp"] = stamp
+    return cache
+
+
 @dataclass
 class PieceTable:
     """int64 tensor [N, 7], one row per piece (see module docstring). Treat as immutable once used:
@@ -51,11 +61,7 @@ class PieceTable:
 
     def derived(self) -> dict:
         """Per-table cache for derived data; emptied whenever `rows` is replaced or edited in place."""
-        stamp = (id(self.rows), self.rows.data_ptr(), self.rows._version)
-        if self._cache.get("stamp") != stamp:
-            self._cache.clear()
-            self._cache["stamp"] = stamp
-        return self._cache
+        return stamped_cache(self._cache, self.rows)
 
     def numpy(self) -> np.ndarray:
         """The rows as a host int64 array (one device->host copy per table version)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .pieces import (CAST_DTYPES, DST_OFFSET, NCOLS, NROWS, SRC_INDEX, PieceTable, PieceTableError,
-                     SrcMeta, copy_pieces_torch, validate)
+                     SrcMeta, copy_pieces_torch, stamped_cache, validate)
 
 
 @dataclass(frozen=True, eq=False)  # identity semantics: fields hold arrays, and caches key on the object
@@ -56,12 +56,7 @@ class ScatterTable:
 
     def derived(self) -> dict:
         """Per-object cache, emptied whenever the piece rows are replaced or edited in place."""
-        rows = self.table.rows
-        stamp = (id(rows), rows.data_ptr(), rows._version)
-        if self._cache.get("stamp") != stamp:
-            self._cache.clear()
-            self._cache["stamp"] = stamp
-        return self._cache
+        return stamped_cache(self._cache, self.table.rows)
 
     @staticmethod
     def from_rows(rows: Sequence[Sequence[int]]) -> "ScatterTable":
