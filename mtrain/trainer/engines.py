@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -51,11 +52,18 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     tp = placement.pop("tp_size")
     base_gpu_id = placement.pop("base_gpu_id")
     server_args.update(placement)  # nnodes / node_rank / dist_init_addr for an engine spanning nodes
+    # A start takes 40-110 s, more where kernels are built on first use, and the other ranks wait in silence: say so,
+    # with the time it took (the H200 DeepSeek-V3 run's 4-minute start showed nothing in its log, results.md 32).
+    print(f"mtrain: rank {rank} starting an SGLang engine (tp={tp}, first GPU {base_gpu_id})",
+          flush=True)
+    t0 = time.perf_counter()
     # Each engine gets its own seed: with one shared seed, unseeded requests would sample alike on every engine.
-    return SGLangEngine(str(hf_dir), tp_size=tp, base_gpu_id=base_gpu_id,
-                        mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
-                        random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args,
-                        routing=routing_shape(hf_config) if replay else None)
+    engine = SGLangEngine(str(hf_dir), tp_size=tp, base_gpu_id=base_gpu_id,
+                          mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
+                          random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args,
+                          routing=routing_shape(hf_config) if replay else None)
+    print(f"mtrain: rank {rank}'s SGLang engine started in {time.perf_counter() - t0:.1f} s", flush=True)
+    return engine
 
 
 def engine_rendezvous(groups, rank: int) -> str | None:
