@@ -69,6 +69,11 @@ class EngineConfig:
     # for every linear layer); each sync quantizes inside the resharding kernel. The CPU reference engine
     # emulates it (quantize-dequantize with the same block math). docs/fp8.md
     weight_dtype: str = "auto"
+    # Further `sglang.Engine` arguments (SGLang ServerArgs names), applied after mtrain's own choices
+    # (rollout/sglang_wire.py), e.g. {disable_cuda_graph: false} for long runs; on the command line
+    # engine.server_args.disable_cuda_graph=false. Keys that other config keys or the weight layout decide are
+    # refused (mtrain/engine_args.py); names SGLang does not know are refused before the engine starts.
+    server_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -398,6 +403,14 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not {_type_name(t)}")
         return value
+    if origin is dict:  # a free-form mapping (engine.server_args): str keys, YAML values kept as they are
+        if isinstance(value, str):  # "{a: 1, b: x}" from a shell override
+            value = yaml.safe_load(value) if value.strip() else {}
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+        return dict(value)
     if origin is list:
         (elem,) = args
         if isinstance(value, str):  # "1,2,3" from a shell override
@@ -473,6 +486,12 @@ def _apply_override(tree: dict, override: str) -> None:
             if not isinstance(node, dict):
                 raise ConfigError(f"'{key}' must be a mapping")
             cls = t
+        elif typing.get_origin(t) is dict and not last:  # engine.server_args.NAME=value: one entry of the mapping
+            entries = node.setdefault(part, {})
+            if not isinstance(entries, dict):
+                raise ConfigError(f"'{'.'.join(parts[:i + 1])}' must be a mapping")
+            entries[".".join(parts[i + 1:])] = yaml.safe_load(raw) if raw else None
+            return
         elif not last:
             raise _unknown_key(key, f"override {override!r}")
         elif _is_str_field(t) and raw not in ("null", "None", "~"):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtrain.engine_args import server_args_problems
+
 if TYPE_CHECKING:
     from mtrain.config import RunConfig
 
@@ -59,6 +61,8 @@ def validate(cfg: RunConfig) -> None:
     _check(e.weight_dtype in ("auto", "fp8"), "engine.weight_dtype", f"must be auto or fp8, got {e.weight_dtype!r}")
     _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
            f"must be in (0, 1), got {e.mem_fraction_static}")
+    args_problems = server_args_problems(e.server_args, e.kind)
+    _check(not args_problems, "engine.server_args", "; ".join(args_problems))
     # Every algorithm here uses a group baseline: one sample per prompt gives advantage 0 everywhere.
     _check(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
            f"must be >= 2 for {a.name} (the group baseline needs several samples), got {r.samples_per_prompt}")

@@ -51,7 +51,7 @@ from mtrain.rollout.protocol import (
 )
 from mtrain.rollout.sglang_stream import StreamAssembler
 from mtrain.rollout.vision_requests import check_vision_request
-from mtrain.rollout.sglang_preflight import preflight_problems, sgl_kernel_extensions
+from mtrain.rollout.sglang_preflight import preflight_problems, sgl_kernel_extensions, unknown_server_args
 from mtrain.rollout.sglang_loader import (
     DUMP_PARAMS,
     DUMP_PREFIX,
@@ -121,7 +121,8 @@ class SGLangEngine(RolloutEngine):
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
                                     deterministic=deterministic, extra=server_args, routed_experts=routing is not None)
         # Refuse, before a 40-110 s start, what would kill the schedulers at the first request (sglang_preflight.py).
-        problems = preflight_problems(kwargs, _config_of(model_path), sgl_kernel_extensions())
+        problems = unknown_server_args(server_args or {}, _server_arg_names()) + preflight_problems(
+            kwargs, _config_of(model_path), sgl_kernel_extensions())
         if problems:
             shutil.rmtree(self._status_dir, ignore_errors=True)
             raise EngineError(f"SGLang engine for {model_path!r} not started: " + "; ".join(problems))
@@ -511,6 +512,14 @@ class SGLangEngine(RolloutEngine):
 
 
 _LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
+
+
+def _server_arg_names() -> list[str]:
+    """The argument names sglang.Engine takes (its ServerArgs dataclass's fields)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+    return [f.name for f in dataclasses.fields(ServerArgs)]
 
 
 def _config_of(model_path: str) -> dict | None:

@@ -16,6 +16,7 @@ Failures found by reading SGLang 0.5.17 and the GPU bundle (/work/shared/device)
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -102,6 +103,19 @@ def fp8_graph_problem(args: Mapping[str, Any]) -> str | None:
         return ("an FP8 engine (quantization='fp8') must run without CUDA graphs (disable_cuda_graph=True): its decode "
                 "graphs would keep the KV scales SGLang derived from the dummy start weights (docs/fp8.md)")
     return None
+
+
+def unknown_server_args(names: Iterable[str], known: Iterable[str]) -> list[str]:
+    """One message per name of engine.server_args that SGLang's ServerArgs lacks (sglang.Engine would raise a
+    TypeError naming only the first, after mtrain had built the rest of the run); the closest known name when near."""
+    known = set(known)
+    out = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            out.append(f"engine.server_args: SGLang has no server argument {name!r}"
+                       + (f"; did you mean {close[0]!r}?" if close else ""))
+    return out
 
 
 def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | None,

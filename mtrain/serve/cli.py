@@ -37,6 +37,7 @@ def make_serving_engine(cfg, hf_dir: Path, hf_config: dict):
     server_args = {"dtype": cfg.model.dtype}
     if cfg.engine.attention_backend:
         server_args["attention_backend"] = cfg.engine.attention_backend
+    server_args.update(cfg.engine.server_args)  # mtrain/engine_args.py refused the keys mtrain decides
     return SGLangEngine(str(hf_dir), tp_size=cfg.engine.tp, mem_fraction_static=cfg.engine.mem_fraction_static,
                         random_seed=cfg.train.seed, server_args=server_args)
 

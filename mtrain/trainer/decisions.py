@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mtrain.config import ConfigError
+from mtrain.engine_args import refuse_on_reference_engine
 from mtrain.rollout.groups import EngineGroups, EngineLayoutError
 from mtrain.trainer.sync import sync_mode
 
@@ -49,6 +50,8 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
         groups = EngineGroups(world_size, e.tp, local_world_size, e.nnodes)
     except EngineLayoutError as err:
         raise ConfigError(f"engine.tp / engine.nnodes: {err}") from None
+    if kind == "reference":  # engine.kind=auto on a CPU-only machine: engine.server_args would go unread
+        refuse_on_reference_engine(e.server_args)
     if kind == "reference" and e.nnodes > 1:
         raise ConfigError("engine.nnodes > 1 is for SGLang engines spanning nodes; the reference engine is one "
                           "process")

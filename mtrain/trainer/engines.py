@@ -52,6 +52,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     tp = placement.pop("tp_size")
     base_gpu_id = placement.pop("base_gpu_id")
     server_args.update(placement)  # nnodes / node_rank / dist_init_addr for an engine spanning nodes
+    server_args.update(cfg.engine.server_args)  # the run's own additions (mtrain/engine_args.py refuses overlaps)
     # A start takes 40-110 s, more where kernels are built on first use, and the other ranks wait in silence: say so,
     # with the time it took (the H200 DeepSeek-V3 run's 4-minute start showed nothing in its log, results.md 32).
     print(f"mtrain: rank {rank} starting an SGLang engine (tp={tp}, first GPU {base_gpu_id})",
