@@ -55,7 +55,7 @@ def engine_server_args(
         mem_fraction_static=mem_fraction_static,
         cuda_graph_backend_prefill="disabled",  # prefill graph capture is most of a 40-110 s start
         # Decode graph capture took 83 s of a 129 s start on the H200 (2026-11-29); tests and benchmarks turn it
-        # off, long runs turn it back on with server_args={"disable_cuda_graph": False}.
+        # off, long runs turn it back on with engine.server_args.disable_cuda_graph=false.
         disable_cuda_graph=True,
         load_format=load_format,
         custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
@@ -70,7 +70,7 @@ def engine_server_args(
         # trtllm_comm module with nvcc. On 2 x H200 that build took about 4 of a DeepSeek-V3 engine's 4.5-minute
         # start, twice (docs/results.md section 32). A fresh node or container has no flashinfer cache, so every
         # job would pay it. Runs with a warm cache can turn it back on:
-        # server_args={"enforce_disable_flashinfer_allreduce_fusion": False}.
+        # engine.server_args.enforce_disable_flashinfer_allreduce_fusion=false.
         enforce_disable_flashinfer_allreduce_fusion=True,
         base_gpu_id=base_gpu_id,
         weight_version="0",
