@@ -136,6 +136,14 @@ def validate(cfg: RunConfig) -> None:
     _check(not o.cpu_offload or cfg.model.dtype == "bfloat16", "optim.cpu_offload",
            f"needs model.dtype=bfloat16 (megatron-core offloads the fp32 master copies of bf16 weights), got "
            f"{cfg.model.dtype}")
+    # megatron-core 0.16.1's dp_reshardable load writes the hybrid optimizer's master weights into its state dict
+    # only, never into the host copies its CPU Adam steps (fully_reshardable and fully_sharded_model_space call
+    # HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers, dp_reshardable does not): a resume would silently
+    # continue from stale master weights.
+    _check(not o.cpu_offload or t.optimizer_checkpoint == "fully_reshardable", "train.optimizer_checkpoint",
+           "optim.cpu_offload=true resumes correctly only from fully_reshardable optimizer checkpoints (megatron-core "
+           "0.16.1's dp_reshardable load does not reach the host master weights): set "
+           "train.optimizer_checkpoint=fully_reshardable")
     _at_least(cfg, 1, "train.recompute.num_layers")
     _check(bool(t.run_dir), "train.run_dir", "must not be empty")
     _check(bool(t.resume), "train.resume", "must be 'auto', 'never' or a checkpoint path")

@@ -240,11 +240,21 @@ def model_sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
     }
 
 
+def hybrid_optimizer_classes() -> list:
+    """The optimizer classes a trainer checkpoint written with optim.cpu_offload names in its common.pt
+    (megatron-core's HybridDeviceOptimizer keeps cpu_optimizer_cls/gpu_optimizer_cls in its param groups), which
+    megatron's load_common (torch.load, weights_only) refuses unless allowed: megatron-core's choices for them."""
+    import megatron.core.optimizer as mopt
+    return [c for c in {torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, mopt.Adam, mopt.SGD}
+            if isinstance(c, type)]
+
+
 def load_model_checkpoint(chunks: list[GPTModel], path) -> None:
     """Fill this rank's chunks from a Megatron dist checkpoint saved under any parallel layout (a converter's
     output or a trainer checkpoint): megatron reshards on load, every model tensor must be there."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(path))
+    with torch.serialization.safe_globals(hybrid_optimizer_classes()):
+        loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(path))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded[f"chunk{i}"])

@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -28,7 +28,7 @@ from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
 from mtrain.trainer.routing_replay import RouterReplayFeeder
-from mtrain.trainer.train_options import cpu_offload_options, recompute_overrides
+from mtrain.trainer.train_options import cpu_offload_options, optimizer_config, recompute_overrides
 
 
 def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -133,7 +133,7 @@ class Actor:
         from megatron.core.distributed import finalize_model_grads
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+        self.optimizer = get_megatron_optimizer(optimizer_config(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,

@@ -159,14 +159,39 @@ def _inner_optimizers(optimizer) -> list:
     return [s.optimizer for s in subs if getattr(s, "optimizer", None) is not None]
 
 
+def _optimizer_classes(actor) -> list:
+    out = []
+    for opt in _inner_optimizers(actor.optimizer):
+        for key in ("cpu_optimizer_cls", "gpu_optimizer_cls"):
+            cls = opt.defaults.get(key)
+            if isinstance(cls, type) and cls not in out:
+                out.append(cls)
+    return out
+
+
 def _allocate_optimizer_state(actor) -> None:
     """Give every parameter Adam state (zeros, step 0) before a load, as a first optimizer step would.
 
     Megatron's distributed optimizer reads the inner torch Adam's `step` to build the state dict it loads
     into; without Apex/TE a fresh optimizer has no state at all and that read fails (`assert len(steps) == 1`).
     Every value written here is overwritten by the checkpoint's.
+
+    optim.cpu_offload (megatron-core's HybridDeviceOptimizer) needs its own: its load hooks copy every state's
+    `master_param` into the host fp32 copies the CPU Adam steps (KeyError without one), and its state must sit in
+    its sub-optimizers too. Its public `dummy_step` (documented for exactly this: checkpoint loading into an
+    empty optimizer) makes that state with one Adam step on random gradients; the bf16 parameter shards it
+    changes are overwritten by the checkpoint's model weights before the optimizer state is loaded.
     """
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     for opt in _inner_optimizers(actor.optimizer):
+        if isinstance(opt, HybridDeviceOptimizer):
+            if not opt.state:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if hasattr(p, "decoupled_grad"):  # a gradient from an earlier step would be used instead
+                            del p.decoupled_grad
+                opt.dummy_step()
+            continue
         for group in opt.param_groups:
             for p in group["params"]:
                 st = opt.state[p]
@@ -236,7 +261,11 @@ def load(path: str | Path, actor) -> dict:
             f"builds {n_now} at {_layout_text(now)} (not supported yet): resume with that layout, or start from its "
             f"weights with model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
     _allocate_optimizer_state(actor)
-    state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
+    # optim.cpu_offload: the hybrid optimizer's param groups carry its sub-optimizer classes (cpu_optimizer_cls,
+    # gpu_optimizer_cls), which megatron saves in common.pt; its load_common is torch.load with weights_only (torch's
+    # default) and refuses them. Allowed here: exactly the classes this run's own optimizers use.
+    with torch.serialization.safe_globals(_optimizer_classes(actor)):
+        state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
     for i, c in enumerate(unwrap_model(actor.chunks)):
         c.load_state_dict(state[f"model{i}"])
     _load_optimizer(_checkpointed_optimizer(actor.optimizer), state["optimizer"])

@@ -31,7 +31,9 @@ def state_bytes(actor) -> dict[str, int]:
         for state in (inner.state.values() if inner is not None else []):
             optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         for group in getattr(sub, "shard_fp32_from_float16_groups", []) or []:
-            optim += sum(_nbytes(p) for p in group)
+            # None under optim.cpu_offload (precision-aware: the hybrid optimizer holds the fp32 masters, on the
+            # host, and they are counted in its state above as `master_param`)
+            optim += sum(_nbytes(p) for p in group if p is not None)
     return {"params": params, "grads": grads, "optim": optim}
 
 

@@ -122,11 +122,12 @@ def test_cpu_offload_is_refused_where_megatron_cannot_do_it(tmp_path, monkeypatc
         with pytest.raises(ModelConfigError, match="optim.cpu_offload=true needs a GPU"):
             cpu_offload_options(True)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only to read the GPU-side mapping
-    from megatron.core.optimizer import OptimizerConfig
+    from mtrain.trainer.train_options import optimizer_config
     opts = cpu_offload_options(True)
-    oc = OptimizerConfig(optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16,
-                         use_distributed_optimizer=True, **opts)
+    oc = optimizer_config(optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16,
+                          use_distributed_optimizer=True, **opts)
     assert oc.optimizer_cpu_offload and oc.optimizer_offload_fraction == 1.0
+    assert oc.use_precision_aware_optimizer and oc.use_precision_aware_optimizer_no_fp8_or_ds_fp8
 
 
 def test_recompute_keys_are_validated(tmp_path):
