@@ -3,7 +3,8 @@
 megatron-core 0.16.1 applies RoPE to packed sequences in `_apply_rotary_pos_emb_thd` (rope_utils.py), for the
 query and the key of every layer: `cu_seqlens` differences `.tolist()`, a `freqs.size(0) == cu_seqlens[-1]` test
 read on the host, `torch.split` of the stream into its n sequences, n slices of the frequency table and a `cat`:
-about 17 + 2n dispatched ops per call, 2 calls per layer per forward, so the count grows with sequences x layers
+13 + n top-level ops per call (measured, benchmarks/bench_packed_host_ops.py; 16 with this module at any n),
+2 calls per layer per forward, so the count grows with sequences x layers
 (benchmarks/bench_packed_host_ops.py). Its first branch ("exact mapping", freqs holding one row per token of the
 stream, taken when `freqs.size(0) == cu_seqlens[-1]`) with a single segment [0, S] is the plain (bshd) rotation
 with per-token frequencies.
@@ -51,7 +52,7 @@ def install(chunks) -> bool:
             c = c.module
         rope = getattr(c, "rotary_pos_emb", None)
         if rope is None:
-            continue  # e.g. a pipeline stage without... every GPTModel stage has one; be lenient
+            continue  # a model without RoPE in this chunk: nothing to change
         if type(rope) not in (RotaryEmbedding, PerTokenRotaryEmbedding) or \
                 getattr(c.config, "multi_latent_attention", False) or getattr(c, "position_embedding_type", None) != "rope":
             return False
