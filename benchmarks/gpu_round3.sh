@@ -48,12 +48,16 @@ if [[ $parts == *" pack "* ]]; then
     # 2048, not 4096: padded mode on the local spec (no TE here) keeps [mbs, heads, s, s] attention scores per layer
     # for the backward, and at 4096 x mbs 2 that ran out of the H200's 140 GB (docs/results.md)
     # --profile: one profiled step per mode (where packed loses time, results.md section 30); also the noise
-    # floor, the float32 reference and the ceiling through the packed path; the attention alone and its CUDA test
+    # floor, the float32 reference and the ceiling through the packed path; the attention alone and its CUDA test.
+    # Profiled: packed and ceiling_packed first, then ceiling; padded left out (its 20 s step plus the profiler's
+    # processing is what the 400 s ran out on in session 7, before packed was profiled). The JSON is rewritten
+    # after every round and every profiled mode, so a cut run keeps what it measured.
     step varlen_test 120 python -m pytest -q -p no:cacheprovider tests/models/test_varlen_attention.py
     step packed_attn 120 python benchmarks/bench_packed_attention.py --max-len 2048 --budget 4096 --samples 128 \
         --out "$out/packed_attn.json"
     step pack_1b 400 python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 2048 --mbs 2 \
-        --budget 4096 --fixed-len 1024 --steps 3 --warmup 1 --profile --out "$out/pack_1b.json"
+        --budget 4096 --fixed-len 1024 --steps 3 --warmup 1 --profile --profile-modes packed,ceiling_packed,ceiling \
+        --out "$out/pack_1b.json"
 fi
 if [[ $parts == *" front "* ]]; then
     (cd /tmp && step front 300 python "$repo/benchmarks/bench_front.py" --engine sglang --clients 64 --duration 20 \

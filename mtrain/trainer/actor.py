@@ -7,6 +7,7 @@ SGLang, so leaving them in would shift every logprob).
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
@@ -20,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mtrain.algorithms.objective import policy_loss
 from mtrain.compat.no_te import te_installed
 from mtrain.models.cp_comm import gather_cp
-from mtrain.models import build_model
+from mtrain.models import build_model, packed_rope
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
@@ -103,6 +104,12 @@ class Actor:
         # Packed streams: megatron-core gets cu_seqlens on the host when mtrain's local core attention serves it
         # (no device sync in its THD RoPE, Pack.packed_seq_params); TE's attention and MTP read it on the device.
         self.host_cu_seqlens = not te_installed() and not c.mtp_num_layers
+        # ... and, with one CP rank and plain RoPE, one rotary row per token instead of megatron-core's split /
+        # slice / cat per sequence in every layer (mtrain/models/packed_rope.py; the same rotation bit for bit).
+        # MTRAIN_ROPE_PER_TOKEN=0: megatron-core's own per-sequence path (for an A/B on a GPU)
+        self.rope_per_token = (self.host_cu_seqlens and c.context_parallel_size == 1 and self.vision is None
+                               and os.environ.get("MTRAIN_ROPE_PER_TOKEN", "1") != "0"
+                               and packed_rope.install(chunks))
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
@@ -229,8 +236,11 @@ class Actor:
                         d[f"packed/{name}"] = pack(pk, getattr(batch, name), width, name).to(dev)
                 if routed is not None:  # which stream positions hold an engine record (routing replay)
                     d["routing_valid"] = pack(pk, routed, width, "routing_valid").to(dev)
-                d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pk.position_ids().to(dev),
-                         packed_seq_params=pk.packed_seq_params(dev, self.host_cu_seqlens), width=width)
+                pos = pk.position_ids().to(dev)
+                d.update(pack=pk, tokens=d["packed/tokens"].unsqueeze(0), position_ids=pos,
+                         packed_seq_params=pk.packed_seq_params(dev, self.host_cu_seqlens,
+                                                                pos if self.rope_per_token and cp == 1 else None),
+                         width=width)
                 unpack_index(pk, width - 1, width, dev)  # built now: the loss function then copies nothing to dev
                 if self.vision is not None:  # MRoPE positions [3, 1, S] and the stream's images
                     d.update(self.vision.packed_inputs(batch, pk, width, dev))

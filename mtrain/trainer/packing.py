@@ -110,20 +110,31 @@ class Pack:
                       torch.arange(a + (2 * cp - 1 - rank) * m, a + (2 * cp - rank) * m)]
         return torch.cat(parts)
 
-    def packed_seq_params(self, device, host_cu_seqlens: bool = False):
+    def packed_seq_params(self, device, host_cu_seqlens: bool = False, rope_positions: torch.Tensor | None = None):
         """Megatron's PackedSeqParams for this stream. host_cu_seqlens: hand megatron-core the host copy of
         cu_seqlens (only with mtrain's local core attention; TE's attention needs it on the device): its unfused
         THD RoPE reads the sequence lengths with .tolist() for the query and the key of every layer, a device
-        sync each (4 per layer with the `freqs.size(0) == cu_seqlens[-1]` test), which a host tensor avoids."""
+        sync each (4 per layer with the `freqs.size(0) == cu_seqlens[-1]` test), which a host tensor avoids.
+        rope_positions ([S] on the device, with host_cu_seqlens; only where every RoPE of the model is a
+        mtrain.models.packed_rope.PerTokenRotaryEmbedding and nothing else reads cu_seqlens_q, Actor.rope_per_token):
+        megatron-core gets the single segment [0, S] and the positions, so its THD RoPE takes one slice instead
+        of a split, a slice and a cat per sequence in every layer (mtrain/models/packed_rope.py). The attention
+        reads the real boundaries from the mtrain_* attributes either way."""
         from megatron.core.packed_seq_params import PackedSeqParams
         dev = self.cu_seqlens.to(device)
         cu = self.cu_seqlens if host_cu_seqlens else dev
+        if rope_positions is not None:
+            if not host_cu_seqlens:
+                raise ValueError("rope_positions needs host_cu_seqlens (mtrain's local attention)")
+            cu = torch.tensor([0, self.total], dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
         # read by mtrain.models.packed_attention on the local path: no device-to-host copy in every layer, and
         # the device copy for the varlen kernel
         params.mtrain_host_cu_seqlens = self.cu_seqlens.tolist()
         params.mtrain_device_cu_seqlens = dev
+        if rope_positions is not None:
+            params.mtrain_rope_positions = rope_positions.reshape(-1)
         return params
 
 
