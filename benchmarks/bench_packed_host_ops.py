@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -144,13 +142,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="op names listed (largest packed - padded difference)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from bench_train_throughput import one_step
+    from bench_train_throughput import one_step, single_process_env
+    single_process_env()
     from mtrain.dist import init_distributed
     init_distributed(seed=0)
     if args.attention == "varlen-emulated" and not torch.cuda.is_available():
@@ -209,7 +202,7 @@ def main() -> None:
                       d[(l1, f1)], (d[(l1, f0)] - d[(l0, f0)]) / (l1 - l0),
                       ((d[(l1, f1)] - d[(l0, f1)]) - (d[(l1, f0)] - d[(l0, f0)])) / ((l1 - l0) * (s1 - s0))))
     srows.sort(key=lambda r: -abs(r[3]))
-    print(f"\ntop-level aten ops by the Python line that dispatched them (same runs and columns)")
+    print("\ntop-level aten ops by the Python line that dispatched them (same runs and columns)")
     print(f"{'padded':>8} {'packed':>8} {'diff':>7} {'/layer':>8} {'/layer/seq':>10}  site")
     for n, a, b, d, pl, pls in srows[:args.top]:
         print(f"{a:8d} {b:8d} {d:7d} {pl:8.1f} {pls:10.2f}  {n}")

@@ -176,6 +176,16 @@ def logprob_numerics(actor, batch, cfgs: dict, hf: dict) -> dict:
     return out
 
 
+
+def single_process_env() -> None:
+    """torch.distributed's variables for a one-rank run outside torchrun (a free port for the store)."""
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="1b")
@@ -209,12 +219,7 @@ def main() -> None:
         raise SystemExit(f"--budget ({args.budget}) must be >= --max-len ({args.max_len}) and a multiple of "
                          f"--fixed-len ({args.fixed_len})")
 
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    single_process_env()
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
     from mtrain.models import varlen_attention
