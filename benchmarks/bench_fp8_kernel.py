@@ -10,8 +10,11 @@ the FP8 launch is what is timed). Three timings in one run: (a) execute_scatter 
 parameters + their weight_scale_inv, (b) the same table into bf16 parameters (today's bf16 sync kernel), (c) one
 plain torch copy_ of the same element count, bf16 -> bf16 (the bandwidth baseline). FP8 reads 2 bytes and writes
 1 per weight, so its floor is 3/4 of the bf16 one at the same bandwidth: reported as fp8_vs_floor = floor / time.
-Correctness first: the Triton result equals the torch executor's, bit for bit, weights and scales.
-Run it 5 times for the run-to-run spread (the MoE bf16 bucket was bimodal, docs/results.md).
+Correctness first: the Triton result equals the torch executor's, bit for bit, weights and scales. (a) and (b) are
+also split into the host work of a call and the GPU time of its launches alone (*_host_ms, *_gpu_only_ms).
+Run it 5 times for the run-to-run spread (the MoE bf16 bucket was bimodal, docs/results.md). The kernel's knobs
+come from the environment (MTRAIN_FP8_STEP_ROWS, _WARPS, _HW_CVT; MTRAIN_FP8_FAST=0 sends the blocks one sub-piece
+covers whole through the general path too) and are recorded in the JSON with the count of such blocks.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ if "--dry-run" in sys.argv:  # must precede the first triton import
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_diag  # noqa: E402  (benchmarks/, next to this file)
 
 SHAPES = {
     "llama8b": dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
@@ -118,16 +122,31 @@ def main() -> int:
     exact = all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(got[0], ref_w)) and \
         all(torch.equal(a, b) for a, b in zip(got[1], ref_s.values()))
 
-    t_fp8 = timed(lambda: execute_scatter(fp8, srcs, table, backend="triton", quant=specs), args.reps, device)
-    t_bf16 = timed(lambda: execute_scatter(bf16, srcs, table, backend="triton"), args.reps, device)
+    fp8_call = lambda: execute_scatter(fp8, srcs, table, backend="triton", quant=specs)  # noqa: E731
+    bf16_call = lambda: execute_scatter(bf16, srcs, table, backend="triton")  # noqa: E731
+    t_fp8 = timed(fp8_call, args.reps, device)
+    t_bf16 = timed(bf16_call, args.reps, device)
+    # The timings above are whole calls, host work included, as a sync pays them; these split a call into its host
+    # work (GPU idle at the start) and its launches' GPU time (kernel_diag.gpu_only_ms).
+    split = {f"{name}_{kind}_ms": fn(call, device) for name, call in (("fp8", fp8_call), ("bf16", bf16_call))
+             for kind, fn in (("host", kernel_diag.host_ms), ("gpu_only", kernel_diag.gpu_only_ms))}
     a = torch.empty(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
     t_copy = timed(lambda: b.copy_(a), args.reps, device)
     bw = 4 * n / t_copy  # bytes read + written per second by a bf16 copy
+    from mtrain.kernels import triton_fp8 as tf
+    from mtrain.kernels.fp8 import WHOLE
+    from mtrain.kernels.scatter_fp8 import _split
+
+    blocks = [b for b, _, _ in _split(table, specs)[1].values()]
     res = dict(model=args.model, layers=args.layers, train_tp=args.train_tp, contiguous=args.contiguous,
                params=len(targets), sources=len(srcs), elements=n, bit_equal_to_torch=exact,
+               knobs=dict(step_rows=tf.STEP_ROWS, warps=tf.WARPS, hw_cvt=tf.HW_CVT, fast_path=tf.FAST_PATH),
+               blocks=sum(len(b) for b in blocks), whole_blocks=sum(int(b[:, WHOLE].sum()) for b in blocks),
                copy_GBps=bw / 1e9, fp8_ms=t_fp8 * 1e3, bf16_ms=t_bf16 * 1e3, copy_ms=t_copy * 1e3,
                fp8_vs_floor=(3 * n / bw) / t_fp8, bf16_vs_copy=t_copy / t_bf16, fp8_over_bf16=t_fp8 / t_bf16,
+               **split, fp8_gpu_only_vs_floor=(3 * n / bw) / (split["fp8_gpu_only_ms"] / 1e3),
+               bf16_gpu_only_vs_copy=t_copy / (split["bf16_gpu_only_ms"] / 1e3),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)")
     # Where the sources live (the bf16 MoE bucket ran at ~50 % or ~81 % of copy bandwidth depending on it,
     # docs/results.md section 1): allocator segments and the address span the sources cover.

@@ -24,6 +24,7 @@ sources' address alignment: the MoE bucket's run-to-run spread (docs/results.md,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -37,7 +38,8 @@ if "--dry-run" in sys.argv:  # must precede the first triton import
 import torch  # noqa: E402
 
 from mtrain.kernels import PieceTable, execute_pieces_torch  # noqa: E402
-from mtrain.kernels.tiling import TILE_ORDERS, plan_tiles  # noqa: E402
+from mtrain.kernels.pieces import NCOLS, NROWS  # noqa: E402
+from mtrain.kernels.tiling import TILE_ORDERS, _split, plan_tiles  # noqa: E402
 from mtrain.kernels.triton_pieces import (DEFAULT_BLOCK, DEFAULT_WARPS, TILE_ORDER, bind_pieces,  # noqa: E402
                                           execute_pieces_triton)
 
@@ -189,10 +191,7 @@ def run_scenario(name: str, args, device: torch.device) -> dict:
                          f"complete={complete}); not timing a wrong kernel")
     del ref
     # Baseline: one plain copy_ of the same number of elements and the same dtypes.
-    flat_src = torch.randn(n, device=device, generator=gen).to(srcs[0].dtype)
-    copy_dst = torch.empty(n, device=device, dtype=dst_dt)
-    t_copy = bench(lambda: copy_dst.copy_(flat_src), device, args.reps)
-    del flat_src, copy_dst
+    t_copy = copy_seconds(n, srcs[0].dtype, dst_dt, device, args.reps)
     result = dict(scenario=name, pieces=len(table), sources=len(srcs), bucket_bytes=bucket.numel * dst_es,
                   moved_bytes=moved_bytes, copy_ms=t_copy * 1e3, copy_gbps=moved_bytes / t_copy / 1e9,
                   block=DEFAULT_BLOCK, num_warps=DEFAULT_WARPS)
@@ -239,14 +238,11 @@ def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], dev
             lambda: execute_pieces_triton(dst, srcs, table, tile_order=order), device, args.reps)
     # Whole 384-wide w2 rows per tile (the second session's best in the fresh-allocation state, 74 %): 16384-element
     # tiles 512 wide, in both orders. A fresh PieceTable: the tile cache is keyed on block and order, not on width.
-    forced = triton_pieces.FORCED_BLOCK_C
-    try:
-        triton_pieces.FORCED_BLOCK_C = 512
+    with forced_block_c(512):
         for order in TILE_ORDERS:
             wide = bind_pieces(dst, srcs, PieceTable(table.rows.clone()), block=16384, tile_order=order)
             d[f"kernel_only_vs_copy_{order}_16384x512"] = t_copy / bench(wide, device, args.reps)
-    finally:
-        triton_pieces.FORCED_BLOCK_C = forced
+    d["piece_classes"] = piece_classes(table, dst, srcs, device, args)
     # The same sources carved from ONE allocation (256-element aligned, like the caching allocator's
     # 512-byte blocks): same count, so the same host work; only where the bytes live differs.
     sizes = [-(-s.numel() // 256) * 256 for s in srcs]
@@ -263,6 +259,47 @@ def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], dev
     d["call_vs_copy_carved"] = t_copy / bench(lambda: execute_pieces_triton(dst, carved, table), device, args.reps)
     del carved, flat
     return d
+
+
+def piece_classes(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], device: torch.device, args) -> dict:
+    """Which pieces hold the MoE bucket under 85 %: the row-contiguous ones (re-cut to rows of any width, so their
+    tiles are whole runs of memory) and the strided ones (TP column slices: w2's 384 of 768, o_proj/down_proj),
+    each alone, the kernel alone against a plain copy of the same element count, at several tile widths
+    (8192-element tiles)."""
+    out = {}
+    contiguous, strided = _split(table.numpy())
+    for name, part in (("contiguous", contiguous), ("strided", strided)):
+        if not len(part):
+            continue
+        n = int((part[:, NROWS] * part[:, NCOLS]).sum())
+        t_copy = copy_seconds(n, srcs[0].dtype, dst.dtype, device, args.reps)
+        rec = dict(pieces=len(part), elements=n, copy_ms=t_copy * 1e3)
+        # 128: the width the whole MoE bucket gets (its strided pieces decide it); contiguous pieces tile to any
+        # width (1024: dense's 8 x 1024 tiles; 8192: one row per tile); strided ones also at 256 and 512 (padded)
+        for width in (128, 256, 512) if name == "strided" else (128, 1024, 8192):
+            with forced_block_c(min(width, DEFAULT_BLOCK)):
+                launch = bind_pieces(dst, srcs, PieceTable(torch.from_numpy(part.copy())))  # fresh tile cache
+                rec[f"kernel_only_vs_copy_width{width}"] = t_copy / bench(launch, device, args.reps)
+        out[name] = rec
+    return out
+
+
+def copy_seconds(n: int, src_dtype: torch.dtype, dst_dtype: torch.dtype, device: torch.device, reps: int) -> float:
+    """The bandwidth baseline: one plain copy_ of n elements between fresh buffers of these dtypes."""
+    flat_src = torch.randn(n, device=device).to(src_dtype)
+    copy_dst = torch.empty(n, device=device, dtype=dst_dtype)
+    return bench(lambda: copy_dst.copy_(flat_src), device, reps)
+
+
+@contextlib.contextmanager
+def forced_block_c(width: int):
+    """triton_pieces.FORCED_BLOCK_C = width inside the block (tables tiled in it keep that width), restored after."""
+    forced = triton_pieces.FORCED_BLOCK_C
+    triton_pieces.FORCED_BLOCK_C = width
+    try:
+        yield
+    finally:
+        triton_pieces.FORCED_BLOCK_C = forced
 
 
 def main() -> None:

@@ -8,7 +8,9 @@
 #    from one allocation, the tile fingerprint and the address alignment (benchmarks/kernel_diag.py);
 # 3. one moe-only process (fresh allocations, as in the second session's 47-50 % runs);
 # 4. the FP8/bf16 scatter bench on the Qwen3-MoE table (execute_scatter's host cache shows in bf16_ms).
-# Then one line per run (kernel_diag's fields) in $OUT/summary.txt.
+# Then one line per run (kernel_diag's fields) in $OUT/summary.txt, and per run the kernel alone on each class of
+# pieces (row-contiguous, strided; bench_kernel.piece_classes). A quick look at one process, ~1.5 min:
+#   MOE_SPREAD_RUNS=1 MOE_SPREAD_EXTRA=0 OUT=/tmp/moe-spread bash benchmarks/gpu_moe_spread.sh
 set -uo pipefail
 out=${OUT:-/tmp/moe-spread}
 mkdir -p "$out"
@@ -16,18 +18,20 @@ source benchmarks/gpu_setup.sh || exit 1  # mtrain (and megatron-core for the FP
 repo=$(pwd)  # pytest from /tmp: the checkout's mtrain/ (no mtrain.kernels mapping) must not shadow gpu_setup's copy
 (cd /tmp && python -m pytest -q -p no:cacheprovider "$repo/tests/kernels/test_kernels_cuda.py") > "$out/cuda_tests.txt" 2>&1
 echo "cuda tests rc=$?"; tail -n 2 "$out/cuda_tests.txt"
-for i in 1 2 3 4 5; do
+for i in ${MOE_SPREAD_RUNS:-1 2 3 4 5}; do  # MOE_SPREAD_RUNS="1": one process (a quick look)
     mkdir -p "$out/run$i"
     PYTHONHASHSEED=$i OUT="$out/run$i" timeout -k 10 150 python benchmarks/bench_kernel.py --gb 2 --no-sweep \
         --scenarios dense,moe --diag-only > "$out/run$i/log.txt" 2>&1
     echo "run$i rc=$?"
 done
-mkdir -p "$out/moe_only"
-OUT="$out/moe_only" timeout -k 10 150 python benchmarks/bench_kernel.py --gb 2 --no-sweep --scenarios moe --diag-only \
-    > "$out/moe_only/log.txt" 2>&1
-echo "moe_only rc=$?"
-OUT="$out" timeout -k 10 150 python benchmarks/bench_fp8_kernel.py --model qwen3moe --layers 2 > "$out/fp8_qwen3moe.txt" 2>&1
-echo "fp8 qwen3moe rc=$?"
+if [ "${MOE_SPREAD_EXTRA:-1}" != 0 ]; then  # MOE_SPREAD_EXTRA=0: without the moe-only and FP8 processes
+    mkdir -p "$out/moe_only"
+    OUT="$out/moe_only" timeout -k 10 150 python benchmarks/bench_kernel.py --gb 2 --no-sweep --scenarios moe --diag-only \
+        > "$out/moe_only/log.txt" 2>&1
+    echo "moe_only rc=$?"
+    OUT="$out" timeout -k 10 150 python benchmarks/bench_fp8_kernel.py --model qwen3moe --layers 2 > "$out/fp8_qwen3moe.txt" 2>&1
+    echo "fp8 qwen3moe rc=$?"
+fi
 python - "$out" <<'PY' | tee "$out/summary.txt"
 import glob, json, os, sys
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*", "bench_kernel.json"))):
@@ -47,4 +51,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*", "bench_kernel.json")
               f"src span {src['span_gb']:.2f} GB, mod4096 residues {len(src['mod4096'])}, segments "
               f"{g.get('allocator', {}).get('segment.all.current')} | load {g['host']['loadavg'][0]:.1f} "
               f"cpu {g['host'].get('cpu_now')}")
+        for cls, c in g.get("piece_classes", {}).items():  # the kernel alone on each class of pieces
+            print(f"{'':8} {r['scenario']:5}   {cls:10} {c['pieces']:5d} pieces {c['elements'] / 1e6:8.1f} M elements: "
+                  + " ".join(f"{k.replace('kernel_only_vs_copy_', '')} {v:.3f}" for k, v in c.items()
+                             if k.startswith("kernel_only")))
 PY

@@ -13,6 +13,7 @@
 #   fp8_qwen3moe   FP8 sync vs bf16 vs copy floor on Qwen3-30B-A3B's layer shape, pull, contiguous (issue 15)
 #   kernel5  the kernel's run-to-run spread: 5 processes each of bench_kernel (dense, moe) and bench_fp8_kernel
 #            (qwen3moe), plus one bench_fp8_kernel on llama8b (issue 15 point 4; 1 GPU)
+#   pack_rope_loop  pack's 1B bench (no profile) with MTRAIN_ROPE_PER_TOKEN=0, the A/B of the packed RoPE (issue 18)
 #   vlm_mt   Qwen2.5-VL multi-turn tool rollouts with an image on SGLang (issue 20; needs .gpu-extra/)
 #   kernels  the not-yet-run SGLang kernels (vision attention/rotary, JIT rope, DeepSeek top-k) against float64, ~1 min
 #            without an engine (benchmarks/gpu_kernel_preflight.py, docs/sglang-bundle-audit.md; 1 GPU)
@@ -52,12 +53,22 @@ if [[ $parts == *" pack "* ]]; then
     # Profiled: packed and ceiling_packed first, then ceiling; padded left out (its 20 s step plus the profiler's
     # processing is what the 400 s ran out on in session 7, before packed was profiled). The JSON is rewritten
     # after every round and every profiled mode, so a cut run keeps what it measured.
-    step varlen_test 120 python -m pytest -q -p no:cacheprovider tests/models/test_varlen_attention.py
-    step packed_attn 120 python benchmarks/bench_packed_attention.py --max-len 2048 --budget 4096 --samples 128 \
-        --out "$out/packed_attn.json"
+    # PACK_ATTN=0: leave out the attention's CUDA test and bench (measured in session 7, results.md section 32)
+    if [ "${PACK_ATTN:-1}" != 0 ]; then
+        step varlen_test 120 python -m pytest -q -p no:cacheprovider tests/models/test_varlen_attention.py
+        step packed_attn 120 python benchmarks/bench_packed_attention.py --max-len 2048 --budget 4096 --samples 128 \
+            --out "$out/packed_attn.json"
+    fi
     step pack_1b 400 python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 2048 --mbs 2 \
         --budget 4096 --fixed-len 1024 --steps 3 --warmup 1 --profile --profile-modes packed,ceiling_packed,ceiling \
         --out "$out/pack_1b.json"
+fi
+if [[ $parts == *" pack_rope_loop "* ]]; then
+    # the pack_1b bench without the profile, on megatron's own THD RoPE (one loop step per sequence) instead of
+    # mtrain/models/packed_rope.py's per-token frequencies: what that change is worth on the GPU
+    step pack_1b_rope_loop 300 env MTRAIN_ROPE_PER_TOKEN=0 python benchmarks/bench_train_throughput.py --model 1b \
+        --samples 128 --max-len 2048 --mbs 2 --budget 4096 --fixed-len 1024 --steps 3 --warmup 1 \
+        --out "$out/pack_1b_rope_loop.json"
 fi
 if [[ $parts == *" front "* ]]; then
     (cd /tmp && step front 300 python "$repo/benchmarks/bench_front.py" --engine sglang --clients 64 --duration 20 \

@@ -41,13 +41,17 @@ _mt_setup() {
     # 2b. Optional extra wheels, no dependencies: what SGLang's Qwen2.5-VL needs (torchvision, Pillow, einops: 14.7 MB)
     #     does not fit one 64 MiB carry together with .gpu/ (58 MB), so they live in a top-level .gpu-extra/ carried
     #     in a later call on the warm machine (BUILD.md, "GPU"); .gpu/extra/ is read too. A marker per wheel.
-    local extra
+    #     Each into a folder of its own, then merged: `pip --target` skips a top-level folder the target has already
+    #     (it warned "Target directory /tmp/site/bin already exists" and left py-spy's binary out, 2026-12-01).
+    local extra tmp
     for extra in "$repo"/.gpu/extra/*.whl "$repo"/.gpu-extra/*.whl; do
         [ -f "$extra" ] || continue
         [ -f "$site/.mtrain-extra-$(basename "$extra")" ] && continue
-        "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$extra" &&
+        tmp=$(mktemp -d)
+        "$py" -m pip install -q --no-deps --no-index --no-compile --target "$tmp" "$extra" && cp -a "$tmp"/. "$site"/ &&
             touch "$site/.mtrain-extra-$(basename "$extra")" || {
-            echo "gpu_setup.sh: installing $extra failed" >&2; return 1; }
+            rm -rf "$tmp"; echo "gpu_setup.sh: installing $extra failed" >&2; return 1; }
+        rm -rf "$tmp"
     done
     # 3. mtrain as setup.py lays it out: kernels/ and converters/ import as mtrain.kernels / mtrain.converters.
     #    A fresh copy each time, so edits in the checkout are what runs.

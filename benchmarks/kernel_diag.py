@@ -103,6 +103,27 @@ def back_to_back_ms(fn, device: torch.device, n: int = 30) -> float:
     return start.elapsed_time(end) / n
 
 
+def gpu_only_ms(fn, device: torch.device, n: int = 10, sleep_cycles: int = 50_000_000) -> float:
+    """Median GPU time of fn's launches alone, its host work left out: a sleep kernel queued first (~25 ms at
+    the H200's clock) keeps the GPU busy while the host does fn's work, so the start event runs only once fn's
+    launches are queued behind it. Valid while the sleep outlasts fn's host work (host_ms says by how much) and fn
+    does not synchronize; on the CPU the whole call is timed."""
+    if device.type != "cuda":
+        return host_ms(fn, device, n=2)
+    fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def uncached(table, fn):
     """fn with the per-call host caches of this table dropped before each call: the host work of a call
     as it was before those caches (validate_call's last-call reuse, the source table and its copy)."""

@@ -28,7 +28,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)
 SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a block-FP8 destination can be fed
-BLOCK_FIELDS = 8  # block table: w_off, scale_off, row stride, nrows, ncols, first sub-piece, end, 0
+# block table: w_off, scale_off, row stride, nrows, ncols, first sub-piece, end, whole (1: the block's one sub-piece,
+# from a source, covers it: the interior blocks of a large weight, which the Triton kernel's fast path loads in one
+# plain 2-D load; 0: several sub-pieces or a zero fill, the general path)
+BLOCK_FIELDS = 8
+WHOLE = 7
 SUB_FIELDS = 8  # sub-piece table: src_index, src_offset, src_stride, row0, col0, nrows, ncols, 0 (rows/cols in block)
 
 
@@ -205,6 +209,9 @@ def plan_blocks(rows: np.ndarray, ids: np.ndarray, spec: BlockFp8, name: str = "
     blocks[:, 4] = b_cols
     blocks[:, 5] = first
     blocks[:, 6] = first + counts
+    # One sub-piece (a rectangle inside the block) with the block's whole area (checked above): it starts at the
+    # block's (0, 0) and spans its nrows x ncols.
+    blocks[:, WHOLE] = (counts == 1) & (sub[first, 0] != FILL)
     return blocks, sub
 
 

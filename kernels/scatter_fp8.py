@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .fp8 import SRC_DTYPES, BlockFp8, check_specs, execute_fp8_torch, plan_blocks
+from .fp8 import SRC_DTYPES, WHOLE, BlockFp8, check_specs, execute_fp8_torch, plan_blocks
 from .pieces import PieceTableError, SrcMeta
 from .scatter import ScatterTable, _prepare, _structure, _sweep, _validate_sizes
 
@@ -129,11 +129,12 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
             b, s, wa, sa = tf.rebase([plans[d][:2] for d in members], [dsts[d].data_ptr() for d in members],
                                      [quant[d].scale.data_ptr() for d in members], smaps)
             dev = dsts[members[0]].device
-            hit = (layout, torch.from_numpy(b).to(dev), torch.from_numpy(s).to(dev), members[wa], members[sa])
+            hit = (layout, torch.from_numpy(b).to(dev), torch.from_numpy(s).to(dev), members[wa], members[sa],
+                   int(b[:, WHOLE].sum()))
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             cache[("fp8_launch", block)] = hit
-        _, b_dev, s_dev, wa, sa = hit
+        _, b_dev, s_dev, wa, sa, n_whole = hit
         tf.launch_fp8(dsts[wa], quant[sa].scale, 0, 0, b_dev, s_dev, [srcs[i] for i in used.tolist()],
-                      [smeta[i] for i in used.tolist()], block)
+                      [smeta[i] for i in used.tolist()], block, n_whole=n_whole)
 

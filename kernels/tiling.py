@@ -25,6 +25,14 @@ TILE_FIELDS = 8
 # (e.g. the two TP halves of an MoE w2 row, listed far apart, become neighbours).
 TILE_ORDERS = ("table", "dst")
 MIN_BLOCK_C = 64  # 128+ bytes per tile row for bf16: whole cache lines per row
+# Measured on the H200 (docs/results.md section 34, the MoE bucket's pieces by class, kernel alone / copy): rows of a
+# tile shorter than ~512 elements cost bandwidth, padded lanes cost little. Row-contiguous pieces: 0.82 at 64 x 128
+# tiles, 0.97 at 8 x 1024, 0.92 at 1 x 8192; 384-wide strided pieces: 0.81 at width 128 (no padding), 0.84 at 256,
+# 0.91 at 512 (a quarter of the lanes padding). Hence the widest tile is capped at 1024 and every row segment a tile
+# reads is charged like SEGMENT_COST lanes in choose_block_c's cost (256 picks 512 for those strided pieces and
+# 1024 for the dense bucket's, the measured best of the widths tried).
+MAX_BLOCK_C = 1024
+SEGMENT_COST = 256
 
 
 @dataclass(frozen=True)
@@ -69,21 +77,23 @@ def _split(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _tile_cost(pieces: np.ndarray, block: int, block_c: int) -> float:
-    """Lanes issued (active rows x padded width) plus a fixed per-program overhead of a quarter tile."""
+    """Lanes issued (active rows x padded width), a fixed per-program overhead of a quarter tile, and
+    SEGMENT_COST lanes per row segment read (active rows x column tiles)."""
     block_r = block // block_c
     nr, nc = pieces[:, NROWS], pieces[:, NCOLS]
     col_tiles = -(-nc // block_c)
     tiles = -(-nr // block_r) * col_tiles
-    return float((tiles * (block // 4)).sum() + (nr * col_tiles * block_c).sum())
+    return float((tiles * (block // 4)).sum() + (nr * col_tiles * (block_c + SEGMENT_COST)).sum())
 
 
 def choose_block_c(rows: np.ndarray, block: int) -> int:
-    """Tile width minimising padding on the strided pieces. Row-contiguous pieces are left out: they
-    are re-cut to whatever width is chosen and fill their tiles (all but one tail) at any width."""
+    """Tile width (at most MAX_BLOCK_C) of least cost on the strided pieces. Row-contiguous pieces are left
+    out: they are re-cut to whatever width is chosen and fill their tiles (all but one tail) at any width."""
     _, strided = _split(rows)
-    best, best_cost = block, None
+    top = min(block, MAX_BLOCK_C)
+    best, best_cost = top, None
     c = MIN_BLOCK_C
-    while c <= block:
+    while c <= top:
         cost = _tile_cost(strided, block, c)
         if best_cost is None or cost <= best_cost:  # ties go to the wider tile: longer contiguous runs
             best, best_cost = c, cost

@@ -8,6 +8,10 @@ second gathers it again (now from L2: a block is 32 KB of bf16), divides by scal
 whatever the pieces: fused qkv / gate_up parts and training-TP shards meeting inside one block. STEP rows at a
 time keeps a [STEP, BK] float32 tile in registers instead of a whole 128x128 one.
 
+Most blocks of a large weight have one sub-piece covering them whole (plan_blocks' WHOLE flag). Those go through
+a second compilation of the kernel, FAST: one 2-D load from that piece (masked only at the block's own edges), no
+per-piece compares and selects, no sub-piece loop; the amax / scale / quantize / store code is the same.
+
 Sources are reached as in triton_pieces (one base per source dtype plus a per-source element delta); the weights
 of all FP8 destinations of a call are addressed from the lowest one (byte units), their scales from the lowest
 scale (float32 units), the way execute_scatter rebases destinations of one dtype.
@@ -22,18 +26,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS
+from .fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS, WHOLE
 from .pieces import SrcMeta
 from .triton_pieces import MAX_SLOTS, _Ptr, _slot_bases, is_interpreted
 
-# Rows per pass step; the interpreter runs fastest with one step per block (fewer, larger numpy ops).
-STEP_ROWS = int(os.environ.get("MTRAIN_FP8_STEP_ROWS", "32"))
-WARPS = int(os.environ.get("MTRAIN_FP8_WARPS", "4"))
-# Experimental, compiled mode only, off by default: round to e4m3 with the GPU's conversion (Triton's
-# fp32 -> float8e4nv, round to nearest even) instead of _e4m3_bits' ~30 integer instructions per value. The kernel is
-# issue bound (docs/results.md, "MoE bucket spread", FP8 part); this is for the H200 check, where bench_fp8_kernel.py
-# verifies bit equality with the torch executor before timing. Never used by the interpreter.
-HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "0") == "1"
+# The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh, docs/results.md
+# section 34; every variant bit-equal to the torch executor there): the whole 128-row block in registers (one gather,
+# no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (Triton's fp32 -> float8e4nv, round
+# to nearest even, on values already clamped to [-448, 448]) instead of _e4m3_bits' ~30 integer instructions per
+# value: 2.1x (Llama-8B) and 2.1x (Qwen3-MoE) faster than the former 32 rows / 4 warps / bit rounding. The
+# interpreter always takes one step per block and the bit rounding (it has no hardware conversion to match).
+STEP_ROWS = int(os.environ.get("MTRAIN_FP8_STEP_ROWS", "128"))
+WARPS = int(os.environ.get("MTRAIN_FP8_WARPS", "16"))
+HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "1") == "1"
+# Blocks one sub-piece covers whole (plan_blocks' WHOLE flag: every interior block of a large weight; all blocks of
+# Llama-8B and Qwen3-MoE from training TP2) go through their own launch of the kernel compiled with FAST: one plain
+# 2-D load, no per-piece masks or selects. At these defaults a thread issues 748 SASS instructions for a bf16 block
+# with 16-byte accesses instead of the general path's 1,041 (1,166 before the fast path came), 101 registers
+# instead of 128 (static counts for sm_90: benchmarks/fp8_kernel_ptx_count.py; ~45 % of the 748 is the IEEE
+# division). On the H200 that changed the time by nothing measurable (docs/results.md section 34: the kernel is no
+# longer issue bound there). 0 sends every block through the general path (to compare on the GPU).
+FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
 
 
 @triton.jit
@@ -64,51 +77,80 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr):
+def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr, AT_ORIGIN: tl.constexpr):
     """One sub-piece's part of the tile as float32 (zeros outside it) and its mask. When its offset, stride, first
     column and width are multiples of VEC (16 bytes of the source dtype), offsets are written as (x // VEC) * VEC and
     columns compared in units of VEC, so the compiler sees the alignment and issues 16-byte loads (triton_pieces
-    does the same; tl.multiple_of on loaded scalars does not survive canonicalisation)."""
+    does the same; tl.multiple_of on loaded scalars does not survive canonicalisation). AT_ORIGIN: the piece starts
+    at the block's row 0, column 0 (the fast path passes literal zeros), so only its far edges are compared."""
+    # Row and column conditions are combined last: each is a [STEP, 1] or [1, BK] vector until then.
+    mr = rows < r0 + pnr
+    if not AT_ORIGIN:
+        mr = mr & (rows >= r0)
     if ((so % VEC) == 0) & ((ss % VEC) == 0) & ((c0 % VEC) == 0) & ((pnc % VEC) == 0):
         cv = c // VEC
-        m = (rows >= r0) & (rows < r0 + pnr) & (cv >= c0 // VEC) & (cv < (c0 + pnc) // VEC)
+        mc = cv < (c0 + pnc) // VEC
+        if not AT_ORIGIN:
+            mc = mc & (cv >= c0 // VEC)
+        m = mr & mc
         off = (so // VEC) * VEC + (rows - r0) * ((ss // VEC) * VEC) + (c - (c0 // VEC) * VEC)
         v = _to_f32(tl.load(src + off, mask=m, other=0))  # loaded in this branch: after the if, the
     else:  # merged offsets would carry the unaligned branch's (lack of) alignment
-        m = (rows >= r0) & (rows < r0 + pnr) & (c >= c0) & (c < c0 + pnc)
+        mc = c < c0 + pnc
+        if not AT_ORIGIN:
+            mc = mc & (c >= c0)
+        m = mr & mc
         v = _to_f32(tl.load(src + (so + (rows - r0) * ss + (c - c0)), mask=m, other=0))
     return v, m
 
 
 @triton.jit
-def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c,
+def _load_slot(src0, src1, src2, slot, so, ss, r0, c0, pnr, pnc, rows, c, N_SLOTS: tl.constexpr,
+               VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, STEP: tl.constexpr, BK: tl.constexpr,
+               AT_ORIGIN: tl.constexpr):
+    """_load_piece from the source base of the piece's dtype slot (unused slots are compiled out; with one source
+    dtype, the sync's usual case, so are the slot test and the zeros it needs for the no-slot case)."""
+    if N_SLOTS == 1:
+        return _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN)
+    v = tl.zeros([STEP, BK], dtype=tl.float32)
+    m = (rows < 0) & (c < 0)  # all false
+    if slot == 0:
+        v, m = _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN)
+    if N_SLOTS > 1:
+        if slot == 1:
+            v, m = _load_piece(src1, so, ss, r0, c0, pnr, pnc, rows, c, VEC1, AT_ORIGIN)
+    if N_SLOTS > 2:
+        if slot == 2:
+            v, m = _load_piece(src2, so, ss, r0, c0, pnr, pnc, rows, c, VEC2, AT_ORIGIN)
+    return v, m
+
+
+@triton.jit
+def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c,
             N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
-            STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr):
-    """Rows [r_lo, r_lo + STEP) of the block as float32, from sub-pieces p0..p1 (zeros where none writes)."""
-    acc = tl.zeros([STEP, BK], dtype=tl.float32)
+            STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr, FAST: tl.constexpr):
+    """Rows [r_lo, r_lo + STEP) of the block as float32, from sub-pieces p0..p1 (zeros where none writes).
+    FAST: the block's one sub-piece (p0) covers it whole (plan_blocks' flag), so its rows x cols are the block's
+    nr x nc from (0, 0): one load masked at the block's own edges, no per-piece compares, no select."""
     rows = r_lo + r
-    for i in range(p0, p1):
-        prow = sub_ptr + i * FIELDS
+    if FAST:
+        prow = sub_ptr + p0 * FIELDS
         si = tl.load(prow)
-        if si >= 0:
-            so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
-            ss = tl.load(prow + 2)
-            r0 = tl.load(prow + 3)
-            c0 = tl.load(prow + 4)
-            pnr = tl.load(prow + 5)
-            pnc = tl.load(prow + 6)
-            slot = tl.load(info_ptr + si * 2 + 1)
-            v = tl.zeros([STEP, BK], dtype=tl.float32)
-            m = (rows < 0) & (c < 0)  # all false
-            if slot == 0:
-                v, m = _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0)
-            if N_SLOTS > 1:
-                if slot == 1:
-                    v, m = _load_piece(src1, so, ss, r0, c0, pnr, pnc, rows, c, VEC1)
-            if N_SLOTS > 2:
-                if slot == 2:
-                    v, m = _load_piece(src2, so, ss, r0, c0, pnr, pnc, rows, c, VEC2)
-            acc = tl.where(m, v, acc)  # a select, not an add: keeps the sign of -0.0
+        so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
+        ss = tl.load(prow + 2)
+        acc, _ = _load_slot(src0, src1, src2, tl.load(info_ptr + si * 2 + 1), so, ss, 0, 0, nr, nc, rows, c,
+                            N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, True)  # zeros outside the block: other=0
+    else:
+        acc = tl.zeros([STEP, BK], dtype=tl.float32)
+        for i in range(p0, p1):
+            prow = sub_ptr + i * FIELDS
+            si = tl.load(prow)
+            if si >= 0:
+                so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
+                v, m = _load_slot(src0, src1, src2, tl.load(info_ptr + si * 2 + 1), so, tl.load(prow + 2),
+                                  tl.load(prow + 3), tl.load(prow + 4), tl.load(prow + 5), tl.load(prow + 6), rows, c,
+                                  N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, False)
+                acc = tl.where(m, v, acc)  # a select, not an add: keeps the sign of -0.0
     return acc
 
 
@@ -129,7 +171,8 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
 @triton.jit
 def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
                        N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
-                       FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr):
+                       FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr,
+                       FAST: tl.constexpr):
     row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
@@ -144,8 +187,8 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         # The whole block in registers (STEP_ROWS = the block's rows): one gather, the amax and the quantization
         # from the same values, no second pass over the sources. Bit-equal to the two-pass path: the second
         # gather recomputes exactly these values.
-        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, 0, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP, BK,
-                      SUBF)
+        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, 0, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
+                      BK, SUBF, FAST)
         amax_s = tl.max(tl.max(tl.abs(acc), axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
@@ -156,16 +199,16 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
     else:
         amax = tl.zeros([STEP, BK], dtype=tl.float32)
         for r_lo in tl.static_range(0, BN, STEP):
-            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
-                          BK, SUBF)
+            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
+                          STEP, BK, SUBF, FAST)
             amax = tl.maximum(amax, tl.abs(acc))
         amax_s = tl.max(tl.max(amax, axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
         safe = tl.where(scale > 0, scale, 1.0)
         for r_lo in tl.static_range(0, BN, STEP):
-            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
-                          BK, SUBF)
+            acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
+                          STEP, BK, SUBF, FAST)
             q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
             q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
             _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, q, HW_CVT)
@@ -173,10 +216,15 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
                blocks: torch.Tensor, subs: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
-               block: tuple[int, int], step: int | None = None, num_warps: int | None = None) -> None:
-    """One launch over a call's FP8 blocks. `blocks`/`subs` are device int64 tables (fp8.plan_blocks, rebased:
+               block: tuple[int, int], step: int | None = None, num_warps: int | None = None,
+               n_whole: int = 0) -> None:
+    """The launches over a call's FP8 blocks. `blocks`/`subs` are device int64 tables (fp8.plan_blocks, rebased:
     weight offsets in bytes from `w_anchor`, scale offsets in floats from `s_anchor`); w_delta/s_delta are added
-    to them in the kernel (compiled mode addresses the anchors rounded down to 16 bytes)."""
+    to them in the kernel (compiled mode addresses the anchors rounded down to 16 bytes). The first `n_whole`
+    blocks are WHOLE ones (rebase puts them first): one launch of the fast path for them, one of the general path
+    for the rest. Two launches rather than a per-block branch in one: each kernel is compiled for one path (the
+    fast one without the general path's registers and code), and the second launch costs microseconds, against
+    milliseconds for a sync's worth of blocks."""
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return
@@ -198,15 +246,20 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     n_used = len(bases)
     while len(bases) < MAX_SLOTS:  # unused slots are compiled out; any pointer will do
         bases.append(bases[0] if bases else (w_arg, 16))
-    _fp8_blocks_kernel[(n_blocks,)](
-        blocks, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0], bases[2][0],
-        N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn, BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-        HW_CVT=HW_CVT and compiled, num_warps=num_warps or WARPS)
+    n_whole = n_whole if FAST_PATH else 0
+    for fast, part in ((True, blocks[:n_whole]), (False, blocks[n_whole:])):
+        if part.shape[0]:
+            _fp8_blocks_kernel[(part.shape[0],)](
+                part, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0], bases[2][0],
+                N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn, BK=bk, STEP=step,
+                FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=HW_CVT and compiled, FAST=fast,
+                num_warps=num_warps or WARPS)
 
 
 def rebase(parts: list[tuple[np.ndarray, np.ndarray]], w_ptrs: list[int], s_ptrs: list[int], src_maps: list):
-    """Concatenate per-destination (blocks, subs) into one launch's tables, offsets rebased onto the lowest
-    weight (bytes) and the lowest scale (floats); returns (blocks, subs, weight anchor index, scale anchor index)."""
+    """Concatenate per-destination (blocks, subs) into one call's tables, offsets rebased onto the lowest
+    weight (bytes) and the lowest scale (floats), WHOLE blocks first (launch_fp8's n_whole: their count); returns
+    (blocks, subs, weight anchor index, scale anchor index)."""
     wa, sa = int(np.argmin(w_ptrs)), int(np.argmin(s_ptrs))
     all_b, all_s, n_sub = [], [], 0
     for (b, s), wp, sp, smap in zip(parts, w_ptrs, s_ptrs, src_maps):
@@ -221,4 +274,6 @@ def rebase(parts: list[tuple[np.ndarray, np.ndarray]], w_ptrs: list[int], s_ptrs
         all_s.append(s)
         n_sub += len(s)
     cat = lambda xs, f: np.concatenate(xs) if xs else np.zeros((0, f), np.int64)  # noqa: E731
-    return cat(all_b, BLOCK_FIELDS), cat(all_s, SUB_FIELDS), wa, sa
+    blocks = cat(all_b, BLOCK_FIELDS)
+    # a program owns its block and finds its sub-pieces by index: blocks reorder freely (stable: same order else)
+    return blocks[np.argsort(-blocks[:, WHOLE], kind="stable")], cat(all_s, SUB_FIELDS), wa, sa

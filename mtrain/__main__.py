@@ -31,9 +31,24 @@ def _train(args) -> int:
     trainer = Trainer(cfg)
     try:
         trainer.run()
-    finally:
+    except BaseException:
         trainer.close()
+        raise
+    trainer.finish()
+    if torch_cuda_was_used():
+        # Every file is written and every engine stopped; what is left are CUDA blocks still mapped by engines that
+        # were killed (their loaders keep the last bucket open), which torch would free in its static destructors
+        # after the driver began shutting down: on 2 x H200 that aborted a finished DeepSeek-V3 run with "CUDA error:
+        # driver shutting down" (docs/results.md, section 34). The driver reclaims this process's memory on exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+def torch_cuda_was_used() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _serve(args) -> int:

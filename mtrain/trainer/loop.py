@@ -7,6 +7,7 @@ Each arrow is one call into its own module; this file only orders them.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from mtrain.config import ConfigError
 from mtrain.data import load_datasets
 from mtrain.data.rewards import load_reward_fn
 from mtrain.data.sampler import PromptSampler
-from mtrain.dist import init_distributed
+from mtrain.dist import destroy as destroy_distributed, init_distributed
 from mtrain.layouts import model_layout
 from mtrain.layouts.vlm import flat_config
 from mtrain.metrics import MetricsWriter
@@ -322,3 +323,20 @@ class Trainer:
         for engine in (self.engine, self.engine_part):
             if engine is not None:
                 engine.shutdown()
+
+    def finish(self) -> None:
+        """close() after a run that every rank completed, then wait for every rank's engines to stop and tear down
+        this rank's tensors and process groups while CUDA is still up.
+
+        The barrier: an engine maps the trainer ranks' weight buckets through CUDA IPC (pull sync; the loader keeps
+        the last bucket mapped on purpose) and only its leader's shutdown stops it, so no rank may free its memory
+        while some leader has not shut down yet. Not on an error path: a rank that raised must exit at once (torchrun
+        then stops the others), not wait at a barrier the others never reach."""
+        self.close()
+        dist.barrier()
+        vars(self).clear()  # every model, optimizer, sync buffer and engine handle of this rank
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        destroy_distributed()

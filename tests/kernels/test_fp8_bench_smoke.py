@@ -19,3 +19,17 @@ def test_fp8_bench_dry_run_writes_json(tmp_path):
     r = json.loads((tmp_path / "bench_fp8_kernel_tiny.json").read_text())
     assert r["bit_equal_to_torch"] and r["params"] == 4 and r["sources"] == 8
     assert r["fp8_ms"] > 0 and r["bf16_ms"] > 0 and r["copy_ms"] > 0
+
+
+def test_fp8_kernel_instruction_count_runs_on_cpu(tmp_path):
+    """benchmarks/fp8_kernel_ptx_count.py compiles both kernel variants for sm_90 without a GPU (Triton's bundled
+    ptxas / nvdisasm): the fast path issues fewer instructions than the general one on the aligned path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "counts.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_kernel_ptx_count.py"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    g, f = r["general"], r["fast"]
+    assert 0 < f["sass_aligned_path"] < g["sass_aligned_path"] <= g["sass"] and f["ptx"] < g["ptx"]
+    assert f["compares"]["sass"] < g["compares"]["sass"] and f["divisions"] == g["divisions"]

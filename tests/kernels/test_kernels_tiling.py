@@ -6,7 +6,7 @@ import pytest
 
 from kernel_tables import random_table
 from mtrain.kernels import PieceTable
-from mtrain.kernels.tiling import MIN_BLOCK_C, choose_block_c, plan_tiles
+from mtrain.kernels.tiling import MAX_BLOCK_C, MIN_BLOCK_C, choose_block_c, plan_tiles
 
 
 def element_map(rows: np.ndarray, dst_numel: int) -> np.ndarray:
@@ -33,7 +33,15 @@ def test_tiles_cover_exactly_the_pieces(block):
 
 def test_block_c_follows_the_strided_widths():
     contiguous = PieceTable.from_rows([(0, 0, 4096, 0, 4096, 100, 4096), (0, 7, 0, 5, 0, 1, 3)])
-    assert choose_block_c(contiguous.rows.numpy(), 8192) == 8192  # any width fits; widest wins
+    # any width fits; the widest up to MAX_BLOCK_C (8 x 1024 tiles beat 1 x 8192 on the H200)
+    assert choose_block_c(contiguous.rows.numpy(), 8192) == MAX_BLOCK_C == 1024
+    assert choose_block_c(contiguous.rows.numpy(), 256) == 256  # never wider than the tile
+    # 384-wide column slices (an MoE w2 half): 512-wide tiles (a quarter padded) over 128-wide ones (none padded),
+    # as measured on the H200; 64-wide slices get 64-wide tiles.
+    w2_half = PieceTable.from_rows([(0, 0, 384, 0, 768, 2048, 384)])
+    assert choose_block_c(w2_half.rows.numpy(), 8192) == 512
+    thin = PieceTable.from_rows([(0, 0, 64, 0, 128, 4096, 64)])
+    assert choose_block_c(thin.rows.numpy(), 8192) == 64
     narrow = PieceTable.from_rows([(0, 0, 10, 0, 10, 1000, 5)] * 1)
     assert choose_block_c(narrow.rows.numpy(), 8192) == MIN_BLOCK_C
     # Row-parallel column slices 1536 wide: 512-wide tiles pad nothing, 2048-wide would pad 25 %.

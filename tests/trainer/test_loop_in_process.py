@@ -121,14 +121,17 @@ def test_dapo_drops_uniform_groups(tiny_llama, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ val_only
 def _val_only(rank, world, hf, run_dir):
+    import torch.distributed as dist
     t = _trainer(hf, run_dir, **{"train.val_only": "true"})
     t.run()
-    t.close()
+    t.finish()  # what `mtrain train` does after a run every rank completed
+    return {"group_left": dist.is_initialized(), "attributes_left": sorted(vars(t))}
 
 
 def test_val_only_logs_eval_at_step_0(tiny_llama, tmp_path):
     run = tmp_path / "run"
-    run_on_ranks(_val_only, 2, tiny_llama, run, timeout=240)
+    for res in run_on_ranks(_val_only, 2, tiny_llama, run, timeout=240):
+        assert res == {"group_left": False, "attributes_left": []}  # finish() tore everything down on each rank
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 1 and recs[0]["step"] == 0 and 0.0 <= recs[0]["eval/reward_mean"] <= 1.0
     assert not (run / "checkpoints").exists()
