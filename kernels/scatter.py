@@ -263,14 +263,14 @@ def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], raw_s
     return groups
 
 
-def execute_scatter_triton(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], table: ScatterTable,
-                           block: int | None = None, num_warps: int | None = None) -> None:
-    """One Triton launch per destination dtype that the table writes (none if it writes nothing)."""
+def _launch_groups(dsts, srcs, table: ScatterTable):
+    """Every check of execute_scatter_triton; yields (anchor destination, its sources, their metadata, rebased
+    table) per launch."""
     from . import triton_pieces as tp  # imported here: the torch path must work without Triton
 
     subs, dmeta, smeta = _prepare(dsts, srcs, table)
     if not dsts:
-        return
+        return []
     tp.check_device(dsts[0])
     groups = _groups(table, subs, dmeta, tuple(tp._INT_OF_SIZE))
     cache = table.derived()
@@ -280,6 +280,24 @@ def execute_scatter_triton(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Te
             if smeta[i].data_ptr % esize:  # checked here, not in the launch: no group may run first
                 raise PieceTableError(f"srcs[{i}] data pointer is not aligned to its {esize}-byte elements")
         cache["srcs_aligned"] = smeta
-    for g in groups:
-        tp.launch_pieces(dsts[g.anchor], [srcs[i] for i in g.used_srcs], [smeta[i] for i in g.used_srcs],
-                         g.table, block or tp.DEFAULT_BLOCK, num_warps or tp.DEFAULT_WARPS)
+    return [(dsts[g.anchor], [srcs[i] for i in g.used_srcs], [smeta[i] for i in g.used_srcs], g.table)
+            for g in groups]
+
+
+def execute_scatter_triton(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], table: ScatterTable,
+                           block: int | None = None, num_warps: int | None = None) -> None:
+    """One Triton launch per destination dtype that the table writes (none if it writes nothing)."""
+    from . import triton_pieces as tp
+
+    for dst, g_srcs, g_meta, g_table in _launch_groups(dsts, srcs, table):
+        tp.launch_pieces(dst, g_srcs, g_meta, g_table, block or tp.DEFAULT_BLOCK, num_warps or tp.DEFAULT_WARPS)
+
+
+def scatter_launches(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], table: ScatterTable) -> list:
+    """execute_scatter_triton's launches prepared, not run: [(kernel[grid], args, kwargs)] (the FP8 path runs them
+    and keeps them to replay, scatter_fp8)."""
+    from . import triton_pieces as tp
+
+    launches = [tp._prepare_launch(dst, g_srcs, g_meta, g_table, tp.DEFAULT_BLOCK, tp.DEFAULT_WARPS, None)
+                for dst, g_srcs, g_meta, g_table in _launch_groups(dsts, srcs, table)]
+    return [x for x in launches if x is not None]

@@ -7,7 +7,11 @@ bf16 or fp16), the block plan (every touched block covered whole) and that no wr
 bytes with another. Then the plain destinations go through execute_scatter's usual path (one launch per dtype)
 and the FP8 ones through one more launch (`triton_fp8`), or the torch executors for backend "torch".
 Derived data is cached on the ScatterTable like the rest: the split and block plans per FP8 geometry, the rebased
-device tables for the latest pointers.
+device tables for the latest pointers, and the latest call's launches themselves: a call whose tensors match the
+previous call's exactly (execute_scatter's raw sweep of every destination, source and scale, the stream and the
+kernel's knobs) replays them without checking or preparing anything again. The sync repeats one call per bucket
+every step, and for ~1000 sources the preparation took 1.7 ms of host time per call on the H200 against a 2.6 ms
+kernel (docs/results.md section 34); the sweep that decides a replay is the bf16 path's per-call cost.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 
 from .fp8 import SRC_DTYPES, WHOLE, BlockFp8, check_specs, execute_fp8_torch, plan_blocks
 from .pieces import PieceTableError, SrcMeta
-from .scatter import ScatterTable, _prepare, _structure, _sweep, _validate_sizes
+from .scatter import ScatterTable, _prepare, _raw_sweep, _structure, _sweep, _validate_sizes
 
 Quant = Mapping[int, BlockFp8]
 
@@ -86,20 +90,49 @@ def prepare_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], st: 
     return plain_st, plans, smeta
 
 
+def _replay_key(dsts, srcs, quant: Quant) -> tuple | None:
+    """Everything a prepared call depends on besides the table; None where a check must say what is wrong."""
+    from . import triton_fp8 as tf
+
+    try:
+        q = tuple((d, _raw_sweep([spec.scale]), tuple(spec.shape), tuple(spec.block))
+                  for d, spec in sorted(quant.items()))
+    except (AttributeError, TypeError):
+        return None
+    raw = (_raw_sweep(dsts), _raw_sweep(srcs))
+    if raw[0] is None or raw[1] is None or any(r[1] is None for r in q):
+        return None
+    stream = None
+    if dsts and dsts[0].is_cuda:  # device tables were copied on this stream: a launch elsewhere is not ordered
+        stream = torch.cuda.current_stream(dsts[0].device).cuda_stream
+    return raw, q, stream, (tf.STEP_ROWS, tf.WARPS, tf.HW_CVT, tf.FAST_PATH)
+
+
 def execute_scatter_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], st: ScatterTable, quant: Quant,
                         use_triton: bool) -> None:
-    from .scatter import execute_scatter_torch, execute_scatter_triton
+    from .scatter import execute_scatter_torch, scatter_launches
 
-    plain_st, plans, smeta = prepare_fp8(dsts, srcs, st, quant)
     if use_triton:
         from . import triton_pieces as tp
 
+        key, cache = _replay_key(dsts, srcs, quant), st.derived()
+        hit = cache.get("fp8_replay")
+        if key is not None and hit is not None and hit[0] == key:
+            for kernel, args, kwargs in hit[1]:
+                kernel(*args, **kwargs)
+            return
+        plain_st, plans, smeta = prepare_fp8(dsts, srcs, st, quant)
         if dsts:
             tp.check_device(dsts[0])
-        _launch(dsts, srcs, smeta, st, quant, plans)
-        if plain_st is not None:
-            execute_scatter_triton(dsts, srcs, plain_st)
+        plain = scatter_launches(dsts, srcs, plain_st) if plain_st is not None else []  # checks before any launch
+        launches = _launch(dsts, srcs, smeta, st, quant, plans)
+        for kernel, args, kwargs in plain:
+            kernel(*args, **kwargs)
+        # Kept only after a clean call; the interpreter's launches hold views of the anchor tensors (a replay can
+        # then only match the same storage), the GPU's hold addresses.
+        cache["fp8_replay"] = (key, launches + plain) if key is not None else None
         return
+    plain_st, plans, smeta = prepare_fp8(dsts, srcs, st, quant)
     if plain_st is not None:
         execute_scatter_torch(dsts, srcs, plain_st)
     subs = _structure(st)
@@ -107,11 +140,12 @@ def execute_scatter_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tenso
         execute_fp8_torch(dsts[d], quant[d], srcs, subs[d].table, blocks)
 
 
-def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, plans) -> None:
+def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, plans) -> list:
+    """The FP8 launches, run; returns them (triton_fp8.launch_fp8's list)."""
     from . import triton_fp8 as tf
 
     if not plans:
-        return
+        return []
     by_block: dict[tuple[int, int], list[int]] = {}
     for d in plans:
         by_block.setdefault(tuple(quant[d].block), []).append(d)
@@ -119,7 +153,7 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
         if smeta[i].data_ptr % smeta[i].dtype.itemsize:  # before any launch
             raise PieceTableError(f"srcs[{i}] data pointer is not aligned to its {smeta[i].dtype.itemsize}-byte "
                                   "elements")
-    cache = st.derived()
+    cache, launches = st.derived(), []
     for block, members in sorted(by_block.items()):
         used = np.unique(np.concatenate([plans[d][2] for d in members])) if members else np.zeros(0, np.int64)
         layout = (block, tuple(dsts[d].data_ptr() for d in members), tuple(quant[d].scale.data_ptr() for d in members))
@@ -135,6 +169,7 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
                 torch.cuda.current_stream(dev).synchronize()
             cache[("fp8_launch", block)] = hit
         _, b_dev, s_dev, wa, sa, n_whole = hit
-        tf.launch_fp8(dsts[wa], quant[sa].scale, 0, 0, b_dev, s_dev, [srcs[i] for i in used.tolist()],
-                      [smeta[i] for i in used.tolist()], block, n_whole=n_whole)
+        launches += tf.launch_fp8(dsts[wa], quant[sa].scale, 0, 0, b_dev, s_dev, [srcs[i] for i in used.tolist()],
+                                  [smeta[i] for i in used.tolist()], block, n_whole=n_whole)
+    return launches
 

@@ -217,17 +217,18 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
                blocks: torch.Tensor, subs: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
                block: tuple[int, int], step: int | None = None, num_warps: int | None = None,
-               n_whole: int = 0) -> None:
+               n_whole: int = 0) -> list:
     """The launches over a call's FP8 blocks. `blocks`/`subs` are device int64 tables (fp8.plan_blocks, rebased:
     weight offsets in bytes from `w_anchor`, scale offsets in floats from `s_anchor`); w_delta/s_delta are added
     to them in the kernel (compiled mode addresses the anchors rounded down to 16 bytes). The first `n_whole`
     blocks are WHOLE ones (rebase puts them first): one launch of the fast path for them, one of the general path
     for the rest. Two launches rather than a per-block branch in one: each kernel is compiled for one path (the
     fast one without the general path's registers and code), and the second launch costs microseconds, against
-    milliseconds for a sync's worth of blocks."""
+    milliseconds for a sync's worth of blocks. Returns the launches it ran, [(kernel[grid], args, kwargs)], for
+    the caller to replay while nothing changes (scatter_fp8)."""
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
-        return
+        return []
     bn, bk = block
     if bk & (bk - 1) or bn & (bn - 1):
         raise ValueError(f"the Triton FP8 kernel needs power-of-two blocks, got {block}")
@@ -247,13 +248,18 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     while len(bases) < MAX_SLOTS:  # unused slots are compiled out; any pointer will do
         bases.append(bases[0] if bases else (w_arg, 16))
     n_whole = n_whole if FAST_PATH else 0
+    launches = []
     for fast, part in ((True, blocks[:n_whole]), (False, blocks[n_whole:])):
         if part.shape[0]:
-            _fp8_blocks_kernel[(part.shape[0],)](
-                part, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0], bases[2][0],
-                N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn, BK=bk, STEP=step,
-                FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=HW_CVT and compiled, FAST=fast,
-                num_warps=num_warps or WARPS)
+            launches.append((_fp8_blocks_kernel[(part.shape[0],)],
+                             (part, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0],
+                              bases[2][0]),
+                             dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
+                                  BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
+                                  HW_CVT=HW_CVT and compiled, FAST=fast, num_warps=num_warps or WARPS)))
+    for kernel, args, kwargs in launches:
+        kernel(*args, **kwargs)
+    return launches
 
 
 def rebase(parts: list[tuple[np.ndarray, np.ndarray]], w_ptrs: list[int], s_ptrs: list[int], src_maps: list):

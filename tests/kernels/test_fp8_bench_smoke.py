@@ -33,3 +33,15 @@ def test_fp8_kernel_instruction_count_runs_on_cpu(tmp_path):
     g, f = r["general"], r["fast"]
     assert 0 < f["sass_aligned_path"] < g["sass_aligned_path"] <= g["sass"] and f["ptx"] < g["ptx"]
     assert f["compares"]["sass"] < g["compares"]["sass"] and f["divisions"] == g["divisions"]
+
+
+def test_scatter_host_bench_runs_on_cpu(tmp_path):
+    """benchmarks/bench_scatter_host.py: the compiled mode's host code on the tiny planner table, kernels left out."""
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_scatter_host.py"), "--model", "tiny",
+                           "--layers", "1", "--reps", "3"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((tmp_path / "bench_scatter_host_tiny.json").read_text())
+    assert r["sources"] == 8 and r["params"] == 4 and r["fp8_replay_kept"]
+    assert all(r[f"{k}_{t}_ms"] > 0 for k in ("fp8", "bf16") for t in ("first_call", "repeat"))
