@@ -36,7 +36,8 @@ CLASSES = [("global loads", r"^ld\.global", r"^LDG"), ("compares", r"^setp", r"^
            ("conversions", r"^cvt", r"^F2F|^F2FP"), ("global stores", r"^st\.global", r"^STG")]
 
 
-def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, block=(128, 128)):
+def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, maxnreg: int | None = None,
+                   block=(128, 128)):
     from mtrain.kernels import triton_fp8 as tf
     from mtrain.kernels.fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS
 
@@ -48,7 +49,8 @@ def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, 
     sig.update({k: "constexpr" for k in cx})
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in PTR_ARGS}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptx_instructions(ptx: str) -> list[str]:
@@ -122,10 +124,11 @@ def aligned_block_path(cubin: bytes) -> int:
 def count(fast: bool, **kw) -> dict:
     k = compile_kernel(fast, **kw)
     ptx, sass = ptx_instructions(k.asm["ptx"]), sass_instructions(k.asm["cubin"])
-    # registers per thread: with 512 threads a program, 64 or fewer would let two blocks share an SM
-    regs = int(re.search(r"REG:(\d+)", _nv_tool("cuobjdump", k.asm["cubin"], "--dump-resource-usage")).group(1))
+    # registers per thread: with 512 threads a program, 64 or fewer let two blocks share an SM; spilled bytes
+    usage = _nv_tool("cuobjdump", k.asm["cubin"], "--dump-resource-usage")
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     res = {"ptx": len(ptx), "sass": len(sass), "sass_aligned_path": aligned_block_path(k.asm["cubin"]),
-           "registers": regs}
+           "registers": regs, "stack_bytes": stack}
     for name, pp, sp in CLASSES:
         res[name] = {"ptx": sum(bool(re.match(pp, i)) for i in ptx), "sass": sum(bool(re.match(sp, i)) for i in sass)}
     return res
@@ -139,14 +142,15 @@ def main() -> int:
     ap.add_argument("--step", type=int, default=tf.STEP_ROWS)
     ap.add_argument("--warps", type=int, default=tf.WARPS)
     ap.add_argument("--hw-cvt", type=int, default=int(tf.HW_CVT))
+    ap.add_argument("--maxnreg", type=int, default=tf.MAXNREG, help="register cap per thread (MTRAIN_FP8_MAXNREG)")
     ap.add_argument("--json", help="also write the counts here")
     args = ap.parse_args()
-    kw = dict(slots=args.slots, step=args.step, warps=args.warps, hw_cvt=bool(args.hw_cvt))
+    kw = dict(slots=args.slots, step=args.step, warps=args.warps, hw_cvt=bool(args.hw_cvt), maxnreg=args.maxnreg)
     res = {"knobs": kw, "triton": triton.__version__, "general": count(False, **kw), "fast": count(True, **kw)}
     g, f = res["general"], res["fast"]
     print(f"sm_90, {kw}: static instructions per thread (one program = one 128x128 block)")
     print(f"{'':16}{'general':>16}{'fast':>16}")
-    for key in ("ptx", "sass", "sass_aligned_path", "registers"):
+    for key in ("ptx", "sass", "sass_aligned_path", "registers", "stack_bytes"):
         print(f"{key:16}{g[key]:>16}{f[key]:>16}")
     for name, _, _ in CLASSES:
         print(f"{name:16}{'%d / %d' % (g[name]['ptx'], g[name]['sass']):>16}"

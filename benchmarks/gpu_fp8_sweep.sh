@@ -2,9 +2,10 @@
 # The FP8 scatter kernel's knobs on the H200 (docs/results.md, "MoE bucket spread", FP8 part): rows per pass
 # (MTRAIN_FP8_STEP_ROWS; 128 = the whole block in registers, one gather instead of two), warps per block
 # (MTRAIN_FP8_WARPS), the GPU's own e4m3 conversion (MTRAIN_FP8_HW_CVT=1) and the fast path for blocks one
-# sub-piece covers whole (MTRAIN_FP8_FAST; 0 = all blocks through the general path). Each run checks the Triton result
+# sub-piece covers whole (MTRAIN_FP8_FAST; 0 = all blocks through the general path) and a register cap per thread
+# (MTRAIN_FP8_MAXNREG: 64 at 16 warps, 128 at 8, let two blocks share an SM). Each run checks the Triton result
 # against the torch executor bit for bit before timing (bit_equal_to_torch; exit 1 if not). From the repository
-# root, .gpu/ carried, about 5 minutes (14 runs):
+# root, .gpu/ carried, about 20 s per run (8 runs by default):
 #   OUT=/tmp/fp8-sweep bash benchmarks/gpu_fp8_sweep.sh
 set -uo pipefail
 out=${OUT:-/tmp/fp8-sweep}
@@ -15,13 +16,16 @@ source benchmarks/gpu_setup.sh || exit 1
 for entry in ${FP8_SWEEP_MODELS:-llama8b qwen3moe}; do
     model=${entry%%:*} tp=$([[ $entry == *:* ]] && echo "${entry#*:}" || echo 2)
     layers=$([ "$model" = llama8b ] && echo 4 || echo 2)
-    # step:warps:hw:fast — the default before 2026-12-01 first, one knob at a time, then together; 128:16:1:1 is the
-    # default now, 128:16:1:0 the same without the fast path (the default of 2026-12-01)
-    # FP8_SWEEP_CFGS: a subset, e.g. "128:16:1:0 128:16:1:1" for the fast path's A/B alone
-    for cfg in ${FP8_SWEEP_CFGS:-32:4:0:1 32:4:1:1 128:8:0:1 128:8:1:1 128:16:1:0 128:16:1:1 64:8:1:1}; do
-        IFS=: read -r step warps hw fast <<< "$cfg"
-        name="${model}_tp${tp}_s${step}_w${warps}_hw${hw}_f${fast}"
-        MTRAIN_FP8_STEP_ROWS=$step MTRAIN_FP8_WARPS=$warps MTRAIN_FP8_HW_CVT=$hw MTRAIN_FP8_FAST=$fast timeout -k 10 90 \
+    # step:warps:hw:fast[:maxnreg] — 128:16:1:1 is the default; 128:16:1:0 the same without the fast path;
+    # the register caps last (two blocks per SM). FP8_SWEEP_CFGS: a subset, e.g. "128:16:1:0 128:16:1:1".
+    # The 2026-12-01 sweep's other settings: "32:4:0:1 32:4:1:1 128:8:0:1 128:8:1:1 64:8:1:1" (docs/results.md s. 34).
+    # FP8_SWEEP_RUNS: processes per setting (the run-to-run spread), 1 by default.
+    for cfg in ${FP8_SWEEP_CFGS:-128:16:1:0 128:16:1:1 128:16:1:1:64 128:8:1:1:128}; do
+      for run in $(seq 1 "${FP8_SWEEP_RUNS:-1}"); do
+        IFS=: read -r step warps hw fast maxnreg <<< "$cfg"
+        name="${model}_tp${tp}_s${step}_w${warps}_hw${hw}_f${fast}_r${maxnreg:-0}_run${run}"
+        MTRAIN_FP8_STEP_ROWS=$step MTRAIN_FP8_WARPS=$warps MTRAIN_FP8_HW_CVT=$hw MTRAIN_FP8_FAST=$fast \
+            MTRAIN_FP8_MAXNREG=${maxnreg:-0} timeout -k 10 90 \
             python benchmarks/bench_fp8_kernel.py --model "$model" --layers "$layers" --train-tp "$tp" --reps 5 \
             > "$out/$name.json" 2> "$out/$name.err"
         rc=$?
@@ -38,5 +42,6 @@ try:
 except Exception as exc:  # a spill or compile error: say so and go on
     print(f"{name:28} rc={rc} no result ({type(exc).__name__})")
 PY
+      done
     done
 done

@@ -47,6 +47,12 @@ HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "1") == "1"
 # division). On the H200 that changed the time by nothing measurable (docs/results.md section 34: the kernel is no
 # longer issue bound there). 0 sends every block through the general path (to compare on the GPU).
 FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
+# A register cap per thread (ptxas maxnreg), unset by default. At 16 warps the fast path takes 101 registers, so one
+# 512-thread program fills an SM's register file and an SM runs one block at a time: its loads, then its amax and
+# division, then its stores, never overlapped with another block's. 64 lets two programs share an SM (72 bytes of
+# spill, 8 % more instructions: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64); 128 does the same at 8 warps.
+# A benchmark knob until the H200 shows which is faster (benchmarks/gpu_fp8_sweep.sh).
+MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "0")) or None
 
 
 @triton.jit
@@ -256,7 +262,8 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
                               bases[2][0]),
                              dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
                                   BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-                                  HW_CVT=HW_CVT and compiled, FAST=fast, num_warps=num_warps or WARPS)))
+                                  HW_CVT=HW_CVT and compiled, FAST=fast, num_warps=num_warps or WARPS,
+                                  **({"maxnreg": MAXNREG} if MAXNREG and compiled else {}))))
     for kernel, args, kwargs in launches:
         kernel(*args, **kwargs)
     return launches
