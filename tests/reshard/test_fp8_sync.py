@@ -34,6 +34,9 @@ CONFIGS = {  # name: (arch, overrides, training layouts, engine (tp, ep) grid)
     "llama": ("llama", dict(DENSE, intermediate_size=512, num_hidden_layers=4),
               ["tp2", "tp2pp2", "pp2vpp2", "pp2uneven"], [(1, 1), (2, 1), (4, 1)]),
     "qwen2_bias": ("qwen2", dict(DENSE, intermediate_size=512), ["tp2"], [(1, 1), (2, 1)]),
+    # q_norm / k_norm per head (kept bf16), tied embeddings
+    "qwen3": ("qwen3", dict(DENSE, intermediate_size=512, num_hidden_layers=4, tie_word_embeddings=True),
+              ["tp2", "pp2uneven"], [(1, 1), (2, 1)]),
     "qwen3_moe": ("qwen3_moe", dict(DENSE, intermediate_size=512, moe_intermediate_size=256, num_experts=4),
                   ["tp2ep2", "ep2", "tp2etp1ep2"], [(1, 1), (2, 1), (2, 2)]),
     # MLA: fused q_a + kv_a (256 + 192 rows: a partial last block), q_b/kv_b heads, shared and routed experts
