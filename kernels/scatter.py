@@ -264,8 +264,8 @@ def _groups(st: ScatterTable, subs: dict[int, _Sub], dmeta: list[SrcMeta], raw_s
 
 
 def _launch_groups(dsts, srcs, table: ScatterTable):
-    """Every check of execute_scatter_triton; yields (anchor destination, its sources, their metadata, rebased
-    table) per launch."""
+    """Every check of execute_scatter_triton, then per launch (anchor destination, its sources, their metadata,
+    rebased table)."""
     from . import triton_pieces as tp  # imported here: the torch path must work without Triton
 
     subs, dmeta, smeta = _prepare(dsts, srcs, table)
