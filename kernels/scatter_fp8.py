@@ -105,7 +105,7 @@ def _replay_key(dsts, srcs, quant: Quant) -> tuple | None:
     stream = None
     if dsts and dsts[0].is_cuda:  # device tables were copied on this stream: a launch elsewhere is not ordered
         stream = torch.cuda.current_stream(dsts[0].device).cuda_stream
-    return raw, q, stream, (tf.STEP_ROWS, tf.WARPS, tf.HW_CVT, tf.FAST_PATH, tf.MAXNREG)
+    return raw, q, stream, (tf.STEP_ROWS, tf.WARPS, tf.HW_CVT, tf.FAST_PATH, tf.MAXNREG, tf.RCP_DIV)
 
 
 def execute_scatter_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], st: ScatterTable, quant: Quant,

@@ -53,6 +53,12 @@ FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
 # spill, 8 % more instructions: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64); 128 does the same at 8 warps.
 # A benchmark knob until the H200 shows which is faster (benchmarks/gpu_fp8_sweep.sh).
 MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "0")) or None
+# Division by the block's scale through its reciprocal and one exact correction (_quotient; the same bits as the
+# IEEE division, 3 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
+# (tests/kernels/test_fp8_rcp_div.py); float32 sources always divide. 0: every source divides (to compare on the GPU).
+RCP_DIV = os.environ.get("MTRAIN_FP8_RCP_DIV", "1") == "1"
+RCP_DTYPES = (torch.bfloat16, torch.float16)
+STORE_VEC = int(os.environ.get("MTRAIN_FP8_STORE_VEC", "16"))
 
 
 @triton.jit
@@ -161,15 +167,61 @@ def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c,
 
 
 @triton.jit
-def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
-    """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide."""
-    if HW_CVT:  # q is already clamped to [-448, 448]: no saturation case left
-        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+def _quotient(acc, scale, FMAX: tl.constexpr, RCP_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """float32(acc / scale) for every element (IEEE quotient, round to nearest even; scale 0 or NaN: signed zeros),
+    clamped to [-FMAX, FMAX] unless HW_CVT's conversion saturates by itself (cvt.rn.satfinite: the same result for
+    every finite value, and NaN stays NaN as in torch's clamp instead of becoming -448).
+    RCP_DIV: the block's reciprocal r = 1/scale is taken once, and each element costs a multiply and two FMAs:
+    q0 = x*r, rem = x - scale*q0 (exact), q = q0 + rem*r. That is the correction step of the GPU's own div.rn
+    (whose fast path recomputes the reciprocal per element and then checks the operands, ~10 instructions an element
+    instead of 3); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16) whenever
+    the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair: tests/kernels/test_fp8_rcp_div.py;
+    exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
+    The remainder is taken negated, nrem = scale*q0 - x, and q = q0 - nrem*r: an x of -0.0 then keeps its sign
+    (x - scale*q0 would be +0 there, and -0.0 + (+0) is +0), at no extra instruction (FMA operand negation)."""
+    if RCP_DIV:
+        fits = (scale >= 7.888609052210118e-31) & (scale <= 1.2676506002282294e30)  # 2**-100, 2**100
+        if fits:
+            r = tl.math.div_rn(1.0, scale)
+            q0 = acc * r
+            nrem = tl.fma(scale, q0, -acc)  # -(x - scale*q0), exact
+            q = tl.fma(-nrem, r, q0)
+        else:
+            q = _divide(acc, scale)
+    else:
+        q = _divide(acc, scale)
+    if not HW_CVT:
+        q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+    return q
+
+
+@triton.jit
+def _divide(acc, scale):
+    """The IEEE quotient per element (div_rn); scale 0 or NaN gives signed zeros (x * 0.0), as the reference."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    return tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
+
+
+@triton.jit
+def _e4m3x4(q):
+    """float32 -> e4m3 bytes by the GPU's cvt.rn.satfinite.e4m3x2.f32, four values into one 32-bit register (the
+    first in the low byte, as Triton packs): two conversions and one move. Triton's own `.to(tl.float8e4nv)` emits
+    the same conversions but then splits each pair into bytes and joins them again (~3.5 more instructions a value)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [q], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr, SVEC: tl.constexpr):
+    """Store e4m3 bytes; SVEC-byte stores when the block's rows start at SVEC multiples and it is whole SVECs wide."""
+    if HW_CVT:  # saturating conversion (cvt.rn.satfinite): q needs no clamp
+        bits = _e4m3x4(q)
     else:
         bits = _e4m3_bits(q)
-    if ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
-        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
-        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
+    if ((w_off % SVEC) == 0) & ((w_stride % SVEC) == 0) & ((nc % SVEC) == 0):
+        off = (w_off // SVEC) * SVEC + rows * ((w_stride // SVEC) * SVEC) + c
+        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // SVEC) < (nc // SVEC)))
     else:
         tl.store(w_ptr + (w_off + rows * w_stride + c), bits, mask=(rows < nr) & (c < nc))
 
@@ -178,7 +230,7 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
 def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
                        N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
                        FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr,
-                       FAST: tl.constexpr):
+                       FAST: tl.constexpr, RCP_DIV: tl.constexpr, SVEC: tl.constexpr):
     row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
@@ -198,10 +250,7 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         amax_s = tl.max(tl.max(tl.abs(acc), axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
-        safe = tl.where(scale > 0, scale, 1.0)
-        q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
-        q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, q, HW_CVT)
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT), HW_CVT, SVEC)
     else:
         amax = tl.zeros([STEP, BK], dtype=tl.float32)
         for r_lo in tl.static_range(0, BN, STEP):
@@ -211,13 +260,11 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         amax_s = tl.max(tl.max(amax, axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
-        safe = tl.where(scale > 0, scale, 1.0)
         for r_lo in tl.static_range(0, BN, STEP):
             acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
                           STEP, BK, SUBF, FAST)
-            q = tl.where(scale > 0, tl.math.div_rn(acc, safe + tl.zeros_like(acc)), acc * 0.0)
-            q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-            _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, q, HW_CVT)
+            _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT),
+                     HW_CVT, SVEC)
 
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
@@ -254,6 +301,7 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     while len(bases) < MAX_SLOTS:  # unused slots are compiled out; any pointer will do
         bases.append(bases[0] if bases else (w_arg, 16))
     n_whole = n_whole if FAST_PATH else 0
+    rcp_div = RCP_DIV and all(m.dtype in RCP_DTYPES for m in meta)
     launches = []
     for fast, part in ((True, blocks[:n_whole]), (False, blocks[n_whole:])):
         if part.shape[0]:
@@ -262,7 +310,8 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
                               bases[2][0]),
                              dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
                                   BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-                                  HW_CVT=HW_CVT and compiled, FAST=fast, num_warps=num_warps or WARPS,
+                                  HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div, SVEC=STORE_VEC,
+                                  num_warps=num_warps or WARPS,
                                   **({"maxnreg": MAXNREG} if MAXNREG and compiled else {}))))
     for kernel, args, kwargs in launches:
         kernel(*args, **kwargs)
