@@ -78,25 +78,64 @@ def quantize_with_kernel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dst.view(n, k), scale.view(scale_shape((n, k)))
 
 
-def mismatches(w: torch.Tensor) -> tuple[int, int]:
-    """(elements, scales) where the kernel differs from fp8_diagnose.quantize_f64 (independent float64)."""
+def mismatches(w: torch.Tensor, explain: int = 0) -> tuple[int, int]:
+    """(elements, scales) where the kernel differs from fp8_diagnose.quantize_f64 (independent float64); with
+    `explain`, prints that many differing elements (block, x, amax, scale, float32 quotient, both bytes)."""
     from mtrain.rollout.fp8_diagnose import quantize_f64
 
     q, s = quantize_with_kernel(w)
     rq, rs = quantize_f64(w.cpu())
-    bad_q = int((q.cpu().view(torch.uint8) != rq.view(torch.uint8)).sum())
+    qb, rb = q.cpu().view(torch.uint8), rq.view(torch.uint8)
+    bad = (qb != rb).nonzero().tolist()
+    for r, c in bad[:explain]:
+        x = float(w[r, c])
+        sc = float(rs[r // BLOCK, c // BLOCK])
+        quo = np.float32(np.float64(x) / np.float64(sc)) if sc > 0 else 0.0
+        print(f"  block {r // BLOCK} ({r},{c}): x={x!r} amax={float(w[r // BLOCK * BLOCK:][:BLOCK].abs().max())!r} "
+              f"scale={sc!r} x/scale={float(quo)!r} kernel 0x{int(qb[r, c]):02x} ({float(q[r, c].float())!r}) "
+              f"reference 0x{int(rb[r, c]):02x} ({float(rq[r, c].float())!r})")
     bad_s = int((s.cpu().view(torch.int32) != rs.view(torch.int32)).sum())
-    return bad_q, bad_s
+    return len(bad), bad_s
+
+
+def cvt_probe() -> int:
+    """The GPU's saturating e4m3 conversion (triton_fp8._e4m3x4) against clamp-then-cast on values around and above
+    448 and at e4m3 midpoints: how many differ (printed)."""
+    import triton
+    import triton.language as tl
+
+    from mtrain.kernels.triton_fp8 import _e4m3x4
+
+    @triton.jit
+    def probe(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, _e4m3x4(tl.load(x_ptr + i)))
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[:-1] + grid[1:]) / 2
+    big = torch.tensor([448.0, 448.5, 455.0, 463.99, 464.0, 464.01, 479.0, 480.0, 500.0, 1e6, 3e38, float("inf")])
+    x = torch.cat([grid, mids, mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9)), big, -big])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel())]).cuda()
+    y = torch.empty(n, dtype=torch.uint8, device="cuda")
+    probe[(1,)](x, y, N=n)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (y != want).nonzero().flatten().tolist()
+    for i in bad[:12]:
+        print(f"  cvt {float(x[i])!r}: 0x{int(y[i]):02x}, clamp+cast 0x{int(want[i]):02x}")
+    print(f"cvt probe: {len(bad)} of {x.numel()} values differ from clamp-then-cast")
+    return len(bad)
 
 
 def main() -> int:
     """Every pair of bf16 and of fp16 on the GPU (compiled kernel)."""
     from mtrain.kernels import triton_fp8 as tf
 
-    ok = True
+    ok = cvt_probe() == 0 if tf.HW_CVT else True
     for dtype in (torch.bfloat16, torch.float16):
         w, n = build(dtype, fallback_every=1)
-        bad_q, bad_s = mismatches(w.cuda())
+        bad_q, bad_s = mismatches(w.cuda(), explain=12)
         print(f"{dtype}: {n} blocks, {w.numel()} elements (RCP_DIV={tf.RCP_DIV}, HW_CVT={tf.HW_CVT}): "
               f"{bad_q} weight bytes and {bad_s} scales differ from the float64 reference")
         ok &= bad_q == 0 and bad_s == 0
