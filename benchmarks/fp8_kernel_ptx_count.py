@@ -37,7 +37,7 @@ CLASSES = [("global loads", r"^ld\.global", r"^LDG"), ("compares", r"^setp", r"^
 
 
 def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, maxnreg: int | None = None,
-                   block=(128, 128), rcp_div: bool = True, svec: int = 16):
+                   block=(128, 128), rcp_div: bool = True):
     from mtrain.kernels import triton_fp8 as tf
     from mtrain.kernels.fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS
 
@@ -45,7 +45,7 @@ def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, 
     sig = {"blocks_ptr": "*i64", "sub_ptr": "*i64", "info_ptr": "*i64", "w_ptr": "*u8", "w_delta": "i64",
            "s_ptr": "*fp32", "s_delta": "i64", "src0": "*bf16", "src1": "*bf16", "src2": "*bf16"}
     cx = dict(N_SLOTS=slots, VEC0=8, VEC1=8, VEC2=8, BN=block[0], BK=block[1], STEP=step, FIELDS=BLOCK_FIELDS,
-              SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=hw_cvt, FAST=fast, RCP_DIV=rcp_div, SVEC=svec)
+              SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=hw_cvt, FAST=fast, RCP_DIV=rcp_div)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in PTR_ARGS}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
@@ -93,7 +93,7 @@ def sass_instructions(cubin: bytes) -> list[str]:
     return [op for _, op, _ in _sass(cubin)[0]]
 
 
-def aligned_block_path(cubin: bytes, svec: int = 16) -> int:
+def aligned_block_path(cubin: bytes) -> int:
     """Instructions one thread issues for a block read and written with 16-byte accesses: the shortest path from
     the entry to an EXIT through an LDG.E.128 and an STG.E.128 that avoids the unaligned element-wise variants
     (LDG.E.U16 / STG.E.U8) and the division's slow-path CALL (taken only for operands near the exponent range's
@@ -101,8 +101,7 @@ def aligned_block_path(cubin: bytes, svec: int = 16) -> int:
     Predicated-off instructions count: they issue all the same."""
     ins, labels = _sass(cubin)
     n, done, inf = len(ins), 3, float("inf")
-    wide = {16: "STG.E.128", 8: "STG.E.64", 4: "STG.E"}[svec]  # the store of the kernel's SVEC bytes
-    flag = [(op == "LDG.E.128") | (op == wide) << 1 for _, op, _ in ins]
+    flag = [(op == "LDG.E.128") | (op == "STG.E.128") << 1 for _, op, _ in ins]
     banned = [op in ("LDG.E.U16", "STG.E.U8", "CALL.REL.NOINC") for _, op, _ in ins]
     cost = [[inf] * 4 for _ in range(n + 1)]  # cost[i][seen]: fewest instructions from i to an EXIT
     for i in range(n - 1, -1, -1):
@@ -128,7 +127,7 @@ def count(fast: bool, **kw) -> dict:
     # registers per thread: with 512 threads a program, 64 or fewer let two blocks share an SM; spilled bytes
     usage = _nv_tool("cuobjdump", k.asm["cubin"], "--dump-resource-usage")
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    res = {"ptx": len(ptx), "sass": len(sass), "sass_aligned_path": aligned_block_path(k.asm["cubin"], kw.get("svec", 16)),
+    res = {"ptx": len(ptx), "sass": len(sass), "sass_aligned_path": aligned_block_path(k.asm["cubin"]),
            "registers": regs, "stack_bytes": stack}
     for name, pp, sp in CLASSES:
         res[name] = {"ptx": sum(bool(re.match(pp, i)) for i in ptx), "sass": sum(bool(re.match(sp, i)) for i in sass)}
@@ -144,12 +143,11 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=tf.WARPS)
     ap.add_argument("--hw-cvt", type=int, default=int(tf.HW_CVT))
     ap.add_argument("--maxnreg", type=int, default=tf.MAXNREG, help="register cap per thread (MTRAIN_FP8_MAXNREG)")
-    ap.add_argument("--store-vec", type=int, default=tf.STORE_VEC, help="bytes per store (MTRAIN_FP8_STORE_VEC)")
     ap.add_argument("--rcp-div", type=int, default=int(tf.RCP_DIV), help="reciprocal division (MTRAIN_FP8_RCP_DIV)")
     ap.add_argument("--json", help="also write the counts here")
     args = ap.parse_args()
     kw = dict(slots=args.slots, step=args.step, warps=args.warps, hw_cvt=bool(args.hw_cvt), maxnreg=args.maxnreg,
-              rcp_div=bool(args.rcp_div), svec=args.store_vec)
+              rcp_div=bool(args.rcp_div))
     res = {"knobs": kw, "triton": triton.__version__, "general": count(False, **kw), "fast": count(True, **kw)}
     g, f = res["general"], res["fast"]
     print(f"sm_90, {kw}: static instructions per thread (one program = one 128x128 block)")

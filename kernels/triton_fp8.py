@@ -47,18 +47,18 @@ HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "1") == "1"
 # division). On the H200 that changed the time by nothing measurable (docs/results.md section 34: the kernel is no
 # longer issue bound there). 0 sends every block through the general path (to compare on the GPU).
 FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
-# A register cap per thread (ptxas maxnreg), unset by default. At 16 warps the fast path takes 101 registers, so one
-# 512-thread program fills an SM's register file and an SM runs one block at a time: its loads, then its amax and
-# division, then its stores, never overlapped with another block's. 64 lets two programs share an SM (72 bytes of
-# spill, 8 % more instructions: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64); 128 does the same at 8 warps.
-# A benchmark knob until the H200 shows which is faster (benchmarks/gpu_fp8_sweep.sh).
-MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "0")) or None
+# A register cap per thread (ptxas maxnreg), 64 by default (0: none). Uncapped, the fast path takes 92 registers at
+# 16 warps, so one 512-thread program fills an SM's register file and an SM runs one block at a time: its loads,
+# then its amax and division, then its stores, never overlapped with another block's. 64 lets two programs share an
+# SM (72 bytes of spill: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64). On the H200 (docs/results.md section 36)
+# that took the kernel from 35 to 55 % of the copy floor with the per-element division, and from 46-48 to 78 %
+# (Llama-8B) and 44-46 to 74 % (Qwen3-MoE) with the reciprocal one; 8 warps capped at 128 did the same.
+MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "64")) or None
 # Division by the block's scale through its reciprocal and one exact correction (_quotient; the same bits as the
 # IEEE division, 3 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
 # (tests/kernels/test_fp8_rcp_div.py); float32 sources always divide. 0: every source divides (to compare on the GPU).
 RCP_DIV = os.environ.get("MTRAIN_FP8_RCP_DIV", "1") == "1"
 RCP_DTYPES = (torch.bfloat16, torch.float16)
-STORE_VEC = int(os.environ.get("MTRAIN_FP8_STORE_VEC", "16"))
 
 
 @triton.jit
@@ -177,15 +177,18 @@ def _quotient(acc, scale, FMAX: tl.constexpr, RCP_DIV: tl.constexpr, HW_CVT: tl.
     instead of 3); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16) whenever
     the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair: tests/kernels/test_fp8_rcp_div.py;
     exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
-    The remainder is taken negated, nrem = scale*q0 - x, and q = q0 - nrem*r: an x of -0.0 then keeps its sign
-    (x - scale*q0 would be +0 there, and -0.0 + (+0) is +0), at no extra instruction (FMA operand negation)."""
+    An x of -0.0 comes out +0 from these steps (and a formulation that keeps the sign through negated operands is
+    not safe: the compiler moves FMA negations, which the H200 run showed as -0.0 -> 0x00), so x's sign bit is ORed
+    into the result, an integer step the compiler leaves alone."""
     if RCP_DIV:
         fits = (scale >= 7.888609052210118e-31) & (scale <= 1.2676506002282294e30)  # 2**-100, 2**100
         if fits:
             r = tl.math.div_rn(1.0, scale)
             q0 = acc * r
-            nrem = tl.fma(scale, q0, -acc)  # -(x - scale*q0), exact
-            q = tl.fma(-nrem, r, q0)
+            q = tl.fma(tl.fma(-scale, q0, acc), r, q0)  # the remainder x - scale*q0 is exact
+            # x = -0.0 gives +0 above; the quotient's sign is x's (scale > 0): OR x's sign bit in (one LOP3)
+            sign = acc.to(tl.uint32, bitcast=True) & 0x80000000
+            q = (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         else:
             q = _divide(acc, scale)
     else:
@@ -213,15 +216,15 @@ def _e4m3x4(q):
 
 
 @triton.jit
-def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr, SVEC: tl.constexpr):
-    """Store e4m3 bytes; SVEC-byte stores when the block's rows start at SVEC multiples and it is whole SVECs wide."""
+def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
+    """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide."""
     if HW_CVT:  # saturating conversion (cvt.rn.satfinite): q needs no clamp
         bits = _e4m3x4(q)
     else:
         bits = _e4m3_bits(q)
-    if ((w_off % SVEC) == 0) & ((w_stride % SVEC) == 0) & ((nc % SVEC) == 0):
-        off = (w_off // SVEC) * SVEC + rows * ((w_stride // SVEC) * SVEC) + c
-        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // SVEC) < (nc // SVEC)))
+    if ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
+        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
+        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
     else:
         tl.store(w_ptr + (w_off + rows * w_stride + c), bits, mask=(rows < nr) & (c < nc))
 
@@ -230,7 +233,7 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr, S
 def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
                        N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
                        FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr,
-                       FAST: tl.constexpr, RCP_DIV: tl.constexpr, SVEC: tl.constexpr):
+                       FAST: tl.constexpr, RCP_DIV: tl.constexpr):
     row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
@@ -250,7 +253,7 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         amax_s = tl.max(tl.max(tl.abs(acc), axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
-        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT), HW_CVT, SVEC)
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT), HW_CVT)
     else:
         amax = tl.zeros([STEP, BK], dtype=tl.float32)
         for r_lo in tl.static_range(0, BN, STEP):
@@ -264,7 +267,7 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
             acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
                           STEP, BK, SUBF, FAST)
             _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT),
-                     HW_CVT, SVEC)
+                     HW_CVT)
 
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
@@ -310,7 +313,7 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
                               bases[2][0]),
                              dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
                                   BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-                                  HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div, SVEC=STORE_VEC,
+                                  HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div,
                                   num_warps=num_warps or WARPS,
                                   **({"maxnreg": MAXNREG} if MAXNREG and compiled else {}))))
     for kernel, args, kwargs in launches:
