@@ -1,12 +1,12 @@
 """Triton executor for block-FP8 destinations: one program per destination block, one launch per call.
 
 A program reads its block's block-table row (where the block's first weight byte and its scale live, its valid
-rows/cols, its range of sub-pieces) and makes two passes over the block, STEP rows at a time: the first gathers
-the block from its sub-pieces (each a masked 2-D load from one source, cast to float32) and takes the amax; the
-second gathers it again (now from L2: a block is 32 KB of bf16), divides by scale = amax / 448 (IEEE division,
-`div_rn`), clamps, rounds to e4m3fn on the bits and stores bytes. So one block's scale sees every piece of it,
-whatever the pieces: fused qkv / gate_up parts and training-TP shards meeting inside one block. STEP rows at a
-time keeps a [STEP, BK] float32 tile in registers instead of a whole 128x128 one.
+rows/cols, its range of sub-pieces), gathers the block from its sub-pieces (each a masked 2-D load from one source,
+cast to float32), takes the amax, divides by scale = amax / 448 (the IEEE quotient: _quotient), rounds to e4m3fn
+and stores bytes. So one block's scale sees every piece of it, whatever the pieces: fused qkv / gate_up parts and
+training-TP shards meeting inside one block. By default (STEP_ROWS = 128) the whole block is gathered once into
+registers; with fewer STEP rows a program makes two passes, the first for the amax, the second gathering again
+(from L2: a block is 32 KB of bf16) to quantize, and keeps only a [STEP, BK] float32 tile in registers.
 
 Most blocks of a large weight have one sub-piece covering them whole (plan_blocks' WHOLE flag). Those go through
 a second compilation of the kernel, FAST: one 2-D load from that piece (masked only at the block's own edges), no
@@ -32,31 +32,30 @@ from .triton_pieces import MAX_SLOTS, _Ptr, _slot_bases, is_interpreted
 
 # The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh, docs/results.md
 # section 34; every variant bit-equal to the torch executor there): the whole 128-row block in registers (one gather,
-# no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (Triton's fp32 -> float8e4nv, round
-# to nearest even, on values already clamped to [-448, 448]) instead of _e4m3_bits' ~30 integer instructions per
-# value: 2.1x (Llama-8B) and 2.1x (Qwen3-MoE) faster than the former 32 rows / 4 warps / bit rounding. The
+# no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (cvt.rn.satfinite, round to nearest
+# even, saturating: _e4m3x4) instead of _e4m3_bits' ~30 integer instructions per value: 2.1x (Llama-8B) and 2.1x
+# (Qwen3-MoE) faster than the former 32 rows / 4 warps / bit rounding. The
 # interpreter always takes one step per block and the bit rounding (it has no hardware conversion to match).
 STEP_ROWS = int(os.environ.get("MTRAIN_FP8_STEP_ROWS", "128"))
 WARPS = int(os.environ.get("MTRAIN_FP8_WARPS", "16"))
 HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "1") == "1"
 # Blocks one sub-piece covers whole (plan_blocks' WHOLE flag: every interior block of a large weight; all blocks of
 # Llama-8B and Qwen3-MoE from training TP2) go through their own launch of the kernel compiled with FAST: one plain
-# 2-D load, no per-piece masks or selects. At these defaults a thread issues 748 SASS instructions for a bf16 block
-# with 16-byte accesses instead of the general path's 1,041 (1,166 before the fast path came), 101 registers
-# instead of 128 (static counts for sm_90: benchmarks/fp8_kernel_ptx_count.py; ~45 % of the 748 is the IEEE
-# division). On the H200 that changed the time by nothing measurable (docs/results.md section 34: the kernel is no
-# longer issue bound there). 0 sends every block through the general path (to compare on the GPU).
+# 2-D load, no per-piece masks or selects: 446 SASS instructions a thread for a bf16 block with 16-byte accesses at
+# the defaults, against the general path's 871 (static counts for sm_90: benchmarks/fp8_kernel_ptx_count.py;
+# docs/results.md section 36). 0 sends every block through the general path (to compare on the GPU).
 FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
 # A register cap per thread (ptxas maxnreg), 64 by default (0: none). Uncapped, the fast path takes 92 registers at
 # 16 warps, so one 512-thread program fills an SM's register file and an SM runs one block at a time: its loads,
 # then its amax and division, then its stores, never overlapped with another block's. 64 lets two programs share an
 # SM (72 bytes of spill: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64). On the H200 (docs/results.md section 36)
-# that took the kernel from 35 to 55 % of the copy floor with the per-element division, and from 46-48 to 78 %
-# (Llama-8B) and 44-46 to 74 % (Qwen3-MoE) with the reciprocal one; 8 warps capped at 128 did the same.
+# that took the kernel alone from 35 to 55 % of its floor with the per-element division, and from 46 to 76 %
+# (Llama-8B) and 44 to 73 % (Qwen3-MoE) with the reciprocal one; 8 warps capped at 128 did the same.
 MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "64")) or None
 # Division by the block's scale through its reciprocal and one exact correction (_quotient; the same bits as the
-# IEEE division, 3 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
-# (tests/kernels/test_fp8_rcp_div.py); float32 sources always divide. 0: every source divides (to compare on the GPU).
+# IEEE division, 4 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
+# (tests/kernels/test_fp8_rcp_div.py, on the CPU interpreter and the H200); float32 sources always divide.
+# 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/results.md section 36).
 RCP_DIV = os.environ.get("MTRAIN_FP8_RCP_DIV", "1") == "1"
 RCP_DTYPES = (torch.bfloat16, torch.float16)
 
