@@ -13,7 +13,7 @@ plain torch copy_ of the same element count, bf16 -> bf16 (the bandwidth baselin
 Correctness first: the Triton result equals the torch executor's, bit for bit, weights and scales. (a) and (b) are
 also split into the host work of a call and the GPU time of its launches alone (*_host_ms, *_gpu_only_ms).
 Run it 5 times for the run-to-run spread (the MoE bf16 bucket was bimodal, docs/results.md). The kernel's knobs
-come from the environment (MTRAIN_FP8_STEP_ROWS, _WARPS, _HW_CVT, _MAXNREG, _RCP_DIV; MTRAIN_FP8_FAST=0 sends the blocks one sub-piece
+come from the environment (MTRAIN_FP8_STEP_ROWS, _WARPS, _HW_CVT, _MAXNREG, _RCP_DIV, _PIPELINE; MTRAIN_FP8_FAST=0 sends the blocks one sub-piece
 covers whole through the general path too) and are recorded in the JSON with the count of such blocks.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main() -> int:
     res = dict(model=args.model, layers=args.layers, train_tp=args.train_tp, contiguous=args.contiguous,
                params=len(targets), sources=len(srcs), elements=n, bit_equal_to_torch=exact,
                knobs=dict(step_rows=tf.STEP_ROWS, warps=tf.WARPS, hw_cvt=tf.HW_CVT, fast_path=tf.FAST_PATH,
-                          maxnreg=tf.MAXNREG, rcp_div=tf.RCP_DIV),
+                          maxnreg=tf.MAXNREG, rcp_div=tf.RCP_DIV, pipeline=tf.PIPELINE),
                blocks=sum(len(b) for b in blocks), whole_blocks=sum(int(b[:, WHOLE].sum()) for b in blocks),
                copy_GBps=bw / 1e9, fp8_ms=t_fp8 * 1e3, bf16_ms=t_bf16 * 1e3, copy_ms=t_copy * 1e3,
                fp8_vs_floor=(3 * n / bw) / t_fp8, bf16_vs_copy=t_copy / t_bf16, fp8_over_bf16=t_fp8 / t_bf16,

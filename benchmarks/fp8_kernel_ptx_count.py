@@ -31,21 +31,22 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 PTR_ARGS = ("blocks_ptr", "sub_ptr", "info_ptr", "w_ptr", "s_ptr", "src0", "src1", "src2")
 # (name, PTX pattern, SASS pattern): what the fast path removes (compares/selects), what both keep (loads, division)
-CLASSES = [("global loads", r"^ld\.global", r"^LDG"), ("compares", r"^setp", r"^(ISETP|FSETP)"),
+CLASSES = [("global loads", r"^ld\.global", r"^LDG(?!STS)"), ("async copies", r"^cp\.async", r"^LDGSTS"), ("compares", r"^setp", r"^(ISETP|FSETP)"),
            ("selects", r"^(selp|slct)", r"^(SEL|FSEL)"), ("divisions", r"^div", r"^MUFU\.RCP"),
            ("conversions", r"^cvt", r"^F2F|^F2FP"), ("global stores", r"^st\.global", r"^STG")]
 
 
 def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, maxnreg: int | None = None,
-                   block=(128, 128), rcp_div: bool = True):
+                   block=(128, 128), rcp_div: bool = True, pipeline: int = 0):
     from mtrain.kernels import triton_fp8 as tf
     from mtrain.kernels.fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS
 
     fn = tf._fp8_blocks_kernel
     sig = {"blocks_ptr": "*i64", "sub_ptr": "*i64", "info_ptr": "*i64", "w_ptr": "*u8", "w_delta": "i64",
-           "s_ptr": "*fp32", "s_delta": "i64", "src0": "*bf16", "src1": "*bf16", "src2": "*bf16"}
+           "s_ptr": "*fp32", "s_delta": "i64", "src0": "*bf16", "src1": "*bf16", "src2": "*bf16", "n_blocks": "i32"}
     cx = dict(N_SLOTS=slots, VEC0=8, VEC1=8, VEC2=8, BN=block[0], BK=block[1], STEP=step, FIELDS=BLOCK_FIELDS,
-              SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=hw_cvt, FAST=fast, RCP_DIV=rcp_div)
+              SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=hw_cvt, FAST=fast, RCP_DIV=rcp_div,
+              ALIGNED=bool(pipeline and fast), STAGES=pipeline if fast else 0)
     sig.update({k: "constexpr" for k in cx})
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in PTR_ARGS}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
@@ -101,7 +102,7 @@ def aligned_block_path(cubin: bytes) -> int:
     Predicated-off instructions count: they issue all the same."""
     ins, labels = _sass(cubin)
     n, done, inf = len(ins), 3, float("inf")
-    flag = [(op == "LDG.E.128") | (op == "STG.E.128") << 1 for _, op, _ in ins]
+    flag = [(op in ("LDG.E.128", "LDGSTS.E.BYPASS.128")) | (op == "STG.E.128") << 1 for _, op, _ in ins]
     banned = [op in ("LDG.E.U16", "STG.E.U8", "CALL.REL.NOINC") for _, op, _ in ins]
     cost = [[inf] * 4 for _ in range(n + 1)]  # cost[i][seen]: fewest instructions from i to an EXIT
     for i in range(n - 1, -1, -1):
@@ -128,7 +129,7 @@ def count(fast: bool, **kw) -> dict:
     usage = _nv_tool("cuobjdump", k.asm["cubin"], "--dump-resource-usage")
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     res = {"ptx": len(ptx), "sass": len(sass), "sass_aligned_path": aligned_block_path(k.asm["cubin"]),
-           "registers": regs, "stack_bytes": stack}
+           "registers": regs, "stack_bytes": stack, "shared_bytes": k.metadata.shared}
     for name, pp, sp in CLASSES:
         res[name] = {"ptx": sum(bool(re.match(pp, i)) for i in ptx), "sass": sum(bool(re.match(sp, i)) for i in sass)}
     return res
@@ -143,16 +144,18 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=tf.WARPS)
     ap.add_argument("--hw-cvt", type=int, default=int(tf.HW_CVT))
     ap.add_argument("--maxnreg", type=int, default=tf.MAXNREG, help="register cap per thread (MTRAIN_FP8_MAXNREG)")
+    ap.add_argument("--pipeline", type=int, default=tf.PIPELINE,
+                    help="stages of the fast path's pipelined launch (MTRAIN_FP8_PIPELINE; 0: one block per program)")
     ap.add_argument("--rcp-div", type=int, default=int(tf.RCP_DIV), help="reciprocal division (MTRAIN_FP8_RCP_DIV)")
     ap.add_argument("--json", help="also write the counts here")
     args = ap.parse_args()
     kw = dict(slots=args.slots, step=args.step, warps=args.warps, hw_cvt=bool(args.hw_cvt), maxnreg=args.maxnreg,
-              rcp_div=bool(args.rcp_div))
+              rcp_div=bool(args.rcp_div), pipeline=args.pipeline)
     res = {"knobs": kw, "triton": triton.__version__, "general": count(False, **kw), "fast": count(True, **kw)}
     g, f = res["general"], res["fast"]
     print(f"sm_90, {kw}: static instructions per thread (one program = one 128x128 block)")
     print(f"{'':16}{'general':>16}{'fast':>16}")
-    for key in ("ptx", "sass", "sass_aligned_path", "registers", "stack_bytes"):
+    for key in ("ptx", "sass", "sass_aligned_path", "registers", "stack_bytes", "shared_bytes"):
         print(f"{key:16}{g[key]:>16}{f[key]:>16}")
     for name, _, _ in CLASSES:
         print(f"{name:16}{'%d / %d' % (g[name]['ptx'], g[name]['sass']):>16}"

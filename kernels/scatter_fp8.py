@@ -105,7 +105,7 @@ def _replay_key(dsts, srcs, quant: Quant) -> tuple | None:
     stream = None
     if dsts and dsts[0].is_cuda:  # device tables were copied on this stream: a launch elsewhere is not ordered
         stream = torch.cuda.current_stream(dsts[0].device).cuda_stream
-    return raw, q, stream, (tf.STEP_ROWS, tf.WARPS, tf.HW_CVT, tf.FAST_PATH, tf.MAXNREG, tf.RCP_DIV)
+    return raw, q, stream, (tf.STEP_ROWS, tf.WARPS, tf.HW_CVT, tf.FAST_PATH, tf.MAXNREG, tf.RCP_DIV, tf.PIPELINE)
 
 
 def execute_scatter_fp8(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], st: ScatterTable, quant: Quant,
@@ -156,20 +156,26 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
     cache, launches = st.derived(), []
     for block, members in sorted(by_block.items()):
         used = np.unique(np.concatenate([plans[d][2] for d in members])) if members else np.zeros(0, np.int64)
-        layout = (block, tuple(dsts[d].data_ptr() for d in members), tuple(quant[d].scale.data_ptr() for d in members))
+        used_meta = [smeta[i] for i in used.tolist()]
+        layout = (block, tuple(dsts[d].data_ptr() for d in members), tuple(quant[d].scale.data_ptr() for d in members),
+                  tuple(m.dtype for m in used_meta))
         hit = cache.get(("fp8_launch", block))
         if hit is None or hit[0] != layout:
             smaps = [np.searchsorted(used, np.arange(len(smeta))) for _ in members]
             b, s, wa, sa = tf.rebase([plans[d][:2] for d in members], [dsts[d].data_ptr() for d in members],
                                      [quant[d].scale.data_ptr() for d in members], smaps)
             dev = dsts[members[0]].device
+            n_whole = int(b[:, WHOLE].sum())
+            vecs = np.array([16 // m.dtype.itemsize for m in used_meta] or [1], np.int64)
             hit = (layout, torch.from_numpy(b).to(dev), torch.from_numpy(s).to(dev), members[wa], members[sa],
-                   int(b[:, WHOLE].sum()))
+                   n_whole, tf.whole_blocks_aligned(b, s, n_whole, vecs))
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             cache[("fp8_launch", block)] = hit
-        _, b_dev, s_dev, wa, sa, n_whole = hit
+        _, b_dev, s_dev, wa, sa, n_whole, table_aligned = hit
+        aligned = (table_aligned and dsts[wa].data_ptr() % 16 == 0  # offsets (cached) and pointers (now)
+                   and all(m.data_ptr % 16 == 0 for m in used_meta))
         launches += tf.launch_fp8(dsts[wa], quant[sa].scale, 0, 0, b_dev, s_dev, [srcs[i] for i in used.tolist()],
-                                  [smeta[i] for i in used.tolist()], block, n_whole=n_whole)
+                                  used_meta, block, n_whole=n_whole, aligned_whole=aligned)
     return launches
 

@@ -58,6 +58,19 @@ MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "64")) or None
 # 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/results.md section 36).
 RCP_DIV = os.environ.get("MTRAIN_FP8_RCP_DIV", "1") == "1"
 RCP_DTYPES = (torch.bfloat16, torch.float16)
+# Software pipelining of the whole blocks (0 by default: not yet timed on the H200). With N > 0 the fast path's launch
+# is persistent: PROGRAMS_PER_SM programs on every SM each loop over blocks, and Triton's pipeliner (tl.range,
+# num_stages=N) keeps N - 1 blocks' loads in flight (cp.async into shared memory, 32 KB of bf16 a stage) while the
+# current block is quantized. What it is for: today an SM holds two programs that each alternate loading a block
+# and quantizing it, so while both quantize nothing is in flight, about 32 KB of loads per SM on average against the
+# ~42 KB the H200 needs in flight to stream at full bandwidth (docs/results.md section 36: the kernel at 73-77 % of
+# its floor). Static counts (benchmarks/fp8_kernel_ptx_count.py --pipeline N): N = 2 or 3 take 93-95 registers and
+# no spill uncapped (MTRAIN_FP8_MAXNREG=0: one program per SM), 64 with 112 bytes of spill at the default cap.
+# Only for launches whose loads and stores need no branch: whole blocks, one source dtype, every source offset,
+# stride and width and every weight row 16-byte aligned (else the one-block-per-program launch, as with 0).
+PIPELINE = int(os.environ.get("MTRAIN_FP8_PIPELINE", "0"))
+# programs that share an SM's 64K registers at the register cap (uncapped: up to 128 a thread at 16 warps, one)
+PROGRAMS_PER_SM = max(1, 65536 // (32 * WARPS * (MAXNREG or 128)))
 
 
 @triton.jit
@@ -88,25 +101,24 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr, AT_ORIGIN: tl.constexpr):
+def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr, AT_ORIGIN: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """One sub-piece's part of the tile as float32 (zeros outside it) and its mask. When its offset, stride, first
     column and width are multiples of VEC (16 bytes of the source dtype), offsets are written as (x // VEC) * VEC and
     columns compared in units of VEC, so the compiler sees the alignment and issues 16-byte loads (triton_pieces
     does the same; tl.multiple_of on loaded scalars does not survive canonicalisation). AT_ORIGIN: the piece starts
-    at the block's row 0, column 0 (the fast path passes literal zeros), so only its far edges are compared."""
+    at the block's row 0, column 0 (the fast path passes literal zeros), so only its far edges are compared.
+    ALIGNED: the host has checked that alignment for every block of the launch, so there is no runtime test (and
+    the load is not inside a branch, which the pipelined launch needs)."""
     # Row and column conditions are combined last: each is a [STEP, 1] or [1, BK] vector until then.
     mr = rows < r0 + pnr
     if not AT_ORIGIN:
         mr = mr & (rows >= r0)
-    if ((so % VEC) == 0) & ((ss % VEC) == 0) & ((c0 % VEC) == 0) & ((pnc % VEC) == 0):
-        cv = c // VEC
-        mc = cv < (c0 + pnc) // VEC
-        if not AT_ORIGIN:
-            mc = mc & (cv >= c0 // VEC)
-        m = mr & mc
-        off = (so // VEC) * VEC + (rows - r0) * ((ss // VEC) * VEC) + (c - (c0 // VEC) * VEC)
-        v = _to_f32(tl.load(src + off, mask=m, other=0))  # loaded in this branch: after the if, the
-    else:  # merged offsets would carry the unaligned branch's (lack of) alignment
+    if ALIGNED:
+        v, m = _load_vec(src, so, ss, r0, c0, pnc, rows, c, mr, VEC, AT_ORIGIN)
+    elif ((so % VEC) == 0) & ((ss % VEC) == 0) & ((c0 % VEC) == 0) & ((pnc % VEC) == 0):
+        v, m = _load_vec(src, so, ss, r0, c0, pnc, rows, c, mr, VEC, AT_ORIGIN)  # loaded in this branch: after
+    else:  # the if, the merged offsets would carry the unaligned branch's (lack of) alignment
         mc = c < c0 + pnc
         if not AT_ORIGIN:
             mc = mc & (c >= c0)
@@ -116,30 +128,42 @@ def _load_piece(src, so, ss, r0, c0, pnr, pnc, rows, c, VEC: tl.constexpr, AT_OR
 
 
 @triton.jit
+def _load_vec(src, so, ss, r0, c0, pnc, rows, c, mr, VEC: tl.constexpr, AT_ORIGIN: tl.constexpr):
+    """_load_piece's 16-byte variant: offset, stride, first column and width are multiples of VEC."""
+    cv = c // VEC
+    mc = cv < (c0 + pnc) // VEC
+    if not AT_ORIGIN:
+        mc = mc & (cv >= c0 // VEC)
+    m = mr & mc
+    off = (so // VEC) * VEC + (rows - r0) * ((ss // VEC) * VEC) + (c - (c0 // VEC) * VEC)
+    return _to_f32(tl.load(src + off, mask=m, other=0)), m
+
+
+@triton.jit
 def _load_slot(src0, src1, src2, slot, so, ss, r0, c0, pnr, pnc, rows, c, N_SLOTS: tl.constexpr,
                VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, STEP: tl.constexpr, BK: tl.constexpr,
-               AT_ORIGIN: tl.constexpr):
+               AT_ORIGIN: tl.constexpr, ALIGNED: tl.constexpr):
     """_load_piece from the source base of the piece's dtype slot (unused slots are compiled out; with one source
     dtype, the sync's usual case, so are the slot test and the zeros it needs for the no-slot case)."""
     if N_SLOTS == 1:
-        return _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN)
+        return _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN, ALIGNED)
     v = tl.zeros([STEP, BK], dtype=tl.float32)
     m = (rows < 0) & (c < 0)  # all false
     if slot == 0:
-        v, m = _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN)
+        v, m = _load_piece(src0, so, ss, r0, c0, pnr, pnc, rows, c, VEC0, AT_ORIGIN, ALIGNED)
     if N_SLOTS > 1:
         if slot == 1:
-            v, m = _load_piece(src1, so, ss, r0, c0, pnr, pnc, rows, c, VEC1, AT_ORIGIN)
+            v, m = _load_piece(src1, so, ss, r0, c0, pnr, pnc, rows, c, VEC1, AT_ORIGIN, ALIGNED)
     if N_SLOTS > 2:
         if slot == 2:
-            v, m = _load_piece(src2, so, ss, r0, c0, pnr, pnc, rows, c, VEC2, AT_ORIGIN)
+            v, m = _load_piece(src2, so, ss, r0, c0, pnr, pnc, rows, c, VEC2, AT_ORIGIN, ALIGNED)
     return v, m
 
 
 @triton.jit
 def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c,
             N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
-            STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr, FAST: tl.constexpr):
+            STEP: tl.constexpr, BK: tl.constexpr, FIELDS: tl.constexpr, FAST: tl.constexpr, ALIGNED: tl.constexpr):
     """Rows [r_lo, r_lo + STEP) of the block as float32, from sub-pieces p0..p1 (zeros where none writes).
     FAST: the block's one sub-piece (p0) covers it whole (plan_blocks' flag), so its rows x cols are the block's
     nr x nc from (0, 0): one load masked at the block's own edges, no per-piece compares, no select."""
@@ -150,7 +174,7 @@ def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c,
         so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
         ss = tl.load(prow + 2)
         acc, _ = _load_slot(src0, src1, src2, tl.load(info_ptr + si * 2 + 1), so, ss, 0, 0, nr, nc, rows, c,
-                            N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, True)  # zeros outside the block: other=0
+                            N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, True, ALIGNED)  # zeros outside: other=0
     else:
         acc = tl.zeros([STEP, BK], dtype=tl.float32)
         for i in range(p0, p1):
@@ -160,7 +184,7 @@ def _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c,
                 so = tl.load(prow + 1) + tl.load(info_ptr + si * 2)
                 v, m = _load_slot(src0, src1, src2, tl.load(info_ptr + si * 2 + 1), so, tl.load(prow + 2),
                                   tl.load(prow + 3), tl.load(prow + 4), tl.load(prow + 5), tl.load(prow + 6), rows, c,
-                                  N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, False)
+                                  N_SLOTS, VEC0, VEC1, VEC2, STEP, BK, False, False)
                 acc = tl.where(m, v, acc)  # a select, not an add: keeps the sign of -0.0
     return acc
 
@@ -215,13 +239,17 @@ def _e4m3x4(q):
 
 
 @triton.jit
-def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
-    """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide."""
+def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Store e4m3 bytes; 16-byte stores when the block's rows start at 16-byte multiples and it is whole 16s wide
+    (ALIGNED: the host has checked that for every block of the launch; no runtime test)."""
     if HW_CVT:  # saturating conversion (cvt.rn.satfinite): q needs no clamp
         bits = _e4m3x4(q)
     else:
         bits = _e4m3_bits(q)
-    if ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
+    if ALIGNED:
+        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
+        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
+    elif ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
         off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
         tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
     else:
@@ -229,11 +257,33 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
-                       N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr,
-                       FIELDS: tl.constexpr, SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr,
-                       FAST: tl.constexpr, RCP_DIV: tl.constexpr):
-    row = blocks_ptr + tl.program_id(0).to(tl.int64) * FIELDS
+def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2, n_blocks,
+                       N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, FIELDS: tl.constexpr,
+                       SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr, FAST: tl.constexpr,
+                       RCP_DIV: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr):
+    """One block per program (STAGES = 0), or a fixed number of programs each looping over blocks with Triton's
+    pipeliner loading the next block (asynchronously, into shared memory) while this one is quantized (STAGES > 0:
+    `num_stages`; only for launches whose loads need no branch: FAST, ALIGNED, one source dtype)."""
+    if STAGES > 0:
+        for b in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            _quantize_block(b, blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
+                            N_SLOTS, VEC0, VEC1, VEC2, BN, BK, STEP, FIELDS, SUBF, FMAX, HW_CVT, FAST, RCP_DIV,
+                            ALIGNED)
+    else:
+        _quantize_block(tl.program_id(0), blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1,
+                        src2, N_SLOTS, VEC0, VEC1, VEC2, BN, BK, STEP, FIELDS, SUBF, FMAX, HW_CVT, FAST, RCP_DIV,
+                        ALIGNED)
+
+
+@triton.jit
+def _quantize_block(b, blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
+                    N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, FIELDS: tl.constexpr, SUBF: tl.constexpr,
+                    FMAX: tl.constexpr, HW_CVT: tl.constexpr, FAST: tl.constexpr, RCP_DIV: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """Block b of the table: gather, amax, scale, quantize, store."""
+    row = blocks_ptr + tl.cast(b, tl.int64) * FIELDS  # tl.cast: b is a Python int in the interpreter's tl.range
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
     w_stride = tl.load(row + 2)
@@ -248,38 +298,48 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         # from the same values, no second pass over the sources. Bit-equal to the two-pass path: the second
         # gather recomputes exactly these values.
         acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, 0, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
-                      BK, SUBF, FAST)
+                      BK, SUBF, FAST, ALIGNED)
         amax_s = tl.max(tl.max(tl.abs(acc), axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
-        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT), HW_CVT)
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT), HW_CVT,
+                 ALIGNED)
     else:
         amax = tl.zeros([STEP, BK], dtype=tl.float32)
         for r_lo in tl.static_range(0, BN, STEP):
             acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
-                          STEP, BK, SUBF, FAST)
+                          STEP, BK, SUBF, FAST, ALIGNED)
             amax = tl.maximum(amax, tl.abs(acc))
         amax_s = tl.max(tl.max(amax, axis=1), axis=0)
         scale = tl.math.div_rn(amax_s, FMAX)
         tl.store(s_ptr + s_off, scale)
         for r_lo in tl.static_range(0, BN, STEP):
             acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, r_lo, r, c, N_SLOTS, VEC0, VEC1, VEC2,
-                          STEP, BK, SUBF, FAST)
+                          STEP, BK, SUBF, FAST, ALIGNED)
             _store_q(w_ptr, w_off, w_stride, nr, nc, r_lo + r, c, _quotient(acc, scale, FMAX, RCP_DIV, HW_CVT),
-                     HW_CVT)
+                     HW_CVT, ALIGNED)
+
+
+def _programs(device: torch.device, compiled: bool) -> int:
+    """Programs of a pipelined launch: PROGRAMS_PER_SM on every SM (the interpreter: 3, so that each loops)."""
+    if not compiled:
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
 
 
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
                blocks: torch.Tensor, subs: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
                block: tuple[int, int], step: int | None = None, num_warps: int | None = None,
-               n_whole: int = 0) -> list:
+               n_whole: int = 0, aligned_whole: bool = False) -> list:
     """The launches over a call's FP8 blocks. `blocks`/`subs` are device int64 tables (fp8.plan_blocks, rebased:
     weight offsets in bytes from `w_anchor`, scale offsets in floats from `s_anchor`); w_delta/s_delta are added
     to them in the kernel (compiled mode addresses the anchors rounded down to 16 bytes). The first `n_whole`
     blocks are WHOLE ones (rebase puts them first): one launch of the fast path for them, one of the general path
     for the rest. Two launches rather than a per-block branch in one: each kernel is compiled for one path (the
     fast one without the general path's registers and code), and the second launch costs microseconds, against
-    milliseconds for a sync's worth of blocks. Returns the launches it ran, [(kernel[grid], args, kwargs)], for
+    milliseconds for a sync's worth of blocks. `aligned_whole`: the caller has checked whole_blocks_aligned and
+    that every source and the weight anchor are 16-byte aligned, which the pipelined launch (PIPELINE) needs.
+    Returns the launches it ran, [(kernel[grid], args, kwargs)], for
     the caller to replay while nothing changes (scatter_fp8)."""
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
@@ -304,16 +364,20 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
         bases.append(bases[0] if bases else (w_arg, 16))
     n_whole = n_whole if FAST_PATH else 0
     rcp_div = RCP_DIV and all(m.dtype in RCP_DTYPES for m in meta)
+    # The whole blocks' launch is pipelined when asked for and its loads need no branch (module comment, PIPELINE)
+    pipelined = bool(PIPELINE) and aligned_whole and n_used == 1 and step == bn
     launches = []
     for fast, part in ((True, blocks[:n_whole]), (False, blocks[n_whole:])):
         if part.shape[0]:
-            launches.append((_fp8_blocks_kernel[(part.shape[0],)],
+            stages = PIPELINE if fast and pipelined else 0
+            grid = min(part.shape[0], _programs(w_anchor.device, compiled)) if stages else part.shape[0]
+            launches.append((_fp8_blocks_kernel[(grid,)],
                              (part, subs, info_dev, w_arg, w_delta, s_arg, s_delta, bases[0][0], bases[1][0],
-                              bases[2][0]),
+                              bases[2][0], part.shape[0]),
                              dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
                                   BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
-                                  HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div,
-                                  num_warps=num_warps or WARPS,
+                                  HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div, ALIGNED=bool(stages),
+                                  STAGES=stages, num_warps=num_warps or WARPS,
                                   **({"maxnreg": MAXNREG} if MAXNREG and compiled else {}))))
     for kernel, args, kwargs in launches:
         kernel(*args, **kwargs)
@@ -341,3 +405,18 @@ def rebase(parts: list[tuple[np.ndarray, np.ndarray]], w_ptrs: list[int], s_ptrs
     blocks = cat(all_b, BLOCK_FIELDS)
     # a program owns its block and finds its sub-pieces by index: blocks reorder freely (stable: same order else)
     return blocks[np.argsort(-blocks[:, WHOLE], kind="stable")], cat(all_s, SUB_FIELDS), wa, sa
+
+
+def whole_blocks_aligned(blocks: np.ndarray, subs: np.ndarray, n_whole: int, vecs: np.ndarray) -> bool:
+    """Whether every one of the first n_whole (whole) blocks of rebased tables reads its sub-piece at a source offset,
+    row stride and width that are multiples of its source's VEC (vecs[source index]: 16 bytes in elements) and
+    writes rows starting at 16-byte multiples (offsets from the weight anchor, row stride, width in bytes). With every
+    source and the weight anchor 16-byte aligned, that is launch_fp8's `aligned_whole`."""
+    if n_whole == 0:
+        return False
+    b = blocks[:n_whole]
+    sub = subs[b[:, 5]]
+    vec = vecs[sub[:, 0]]
+    src_ok = (sub[:, 1] % vec == 0) & (sub[:, 2] % vec == 0) & (b[:, 4] % vec == 0)
+    dst_ok = (b[:, 0] % 16 == 0) & (b[:, 2] % 16 == 0) & (b[:, 4] % 16 == 0)
+    return bool((src_ok & dst_ok).all())

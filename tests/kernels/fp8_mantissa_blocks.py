@@ -136,7 +136,8 @@ def main() -> int:
     for dtype in (torch.bfloat16, torch.float16):
         w, n = build(dtype, fallback_every=1)
         bad_q, bad_s = mismatches(w.cuda(), explain=12)
-        print(f"{dtype}: {n} blocks, {w.numel()} elements (RCP_DIV={tf.RCP_DIV}, HW_CVT={tf.HW_CVT}): "
+        print(f"{dtype}: {n} blocks, {w.numel()} elements (RCP_DIV={tf.RCP_DIV}, HW_CVT={tf.HW_CVT}, "
+              f"PIPELINE={tf.PIPELINE}): "
               f"{bad_q} weight bytes and {bad_s} scales differ from the float64 reference")
         ok &= bad_q == 0 and bad_s == 0
     if ok:
