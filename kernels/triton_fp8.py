@@ -1,4 +1,5 @@
-"""Triton executor for block-FP8 destinations: one program per destination block, one launch per call.
+"""Triton executor for block-FP8 destinations: one program per destination block (or, pipelined, a fixed number
+of programs looping over them), a launch for the whole blocks and one for the rest.
 
 A program reads its block's block-table row (where the block's first weight byte and its scale live, its valid
 rows/cols, its range of sub-pieces), gathers the block from its sub-pieces (each a masked 2-D load from one source,
@@ -194,10 +195,10 @@ def _quotient(acc, scale, FMAX: tl.constexpr, RCP_DIV: tl.constexpr, HW_CVT: tl.
     """float32(acc / scale) for every element (IEEE quotient, round to nearest even; scale 0 or NaN: signed zeros),
     clamped to [-FMAX, FMAX] unless HW_CVT's conversion saturates by itself (cvt.rn.satfinite: the same result for
     every finite value, and NaN stays NaN as in torch's clamp instead of becoming -448).
-    RCP_DIV: the block's reciprocal r = 1/scale is taken once, and each element costs a multiply and two FMAs:
-    q0 = x*r, rem = x - scale*q0 (exact), q = q0 + rem*r. That is the correction step of the GPU's own div.rn
-    (whose fast path recomputes the reciprocal per element and then checks the operands, ~10 instructions an element
-    instead of 3); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16) whenever
+    RCP_DIV: the block's reciprocal r = 1/scale is taken once, and each element costs a multiply, two FMAs and a
+    sign step: q0 = x*r, rem = x - scale*q0 (exact), q = q0 + rem*r. That is the correction step of the GPU's own
+    div.rn (whose fast path recomputes the reciprocal per element and then checks the operands, ~10 instructions an
+    element instead of 4); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16) whenever
     the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair: tests/kernels/test_fp8_rcp_div.py;
     exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
     An x of -0.0 comes out +0 from these steps (and a formulation that keeps the sign through negated operands is
@@ -247,13 +248,18 @@ def _store_q(w_ptr, w_off, w_stride, nr, nc, rows, c, q, HW_CVT: tl.constexpr, A
     else:
         bits = _e4m3_bits(q)
     if ALIGNED:
-        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
-        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
+        _store16(w_ptr, w_off, w_stride, nr, nc, rows, c, bits)
     elif ((w_off % 16) == 0) & ((w_stride % 16) == 0) & ((nc % 16) == 0):
-        off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
-        tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
+        _store16(w_ptr, w_off, w_stride, nr, nc, rows, c, bits)
     else:
         tl.store(w_ptr + (w_off + rows * w_stride + c), bits, mask=(rows < nr) & (c < nc))
+
+
+@triton.jit
+def _store16(w_ptr, w_off, w_stride, nr, nc, rows, c, bits):
+    """_store_q's 16-byte variant (offsets written as multiples of 16 so that the compiler sees the alignment)."""
+    off = (w_off // 16) * 16 + rows * ((w_stride // 16) * 16) + c
+    tl.store(w_ptr + off, bits, mask=(rows < nr) & ((c // 16) < (nc // 16)))
 
 
 @triton.jit
