@@ -11,7 +11,9 @@ parameters + their weight_scale_inv, (b) the same table into bf16 parameters (to
 plain torch copy_ of the same element count, bf16 -> bf16 (the bandwidth baseline). FP8 reads 2 bytes and writes
 1 per weight, so its floor is 3/4 of the bf16 one at the same bandwidth: reported as fp8_vs_floor = floor / time.
 Correctness first: the Triton result equals the torch executor's, bit for bit, weights and scales. (a) and (b) are
-also split into the host work of a call and the GPU time of its launches alone (*_host_ms, *_gpu_only_ms).
+also split into the host work of a call and the GPU time of its launches alone (*_host_ms, *_gpu_only_ms), and
+timed back to back (*_back_to_back_ms: host work overlapping the previous call's GPU work, as bench_kernel.py's
+bf16 figures).
 Run it 5 times for the run-to-run spread (the MoE bf16 bucket was bimodal, docs/results.md). The kernel's knobs
 come from the environment (MTRAIN_FP8_STEP_ROWS, _WARPS, _HW_CVT, _MAXNREG, _RCP_DIV, _PIPELINE; MTRAIN_FP8_FAST=0 sends the blocks one sub-piece
 covers whole through the general path too) and are recorded in the JSON with the count of such blocks.
@@ -89,6 +91,21 @@ def timed(fn, reps: int, device) -> float:
     return statistics.median(ts)
 
 
+def back_to_back(fn, reps: int, device) -> float:
+    """Seconds per call over `reps` calls issued back to back, one synchronisation at the end: the host work of a
+    call overlaps the GPU's work of the previous one, as when a sync issues its buckets one after another (and as
+    bench_kernel.py's `call` figure for the bf16 buckets, which uses triton.testing.do_bench)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="llama8b")
@@ -130,6 +147,8 @@ def main() -> int:
     # work (GPU idle at the start) and its launches' GPU time (kernel_diag.gpu_only_ms).
     split = {f"{name}_{kind}_ms": fn(call, device) for name, call in (("fp8", fp8_call), ("bf16", bf16_call))
              for kind, fn in (("host", kernel_diag.host_ms), ("gpu_only", kernel_diag.gpu_only_ms))}
+    split.update({f"{name}_back_to_back_ms": back_to_back(call, 4 * args.reps, device) * 1e3
+                  for name, call in (("fp8", fp8_call), ("bf16", bf16_call))})
     a = torch.empty(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
     t_copy = timed(lambda: b.copy_(a), args.reps, device)
@@ -148,6 +167,8 @@ def main() -> int:
                fp8_vs_floor=(3 * n / bw) / t_fp8, bf16_vs_copy=t_copy / t_bf16, fp8_over_bf16=t_fp8 / t_bf16,
                **split, fp8_gpu_only_vs_floor=(3 * n / bw) / (split["fp8_gpu_only_ms"] / 1e3),
                bf16_gpu_only_vs_copy=t_copy / (split["bf16_gpu_only_ms"] / 1e3),
+               fp8_back_to_back_vs_floor=(3 * n / bw) / (split["fp8_back_to_back_ms"] / 1e3),
+               bf16_back_to_back_vs_copy=t_copy / (split["bf16_back_to_back_ms"] / 1e3),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)")
     # Where the sources live (the bf16 MoE bucket ran at ~50 % or ~81 % of copy bandwidth depending on it,
     # docs/results.md section 1): allocator segments and the address span the sources cover.

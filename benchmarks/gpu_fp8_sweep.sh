@@ -48,7 +48,8 @@ try:
     print(f"{name:46} rc={rc} bit_equal={r['bit_equal_to_torch']} fp8 {r['fp8_ms']:.3f} ms = {r['fp8_vs_floor']:.1%} "
           f"of floor; bf16 {r['bf16_ms']:.3f} ms = {r['bf16_vs_copy']:.1%} of copy | launches alone: fp8 "
           f"{r['fp8_gpu_only_ms']:.3f} ms = {r['fp8_gpu_only_vs_floor']:.1%} of floor, bf16 {r['bf16_gpu_only_ms']:.3f} "
-          f"ms = {r['bf16_gpu_only_vs_copy']:.1%} of copy | host fp8 {r['fp8_host_ms']:.3f} bf16 {r['bf16_host_ms']:.3f} ms")
+          f"ms = {r['bf16_gpu_only_vs_copy']:.1%} of copy | host fp8 {r['fp8_host_ms']:.3f} bf16 {r['bf16_host_ms']:.3f} ms"
+          f" | back to back: fp8 {r['fp8_back_to_back_vs_floor']:.1%} of floor, bf16 {r['bf16_back_to_back_vs_copy']:.1%}")
 except Exception as exc:  # a spill or compile error: say so and go on
     print(f"{name:46} rc={rc} no result ({type(exc).__name__})")
 PY

@@ -19,6 +19,7 @@ def test_fp8_bench_dry_run_writes_json(tmp_path):
     r = json.loads((tmp_path / "bench_fp8_kernel_tiny.json").read_text())
     assert r["bit_equal_to_torch"] and r["params"] == 4 and r["sources"] == 8
     assert r["fp8_ms"] > 0 and r["bf16_ms"] > 0 and r["copy_ms"] > 0
+    assert r["fp8_back_to_back_ms"] > 0 and r["bf16_back_to_back_ms"] > 0
 
 
 def test_fp8_kernel_instruction_count_runs_on_cpu(tmp_path):
@@ -33,6 +34,20 @@ def test_fp8_kernel_instruction_count_runs_on_cpu(tmp_path):
     g, f = r["general"], r["fast"]
     assert 0 < f["sass_aligned_path"] < g["sass_aligned_path"] <= g["sass"] and f["ptx"] < g["ptx"]
     assert f["compares"]["sass"] < g["compares"]["sass"] and f["divisions"] == g["divisions"]
+
+
+def test_pipelined_launch_compiles_to_async_copies(tmp_path):
+    """With --pipeline 3 (MTRAIN_FP8_PIPELINE) Triton's pipeliner really moves the fast path's block loads to
+    cp.async into shared memory (two 32 KB stages in flight), uncapped without spill; the general path is untouched."""
+    out = tmp_path / "counts.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_kernel_ptx_count.py"), "--pipeline", "3",
+                           "--maxnreg", "0", "--json", str(out)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    g, f = r["general"], r["fast"]
+    assert f["async copies"]["sass"] > 0 and g["async copies"]["sass"] == 0
+    assert f["shared_bytes"] >= 2 * 128 * 128 * 2 and f["stack_bytes"] == 0
 
 
 def test_scatter_host_bench_runs_on_cpu(tmp_path):
