@@ -21,7 +21,7 @@ from typing import Any
 
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import Completion, Request, SamplingParams
-from mtrain.rollout.routing import held_rows, merge_resumed
+from mtrain.rollout.routing import merge_resumed
 
 
 @dataclass
@@ -32,8 +32,8 @@ class SampleState:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" once finished
     resumes: int = 0  # how many times it was continued after an abort
-    # routing replay: [prompt + outputs - 1, layers, top_k] routed experts, each token's row kept from the request
-    # that first fed it (like its weight version); None when the engine records none
+    # routing replay: [prompt + outputs - 1, layers, top_k] routed experts from the latest request that produced
+    # tokens (a resume re-feeds every earlier token under its weights); None when the engine records none
     routing: Any = None
     routing_rows_received: int = 0  # rows the engine sent over all its requests (the traffic metric)
 
@@ -90,12 +90,14 @@ def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix
         return None
     # A resumed sample draws from a fresh stream (seed advanced by its resume count): its sampler state was lost
     # with the abort; greedy samples continue exactly.
-    # Routing replay: ask only for the rows past those the sample holds (its earlier requests' stay as recorded).
+    # Routing replay: the resumed request re-feeds the prompt and the kept tokens under the new weights, and the
+    # tokens it generates are sampled from that forward, so its routing replaces every row the sample held
+    # (start 0): the trainer then replays the forward the engine ran for this version's tokens.
     return Request(rid=f"{rid_prefix}-g{group.uid}-{j}-", prompt_ids=list(group.prompt_ids) + list(s.output_ids),
                    params=SamplingParams(max_new_tokens=left, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, stop_token_ids=params.stop_token_ids,
                                          seed=s.seed + 7919 * s.resumes),
-                   routed_experts_start=held_rows(s.routing) if s.output_ids else 0, vision=group.vision)
+                   routed_experts_start=0, vision=group.vision)
 
 
 def apply(group: GroupState, j: int, c: Completion) -> None:
@@ -105,7 +107,7 @@ def apply(group: GroupState, j: int, c: Completion) -> None:
         s.routing_rows_received += int(c.routed_experts.shape[0])
     if c.output_ids:  # a request aborted before it produced anything brings no routing and changes none
         rows = len(group.prompt_ids) + len(s.output_ids) + len(c.output_ids) - 1
-        s.routing = merge_resumed(s.routing if s.output_ids else None, c.routed_experts, rows, c.routed_experts_start)
+        s.routing = merge_resumed(None, c.routed_experts, rows, c.routed_experts_start)  # every row: resume_request
     s.output_ids += list(c.output_ids)
     s.logprobs += list(c.logprobs)
     s.versions += c.versions

@@ -118,13 +118,15 @@ class Trajectory:
         from mtrain.rollout.routing import held_rows
         return held_rows(self.routed_experts)
 
-    def record_routing(self, comp_routing, start: int = 0) -> None:
+    def record_routing(self, comp_routing, start: int = 0, replace: bool = False) -> None:
         """Keep the routing a turn's completion brought: rows of the trajectory's tokens from position `start` (the
-        completion's `routed_experts_start`) to the last token minus one. Rows already held stay as first recorded (as
-        a token's weight version does), the new ones extend them at their own positions."""
+        completion's `routed_experts_start`) to the last token minus one. Rows already held stay (earlier turns of
+        the same weights), the new ones extend them at their own positions; `replace` (a turn resumed after an abort,
+        re-fed from position 0 under new weights) drops the held rows for the completion's."""
         if comp_routing is not None:
             from mtrain.rollout.routing import merge_resumed
-            self.routed_experts = merge_resumed(self.routed_experts, comp_routing, len(self.tokens) - 1, start)
+            self.routed_experts = merge_resumed(None if replace else self.routed_experts, comp_routing,
+                                                len(self.tokens) - 1, start)
             self.routing_rows_received += int(comp_routing.shape[0])
 
     def check(self) -> None:

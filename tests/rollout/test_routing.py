@@ -140,9 +140,10 @@ def test_completion_refuses_routing_of_the_wrong_length():
         Completion("a", [1, 2], [3, 4], [0.0, 0.0], "stop", 0, routed_experts=torch.zeros(4, 2, 2, dtype=torch.uint8))
 
 
-def test_partial_resume_keeps_each_tokens_routing():
-    """Abort a sample mid-way on the reference engine, resume it (partial rollout): the rows of tokens it already had
-    stay as first recorded, the resumed request's rows fill the rest, and the whole is prompt + output - 1 rows."""
+def test_partial_resume_takes_the_resumed_requests_routing():
+    """Abort a sample mid-way on the reference engine, resume it (partial rollout): the resumed request re-feeds the
+    prompt and the kept tokens and its rows replace the held ones (its generated tokens were sampled from that
+    forward), and the whole is prompt + output - 1 rows."""
     from mtrain.rollout import partial
     from mtrain.rollout.reference_engine import ReferenceEngine
     cfg = dict(tiny_config("qwen3_moe"))
@@ -159,12 +160,13 @@ def test_partial_resume_keeps_each_tokens_routing():
     assert group.samples[0].routing.shape[0] == 4 + len(first.output_ids) - 1
     second = engine.generate([partial.resume_request(group, 0, params, "s1")])[0]
     kept = 4 + len(first.output_ids) - 1
-    assert second.routed_experts_start == kept  # the resume asks only for the rows the sample lacks
+    assert second.routed_experts_start == 0  # the resume asks for every row
     partial.apply(group, 0, second)
     (c,) = group.completions()
     assert c.routed_experts.shape[0] == len(c.prompt_ids) + len(c.output_ids) - 1
+    assert torch.equal(c.routed_experts, second.routed_experts)
+    # same weights here, so the re-fed prefix routes as it did the first time
     assert torch.equal(c.routed_experts[:kept], first.routed_experts)
-    assert torch.equal(c.routed_experts[kept:], second.routed_experts)
     restored = partial.from_state(partial.to_state([group]))[0]  # the buffer is checkpointed with its routing
     assert torch.equal(restored.samples[0].routing, c.routed_experts)
     engine.shutdown()

@@ -115,11 +115,13 @@ def test_rl_loop_replays_the_engines_routing_through_partial_rollout(tiny, tmp_p
     records = run_on_ranks(loop_steps, 2, str(tiny["qwen3_moe"]), str(tmp_path / "run"), extra, timeout=600)
     for rec in records[0]:
         assert rec["routing/bytes_per_token"] == 4 * 2 * 1  # 4 layers x top-2, uint8
-        assert rec["routing/engine_bytes_per_token"] == 4 * 2 * 4
-        # float32 on both sides, so the trainer's own choice differs only on rows kept from an older weight version
-        # (a resumed sample's tokens keep the routing they were generated with) and on near-ties
+        # one int32 payload row per token, more where a resumed sample re-fed its tokens (all its rows come again)
+        assert rec["routing/engine_bytes_per_token"] >= 4 * 2 * 4
+        # float32 on both sides, so the trainer's own choice differs only on near-ties
         assert 0.0 <= rec["routing/disagreement"] < 0.01, rec
-        # tokens of this step's weights (older ones are masked; a step may have none)
+        # tokens of this step's weights (older ones are masked; a step may have none): a resumed sample's rows all
+        # come from the request that sampled them, so its new tokens' logprobs match too (with the rows first
+        # recorded kept, a prefix token routed otherwise under the new weights moved them by up to 1.6e-3)
         assert rec.get("logprob_diff/max_abs", 0.0) <= LP_TOL, rec
     for a, b in zip(*records):  # reduced over ranks
         assert {k: v for k, v in a.items() if k.startswith("routing/")} == \
