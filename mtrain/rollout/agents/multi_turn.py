@@ -157,6 +157,7 @@ async def _run_calls(ctx: RolloutContext, session, parsed) -> list[tuple[str, To
 async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, session, seed: int) -> None:
     tok, stops = ctx.tokenizer, tuple(ctx.params.stop_token_ids)
     resuming = traj.finish_reason == "abort"
+    refeed = resuming  # the first request after an abort runs under new weights: it takes every routing row
     while True:
         used = sum(len(s.ids) for s in traj.segments)
         budget = ctx.token_budget - used
@@ -175,14 +176,15 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
             # under the new weights and samples the turn's next tokens from it (partial.resume_request: the same)
             req = Request(rid=f"{traj.rid}t{traj.turns}-{aborts}-", prompt_ids=traj.tokens,
                           params=replace(ctx.params, max_new_tokens=room, seed=seed + traj.turns * 16 + aborts % 16),
-                          routed_experts_start=0 if resuming else traj.routing_start,
+                          routed_experts_start=0 if refeed else traj.routing_start,
                           vision=traj.vision)  # the same images every turn: the engine prefills them again
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
         if room > 0:
             # routing replay: None unless the engine records routing
-            traj.record_routing(comp.routed_experts, comp.routed_experts_start, replace=resuming)
+            traj.record_routing(comp.routed_experts, comp.routed_experts_start, replace=refeed)
+            refeed = False
         resuming = False
         sampled_image_token = _has_image_token(ctx, traj.segments[-1].ids)
         if finish == "abort" and not sampled_image_token:
