@@ -31,33 +31,55 @@ from .fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS, WHOLE
 from .pieces import SrcMeta
 from .triton_pieces import MAX_SLOTS, _Ptr, _slot_bases, is_interpreted
 
+
+def _knob(name: str, default: int, minimum: int) -> int:
+    """An integer knob from the environment, refused at import with one line when it is not an integer >= minimum
+    (PIPELINE=-1 would otherwise launch too few programs to cover the blocks)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A 0/1 knob from the environment, refused at import with one line otherwise."""
+    raw = os.environ.get(name, "1" if default else "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 # The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh, docs/results.md
 # section 34; every variant bit-equal to the torch executor there): the whole 128-row block in registers (one gather,
 # no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (cvt.rn.satfinite, round to nearest
 # even, saturating: _e4m3x4) instead of _e4m3_bits' ~30 integer instructions per value: 2.1x (Llama-8B) and 2.1x
 # (Qwen3-MoE) faster than the former 32 rows / 4 warps / bit rounding. The
 # interpreter always takes one step per block and the bit rounding (it has no hardware conversion to match).
-STEP_ROWS = int(os.environ.get("MTRAIN_FP8_STEP_ROWS", "128"))
-WARPS = int(os.environ.get("MTRAIN_FP8_WARPS", "16"))
-HW_CVT = os.environ.get("MTRAIN_FP8_HW_CVT", "1") == "1"
+STEP_ROWS = _knob("MTRAIN_FP8_STEP_ROWS", 128, 1)
+WARPS = _knob("MTRAIN_FP8_WARPS", 16, 1)
+HW_CVT = _flag("MTRAIN_FP8_HW_CVT", True)
 # Blocks one sub-piece covers whole (plan_blocks' WHOLE flag: every interior block of a large weight; all blocks of
 # Llama-8B and Qwen3-MoE from training TP2) go through their own launch of the kernel compiled with FAST: one plain
 # 2-D load, no per-piece masks or selects: 446 SASS instructions a thread for a bf16 block with 16-byte accesses at
 # the defaults, against the general path's 871 (static counts for sm_90: benchmarks/fp8_kernel_ptx_count.py;
 # docs/results.md section 36). 0 sends every block through the general path (to compare on the GPU).
-FAST_PATH = os.environ.get("MTRAIN_FP8_FAST", "1") == "1"
+FAST_PATH = _flag("MTRAIN_FP8_FAST", True)
 # A register cap per thread (ptxas maxnreg), 64 by default (0: none). Uncapped, the fast path takes 92 registers at
 # 16 warps, so one 512-thread program fills an SM's register file and an SM runs one block at a time: its loads,
 # then its amax and division, then its stores, never overlapped with another block's. 64 lets two programs share an
 # SM (72 bytes of spill: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64). On the H200 (docs/results.md section 36)
 # that took the kernel alone from 35 to 55 % of its floor with the per-element division, and from 46 to 76 %
 # (Llama-8B) and 44 to 73 % (Qwen3-MoE) with the reciprocal one; 8 warps capped at 128 did the same.
-MAXNREG = int(os.environ.get("MTRAIN_FP8_MAXNREG", "64")) or None
+MAXNREG = _knob("MTRAIN_FP8_MAXNREG", 64, 0) or None
 # Division by the block's scale through its reciprocal and one exact correction (_quotient; the same bits as the
 # IEEE division, 4 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
 # (tests/kernels/test_fp8_rcp_div.py, on the CPU interpreter and the H200); float32 sources always divide.
 # 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/results.md section 36).
-RCP_DIV = os.environ.get("MTRAIN_FP8_RCP_DIV", "1") == "1"
+RCP_DIV = _flag("MTRAIN_FP8_RCP_DIV", True)
 RCP_DTYPES = (torch.bfloat16, torch.float16)
 # Software pipelining of the whole blocks (0 by default: not yet timed on the H200). With N > 0 the fast path's launch
 # is persistent: PROGRAMS_PER_SM programs on every SM each loop over blocks, and Triton's pipeliner (tl.range,
@@ -69,7 +91,7 @@ RCP_DTYPES = (torch.bfloat16, torch.float16)
 # no spill uncapped (MTRAIN_FP8_MAXNREG=0: one program per SM), 64 with 112 bytes of spill at the default cap.
 # Only for launches whose loads and stores need no branch: whole blocks, one source dtype, every source offset,
 # stride and width and every weight row 16-byte aligned (else the one-block-per-program launch, as with 0).
-PIPELINE = int(os.environ.get("MTRAIN_FP8_PIPELINE", "0"))
+PIPELINE = _knob("MTRAIN_FP8_PIPELINE", 0, 0)
 # programs that share an SM's 64K registers at the register cap (uncapped: up to 128 a thread at 16 warps, one)
 PROGRAMS_PER_SM = max(1, 65536 // (32 * WARPS * (MAXNREG or 128)))
 

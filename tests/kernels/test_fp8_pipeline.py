@@ -3,6 +3,10 @@ the next block's loads issued before this one is quantized) gives the float64 re
 where its loads and stores need no branch: otherwise the one-block-per-program launch runs, with the same result."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -70,3 +74,13 @@ def test_whole_blocks_aligned_checks_every_offset():
         assert not tf.whole_blocks_aligned(blocks, subs, 2, vecs), (field, value)
         table[row, field] = saved
     assert not tf.whole_blocks_aligned(blocks, subs, 0, vecs)
+
+
+@pytest.mark.parametrize("name,value", [("MTRAIN_FP8_PIPELINE", "-1"), ("MTRAIN_FP8_PIPELINE", "two"),
+                                        ("MTRAIN_FP8_RCP_DIV", "yes"), ("MTRAIN_FP8_MAXNREG", "-64")])
+def test_a_bad_knob_is_refused_at_import(name, value):
+    env = dict(os.environ, **{name: value})
+    proc = subprocess.run([sys.executable, "-c", "import mtrain.kernels.triton_fp8"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"ValueError: {name}={value!r}: expected" in proc.stderr.splitlines()[-1], proc.stderr
