@@ -6,10 +6,11 @@
 
 The table is the real one: the planner's pieces from Megatron shards (training TP --train-tp, every shard its own
 allocation unless --contiguous) into an engine's linear weights at engine TP 1 (the FP8 destinations only, so
-the FP8 launch is what is timed). Three timings in one run: (a) execute_scatter with quant= into float8_e4m3fn
+the FP8 launch is what is timed). Four timings in one run: (a) execute_scatter with quant= into float8_e4m3fn
 parameters + their weight_scale_inv, (b) the same table into bf16 parameters (today's bf16 sync kernel), (c) one
-plain torch copy_ of the same element count, bf16 -> bf16 (the bandwidth baseline). FP8 reads 2 bytes and writes
-1 per weight, so its floor is 3/4 of the bf16 one at the same bandwidth: reported as fp8_vs_floor = floor / time.
+plain torch copy_ of the same element count, bf16 -> bf16 (the bandwidth baseline), (d) torch's plain bf16 ->
+float8_e4m3fn cast of that count (no scales: the FP8 byte pattern's own copy, *_vs_cast). FP8 reads 2 bytes and
+writes 1 per weight, so its floor is 3/4 of the bf16 one at the same bandwidth: fp8_vs_floor = floor / time.
 Correctness first: the Triton result equals the torch executor's, bit for bit, weights and scales. (a) and (b) are
 also split into the host work of a call and the GPU time of its launches alone (*_host_ms, *_gpu_only_ms), and
 timed back to back (*_back_to_back_ms: host work overlapping the previous call's GPU work, as bench_kernel.py's
@@ -153,6 +154,13 @@ def main() -> int:
     b = torch.empty_like(a)
     t_copy = timed(lambda: b.copy_(a), args.reps, device)
     bw = 4 * n / t_copy  # bytes read + written per second by a bf16 copy
+    # The same byte pattern as the FP8 kernel (read 2 bytes, write 1, per weight) without the blocks' scales: torch's
+    # own elementwise bf16 -> float8_e4m3fn cast. What the memory system gives that pattern, measured in this run, is
+    # the FP8 destinations' counterpart of the bf16 copy (the 3/4 floor assumes a 2:1 read/write mix moves as fast).
+    c = torch.empty(n, dtype=FP8, device=device)
+    cast = lambda: c.copy_(a)  # noqa: E731
+    t_cast = timed(cast, args.reps, device)
+    t_cast_b2b = back_to_back(cast, 4 * args.reps, device)
     from mtrain.kernels import triton_fp8 as tf
     from mtrain.kernels.fp8 import WHOLE
     from mtrain.kernels.scatter_fp8 import _split
@@ -169,6 +177,9 @@ def main() -> int:
                bf16_gpu_only_vs_copy=t_copy / (split["bf16_gpu_only_ms"] / 1e3),
                fp8_back_to_back_vs_floor=(3 * n / bw) / (split["fp8_back_to_back_ms"] / 1e3),
                bf16_back_to_back_vs_copy=t_copy / (split["bf16_back_to_back_ms"] / 1e3),
+               cast_ms=t_cast * 1e3, cast_back_to_back_ms=t_cast_b2b * 1e3, cast_vs_floor=(3 * n / bw) / t_cast_b2b,
+               fp8_gpu_only_vs_cast=t_cast_b2b / (split["fp8_gpu_only_ms"] / 1e3),
+               fp8_back_to_back_vs_cast=t_cast_b2b / (split["fp8_back_to_back_ms"] / 1e3),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)")
     # Where the sources live (the bf16 MoE bucket ran at ~50 % or ~81 % of copy bandwidth depending on it,
     # docs/results.md section 1): allocator segments and the address span the sources cover.

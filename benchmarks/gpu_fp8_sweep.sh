@@ -49,7 +49,9 @@ try:
           f"of floor; bf16 {r['bf16_ms']:.3f} ms = {r['bf16_vs_copy']:.1%} of copy | launches alone: fp8 "
           f"{r['fp8_gpu_only_ms']:.3f} ms = {r['fp8_gpu_only_vs_floor']:.1%} of floor, bf16 {r['bf16_gpu_only_ms']:.3f} "
           f"ms = {r['bf16_gpu_only_vs_copy']:.1%} of copy | host fp8 {r['fp8_host_ms']:.3f} bf16 {r['bf16_host_ms']:.3f} ms"
-          f" | back to back: fp8 {r['fp8_back_to_back_vs_floor']:.1%} of floor, bf16 {r['bf16_back_to_back_vs_copy']:.1%}")
+          f" | back to back: fp8 {r['fp8_back_to_back_vs_floor']:.1%} of floor, bf16 {r['bf16_back_to_back_vs_copy']:.1%}"
+          f" | plain cast {r['cast_vs_floor']:.1%} of floor; fp8 vs cast: alone {r['fp8_gpu_only_vs_cast']:.1%}, "
+          f"back to back {r['fp8_back_to_back_vs_cast']:.1%}")
 except Exception as exc:  # a spill or compile error: say so and go on
     print(f"{name:46} rc={rc} no result ({type(exc).__name__})")
 PY
