@@ -107,7 +107,8 @@ def _table_params_per_stage(cfg: dict, pp: int, ep: int, first: int, last: int) 
     return out
 
 
-@pytest.mark.parametrize("which, pp, ep, first, last", [("full", 16, 32, 3, 2), ("small", 2, 2, 3, 4)])
+@pytest.mark.parametrize("which, pp, ep, first, last", [("full", 16, 32, 3, 2), ("small", 2, 2, 3, 4),
+                                                      ("small", 1, 1, None, None)])
 def test_memory_math_counts_what_the_layout_table_places(which, pp, ep, first, last):
     mm = memory_math()
     cfg = json.loads((FULL / "config.json").read_text()) if which == "full" else tiny_config("deepseek_v3_small")
@@ -121,3 +122,17 @@ def test_memory_math_counts_what_the_layout_table_places(which, pp, ep, first, l
     pad = (mm.padded_vocab(cfg) - cfg["vocab_size"]) * cfg["hidden_size"]
     for s, (g, w) in enumerate(zip(got, want)):
         assert g - w == pad * ((s == 0) + (s == pp - 1)), (s, g, w)
+
+
+def test_memory_math_cli_takes_one_stage_without_a_split(tmp_path):
+    """run_gpu.sh GPUS=1 asks for PP1: the full recipe's default split (3 | ... | 2) must not apply to one stage."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(tiny_config("deepseek_v3_small_gpu")))
+    proc = subprocess.run([sys.executable, str(FULL / "memory_math.py"), "--config", str(cfg), "--nodes", "1",
+                           "--gpus-per-node", "1", "--pp", "1", "--ep", "1", "--engine-tp", "1", "--seq", "512",
+                           "--cpu-offload", "--engine-fp8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "TP1 PP1 (7 layers)" in proc.stdout and "GB FP8 per GPU" in proc.stdout

@@ -152,12 +152,15 @@ def main() -> None:
     ap.add_argument("--overhead-gb", type=float, default=6.0, help="CUDA context, NCCL buffers, fragmentation")
     ap.add_argument("--config", type=Path, default=Path(__file__).parent / "config.json", help="HF config.json")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--first-stage-layers", type=int, default=3)
-    ap.add_argument("--last-stage-layers", type=int, default=2)
+    ap.add_argument("--first-stage-layers", type=int, default=None, help="default: 3 (the full recipe's) when pp > 1")
+    ap.add_argument("--last-stage-layers", type=int, default=None, help="default: 2 (the full recipe's) when pp > 1")
     ap.add_argument("--dtype", choices=sorted(BYTES), default="bf16", help="training parameter dtype")
     ap.add_argument("--engine-fp8", action="store_true", help="FP8 (block-scaled) engine weights")
     ap.add_argument("--measured", type=Path, default=None, help="a run's metrics.jsonl to compare with")
     a = ap.parse_args()
+    if a.pp > 1:  # one stage has no split to declare
+        a.first_stage_layers = 3 if a.first_stage_layers is None else a.first_stage_layers
+        a.last_stage_layers = 2 if a.last_stage_layers is None else a.last_stage_layers
     c = json.loads(a.config.read_text())
     k = counts(c)
     rows = training(c, k, a.nodes, a.pp, a.ep, a.seq, a.mtp, a.gpus_per_node, a.first_stage_layers,

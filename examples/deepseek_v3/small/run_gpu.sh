@@ -6,23 +6,32 @@
 # distributed optimizer with optimizer CPU offload, full recompute, MTP off; one SGLang engine TP2 x EP2 over both
 # GPUs, colocated. On the GPU machine, from the repository root:
 #   source benchmarks/gpu_setup.sh && bash examples/deepseek_v3/small/run_gpu.sh
-# ENGINE_FP8=1: give the engine the FP8 release's config (quantization_config kept): needs FP8 engine weights
-# (issue 15); without it the engine is bf16 and reads the exported bf16 config.
+# ENGINE_FP8=1: an FP8 engine (engine.weight_dtype=fp8: block-FP8 weights quantized by the sync, docs/fp8.md);
+# without it the engine is bf16. Either way the engine's config.json is the dequantised export's (hf-bf16).
+# GPUS=1: the same steps on one H200 (nvidia-h200) as a check of what the two-GPU kind cannot be lent for: PP1 (no
+# uneven split, the CPU run and GPUS=2 cover it) and one engine TP1; everything else as above.
 set -euo pipefail
 repo=$(pwd)
+gpus=${GPUS:-2}
+case $gpus in
+    2) split=(--pp 2 --first-stage-layers 3 --last-stage-layers 4); ckpt=mcore-pp2; over=(engine.tp=2 engine.ep=2) ;;
+    1) split=(--pp 1); ckpt=mcore-pp1
+       over=(parallel.pp=1 parallel.first_stage_layers=null parallel.last_stage_layers=null engine.tp=1 engine.ep=1) ;;
+    *) echo "run_gpu.sh: GPUS must be 1 or 2, got $gpus" >&2; exit 2 ;;
+esac
 work=${WORK:-/tmp/mtrain-dsv3-small}
 mkdir -p "$work" && cd "$work"   # outside the checkout: see BUILD.md, "GPU"
 export OMP_NUM_THREADS=4 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false
 python -c "import json, sys; from mtrain.tiny_configs import tiny_config; json.dump(tiny_config('deepseek_v3_small_gpu'), sys.stdout, indent=1)" > config.json
 [ -f release/config.json ] || python -m mtrain.converters make-fp8 --config config.json --out release --seed 0
-[ -f mcore-pp2/metadata.json ] || torchrun --standalone --nproc-per-node 2 -m mtrain.converters hf-to-mcore \
-    --hf release --out mcore-pp2 --tp 1 --pp 2 --first-stage-layers 3 --last-stage-layers 4 --dtype bfloat16
-# the engine's config.json: the release's (FP8 engine) or the dequantised export's (bf16 engine)
-[ -f hf-bf16/config.json ] || python -m mtrain.converters mcore-to-hf --mcore mcore-pp2 --out hf-bf16
-engine_hf=$([ -n "${ENGINE_FP8:-}" ] && echo release || echo hf-bf16)
-torchrun --standalone --nproc-per-node 2 -m mtrain train "$repo/examples/deepseek_v3/small/config.yaml" \
-    model.hf_path="$work/$engine_hf" model.mcore_ckpt="$work/mcore-pp2" train.run_dir="$work/run" \
-    model.dtype=bfloat16 parallel.ep=1 optim.cpu_offload=true engine.kind=sglang engine.tp=2 engine.ep=2 \
+[ -f $ckpt/metadata.json ] || torchrun --standalone --nproc-per-node "$gpus" -m mtrain.converters hf-to-mcore \
+    --hf release --out $ckpt --tp 1 "${split[@]}" --dtype bfloat16
+# the engine's config.json: the dequantised export's (an FP8 engine gets its quantization_config from the trainer)
+[ -f hf-bf16/config.json ] || python -m mtrain.converters mcore-to-hf --mcore $ckpt --out hf-bf16
+fp8=(); [ -n "${ENGINE_FP8:-}" ] && over+=(engine.weight_dtype=fp8) && fp8=(--engine-fp8)
+torchrun --standalone --nproc-per-node "$gpus" -m mtrain train "$repo/examples/deepseek_v3/small/config.yaml" \
+    model.hf_path="$work/hf-bf16" model.mcore_ckpt="$work/$ckpt" train.run_dir="$work/run" \
+    model.dtype=bfloat16 parallel.ep=1 optim.cpu_offload=true engine.kind=sglang "${over[@]}" \
     engine.mem_fraction_static=0.3 rollout.prompts_per_step=8 rollout.samples_per_prompt=8 rollout.max_new_tokens=64 \
     train.global_batch_size=64 train.micro_batch_size=8 "$@" 2>&1 | tee "$work/train.log" || train_rc=$?
 step=$(ls -d run/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1)
@@ -44,9 +53,9 @@ fi
 python -m mtrain.converters mcore-to-hf --mcore "$step/mcore" --hf-config release --out export --force
 # bf16 Megatron vs float32 transformers: on a random MoE model a few top-k routing flips can exceed the bf16
 # tolerance (docs/results.md, section 13: 9e-2 relative on the CPU model); report and go on to the memory step
-python -m mtrain.converters verify --hf export --mcore "$step/mcore" --pp 2 --first-stage-layers 3 --last-stage-layers 4 \
+python -m mtrain.converters verify --hf export --mcore "$step/mcore" "${split[@]}" \
     || echo "run_gpu.sh: verify FAILED (exit $?): compare with a float32 conversion before suspecting the converter"
-python "$repo/examples/deepseek_v3/full/memory_math.py" --config config.json --nodes 1 --gpus-per-node 2 --pp 2 --ep 1 \
-    --first-stage-layers 3 --last-stage-layers 4 --dtype bf16 --seq 512 --engine-tp 2 --cpu-offload \
+python "$repo/examples/deepseek_v3/full/memory_math.py" --config config.json --nodes 1 --gpus-per-node "$gpus" \
+    "${split[@]}" --ep 1 --dtype bf16 --seq 512 --engine-tp "$gpus" --cpu-offload "${fp8[@]}" \
     --measured run/metrics.jsonl
 exit "$train_rc"
