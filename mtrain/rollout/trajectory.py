@@ -65,9 +65,12 @@ class Trajectory:
     sample: Any = None  # the PromptSample
     vision: Any = None  # the prompt's images (mtrain.data.vision.VisionInputs); the prompt segment holds their tokens
     # Routing replay: [rows, L, k] the engine's routed experts of tokens[:rows] (rows <= len(tokens) - 1), each row as
-    # recorded by the request that first fed or produced that token (`record_routing`); None when not recorded.
+    # recorded by the request that first fed or produced that token under the current rows' weights
+    # (`record_routing`); None when not recorded.
     routed_experts: Any = None
     routing_rows_received: int = 0  # rows the engine sent over all of this trajectory's requests (traffic metric)
+    # the weight version every held row was routed under; None when unknown or mixed (the next request re-asks all)
+    routing_version: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -118,16 +121,29 @@ class Trajectory:
         from mtrain.rollout.routing import held_rows
         return held_rows(self.routed_experts)
 
-    def record_routing(self, comp_routing, start: int = 0, replace: bool = False) -> None:
-        """Keep the routing a turn's completion brought: rows of the trajectory's tokens from position `start` (the
-        completion's `routed_experts_start`) to the last token minus one. Rows already held stay (earlier turns of
-        the same weights), the new ones extend them at their own positions; `replace` (a turn resumed after an abort,
-        re-fed from position 0 under new weights) drops the held rows for the completion's."""
-        if comp_routing is not None:
-            from mtrain.rollout.routing import merge_resumed
-            self.routed_experts = merge_resumed(None if replace else self.routed_experts, comp_routing,
-                                                len(self.tokens) - 1, start)
-            self.routing_rows_received += int(comp_routing.shape[0])
+    def routing_request_start(self, version: int) -> int:
+        """The next request's `routed_experts_start` when new requests run on weight `version`: the first position
+        whose routing this trajectory lacks, or 0 (every row) when the held rows were routed under other weights.
+        That request feeds the whole trajectory under `version` and samples its tokens from that forward, so its
+        rows replace the held ones (the trainer replays one routing per token: the one the newest tokens saw)."""
+        return self.routing_start if self.routing_version is not None and version == self.routing_version else 0
+
+    def record_routing(self, comp_routing, start: int = 0, version: int | None = None) -> None:
+        """Keep the routing a completion brought: rows of the trajectory's tokens from position `start` (the
+        completion's `routed_experts_start`) to the last token minus one, routed under weight `version` (the
+        completion's). A request that asked from 0 brought every row: they replace the held ones (a first request,
+        a turn resumed after an abort, or a call on new weights: `routing_request_start`). One that asked from later
+        extends the held rows at their own positions; if it ran on other weights than they were routed under (the
+        weights changed between building the request and running it), the result mixes two versions and
+        `routing_version` becomes None, so that the next request re-asks every row."""
+        if comp_routing is None:
+            return
+        from mtrain.rollout.routing import merge_resumed
+        self.routed_experts = merge_resumed(None if start == 0 else self.routed_experts, comp_routing,
+                                            len(self.tokens) - 1, start)
+        self.routing_rows_received += int(comp_routing.shape[0])
+        same = start == 0 or (self.routing_version is not None and version == self.routing_version)
+        self.routing_version = version if same else None
 
     def check(self) -> None:
         """Raise when the trajectory cannot be trained on (no prompt first, two env segments merged wrongly...)."""

@@ -43,6 +43,7 @@ class Choice:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when the request asked for them
     routed_experts: Any = None  # the engine's routing of prompt + output (routing replay), when it records it
     routed_start: int = 0  # the input position routed_experts' first row belongs to (the request's start)
+    routed_version: int | None = None  # the weight version the routing was recorded under (the completion's)
 
 
 @dataclass
@@ -207,7 +208,7 @@ class OpenAIFront:
             parser = ToolCallParser(self.tool_parser, template_tools)
         return Job(plan.prompt_ids, params, session, req.stop or [], parser.start_marker if parser else None,
                    lambda completions: self._chat_result(req, session, plan, messages, template_tools, parser,
-                                                         completions), plan.routed_experts_start)
+                                                         completions), plan.routed_experts_start(self.client.weight_version))
 
     def _chat_result(self, req, session, plan, messages, template_tools, parser, completions) -> Result:
         choices, branches = [], []
@@ -215,7 +216,7 @@ class OpenAIFront:
             ids, text, finish, stop_text = self._cut(c, req.stop)
             ch = Choice(j, ids, c.logprobs[:len(ids)], c.versions[:len(ids)], text, finish, content=text,
                         top_logprobs=_cut(c.top_logprobs, len(ids)), routed_experts=c.routed_experts,
-                        routed_start=c.routed_experts_start)
+                        routed_start=c.routed_experts_start, routed_version=c.weight_version)
             if parser is not None:
                 parsed = parser.parse(text)
                 if parsed.calls:
@@ -230,7 +231,7 @@ class OpenAIFront:
                     reply["tool_calls"] = ch.tool_calls
                 b = S.record(session, plan, messages, S.tools_key(template_tools), reply, ids, ch.logprobs,
                              ch.versions, text, stop_text, ch.finish_reason, routed=ch.routed_experts,
-                             routed_start=ch.routed_start)
+                             routed_start=ch.routed_start, routed_version=ch.routed_version)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1
@@ -250,7 +251,7 @@ class OpenAIFront:
         params = self._params(req, len(prompt))
         return Job(prompt, params, session, req.stop or [], None,
                    lambda completions: self._complete_result(req, session, plan, prompt, completions),
-                   plan.routed_experts_start)
+                   plan.routed_experts_start(self.client.weight_version))
 
     def _complete_result(self, req, session, plan, prompt, completions) -> Result:
         choices, branches = [], []
@@ -261,7 +262,8 @@ class OpenAIFront:
             if session is not None:
                 b = S.record(session, plan, [], "completions", {"role": "completion", "content": text}, ids,
                              c.logprobs[:len(ids)], c.versions[:len(ids)], text, stop_text, finish,
-                             routed=c.routed_experts, routed_start=c.routed_experts_start)
+                             routed=c.routed_experts, routed_start=c.routed_experts_start,
+                             routed_version=c.weight_version)
                 branches.append(b.id)
         if session is not None:
             session.calls += 1

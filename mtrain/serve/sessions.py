@@ -46,13 +46,14 @@ class Plan:
     env_text: str
     rerendered: bool = False  # a fresh rendering although the session already had branches (edited history)
 
-    @property
-    def routed_experts_start(self) -> int:
-        """Routing replay: the first position whose routing the parent branch lacks (0 for a fresh rendering), so the
-        call asks the engine only for the rows past those the branch already holds."""
+    def routed_experts_start(self, version: int) -> int:
+        """Routing replay, for a call on weight `version`: the first position whose routing the parent branch lacks,
+        so the call asks the engine only for the rows past those the branch already holds; 0 (every row) for a fresh
+        rendering, and when the branch's rows were routed under other weights (a session continued across a weight
+        sync: `Trajectory.routing_request_start`)."""
         if self.parent is None:
             return 0
-        return self.parent.trajectory.routing_start
+        return self.parent.trajectory.routing_request_start(version)
 
 
 @dataclass
@@ -162,12 +163,14 @@ def plan_tokens(session: Session | None, prompt_ids: list[int]) -> Plan:
 
 def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: str,
            reply: dict[str, Any], output_ids: list[int], logprobs: list[float], versions: list[int], text: str,
-           stop_text: str | None, finish_reason: str, routed: Any = None, routed_start: int = 0) -> Branch:
+           stop_text: str | None, finish_reason: str, routed: Any = None, routed_start: int = 0,
+           routed_version: int | None = None) -> Branch:
     """Add one choice of a call as a branch. key: `tools_key(tools)` for chat, "completions" for token prompts.
-    routed: the engine's routing of this call's prompt + output from position `routed_start` on (the completion's
-    `routed_experts_start`; the call asked from `plan.routed_experts_start`) (routing replay): the branch keeps its
-    parent's rows as first recorded and extends them (`Trajectory.record_routing`). Callers hold no lock: only the
-    HTTP loop's one thread records."""
+    routed: the engine's routing of this call's prompt + output from position `routed_start` on, under weight
+    `routed_version` (the completion's `routed_experts_start` and `weight_version`; the call asked from
+    `plan.routed_experts_start(version)`) (routing replay): the branch extends its parent's rows when the call ran on
+    their weights, else the call's rows (every row) replace them (`Trajectory.record_routing`). Callers hold no lock:
+    only the HTTP loop's one thread records."""
     if plan.parent is not None:
         segments = copy.deepcopy(plan.parent.trajectory.segments)
         if plan.env_ids:
@@ -184,7 +187,8 @@ def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: st
     if plan.parent is not None:
         traj.routed_experts = plan.parent.trajectory.routed_experts
         traj.routing_rows_received = plan.parent.trajectory.routing_rows_received
-    traj.record_routing(routed, routed_start)
+        traj.routing_version = plan.parent.trajectory.routing_version
+    traj.record_routing(routed, routed_start, routed_version)
     b = Branch(bid, messages + [reply], key, traj, stop_text,
                plan.parent.id if plan.parent is not None else None,
                rerendered=plan.rerendered)

@@ -172,18 +172,19 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
         else:
             aborts = int(traj.metrics.get("aborts", 0))  # a resumed turn samples from a fresh seed
             # routing replay: only the rows the trajectory lacks (its earlier turns' rows, recorded under the same
-            # weights, stay), but every row when resuming after an abort: that request re-feeds the whole trajectory
-            # under the new weights and samples the turn's next tokens from it (partial.resume_request: the same)
+            # weights, stay), but every row when resuming after an abort or on new weights: that request re-feeds the
+            # whole trajectory under them and samples the turn's next tokens from it (partial.resume_request: the same)
+            start = 0 if refeed else traj.routing_request_start(client.weight_version)
             req = Request(rid=f"{traj.rid}t{traj.turns}-{aborts}-", prompt_ids=traj.tokens,
                           params=replace(ctx.params, max_new_tokens=room, seed=seed + traj.turns * 16 + aborts % 16),
-                          routed_experts_start=0 if refeed else traj.routing_start,
+                          routed_experts_start=start,
                           vision=traj.vision)  # the same images every turn: the engine prefills them again
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
         if room > 0:
             # routing replay: None unless the engine records routing
-            traj.record_routing(comp.routed_experts, comp.routed_experts_start, replace=refeed)
+            traj.record_routing(comp.routed_experts, comp.routed_experts_start, comp.weight_version)
             refeed = False
         resuming = False
         sampled_image_token = _has_image_token(ctx, traj.segments[-1].ids)
