@@ -208,7 +208,8 @@ class OpenAIFront:
             parser = ToolCallParser(self.tool_parser, template_tools)
         return Job(plan.prompt_ids, params, session, req.stop or [], parser.start_marker if parser else None,
                    lambda completions: self._chat_result(req, session, plan, messages, template_tools, parser,
-                                                         completions), plan.routed_experts_start(self.client.weight_version))
+                                                         completions),
+                   plan.routed_experts_start(self.client.weight_version))
 
     def _chat_result(self, req, session, plan, messages, template_tools, parser, completions) -> Result:
         choices, branches = [], []
