@@ -5,7 +5,7 @@
 # carried:
 #   LANES="0:tool,front,pack 1:partial,partial_learn" DEADLINE=540 bash benchmarks/gpu_lanes.sh
 #   LANES="0,1:dsv3" DSV3_ARGS="train.collective_timeout_s=120" bash benchmarks/gpu_lanes.sh
-# Parts: those of benchmarks/gpu_round3.sh (dsv3 timeout pack front tool fp8 fp8_llama8b fp8_qwen3moe kernel5
+# Parts: those of benchmarks/gpu_round3.sh (dsv3 timeout pack front tool fp8 fp8_llama8b fp8_qwen3moe fp8_decode kernel5
 # routing_dsv3 routing_qwen3moe routing_start vlm_mt pack_rope_loop), of benchmarks/gpu_round2.sh (partial partial_learn fp8loop fp8tis), moe_spread, fp8_sweep and fp8_exact (benchmarks/gpu_moe_spread.sh, gpu_fp8_sweep.sh, gpu_fp8_exact.sh), and vlm (benchmarks/gpu_vlm.py;
 # needs .gpu-extra/, BUILD.md "GPU"). A part that would start with under 90 s left is skipped and says so.
 # Lanes share the CPU cores and the host: a timing taken beside another lane says so in docs/results.md.
