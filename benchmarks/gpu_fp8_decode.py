@@ -11,7 +11,9 @@ Weights: random bf16 (normal * 0.02, norms 1) by HF names, each generated on the
 quantized per 128x128 block as DeepSeek's release format (`gpu_fp8_sync.fp8_checkpoint`), both through SGLang's own
 HF-names loader. Greedy, 16-token random prompts, --new-tokens each. --fp8-backends: SGLang's
 `fp8_gemm_runner_backend` for each FP8 engine (triton is mtrain's default: no DeepGEMM in the bundle); a backend that
-fails is reported and skipped. Writes <out>/gpu_fp8_decode_<model>.json.
+fails is reported and skipped. --cuda-graphs: decode CUDA graphs in every engine (our engines start without; an FP8
+engine may use them when its model captured no KV scales, checked at the first sync: sglang_loader.
+check_graph_kv_scales). Writes <out>/gpu_fp8_decode_<model>[_graphs].json.
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def run_engine(model_dir: str, server_args: dict, weights, batch, args) -> dict:
     try:
         start = time.perf_counter() - t0
         eng.update_weights_hf_names(weights)  # SGLang's own loader
+        eng.finish_weight_update(1)  # a sync's end: KV scales to 1.0, and with graphs the check that none were captured
         res = tokens_per_s(eng, batch, args.new_tokens, args.reps)
         res["engine_start_s"] = start
         return res
@@ -92,6 +95,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3, help="timed batches per engine (all kept)")
     ap.add_argument("--fp8-backends", default="triton", help="comma-separated fp8_gemm_runner_backend values")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="every engine with decode CUDA graphs (up to --gen requests); default: without, as our "
+                         "engines start")
     args = ap.parse_args()
     if args.reps < 1 or args.gen < 1 or args.new_tokens < 1:
         ap.error("--reps, --gen and --new-tokens must be positive")
@@ -111,9 +117,10 @@ def main() -> int:
             json.dump(c, f)
     batch = prompts(args.gen, cfg["vocab_size"])
     res: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "args": vars(args), "engines": {}}
-    runs = [(f"fp8_{b}", os.path.join(work, "fp8"), dict(SERVER_ARGS, fp8_gemm_runner_backend=b), ckpt)
+    graphs = {"disable_cuda_graph": False, "cuda_graph_max_bs": args.gen} if args.cuda_graphs else {}
+    runs = [(f"fp8_{b}", os.path.join(work, "fp8"), dict(SERVER_ARGS, fp8_gemm_runner_backend=b, **graphs), ckpt)
             for b in args.fp8_backends.split(",") if b.strip()]
-    runs.append(("bf16", os.path.join(work, "bf16"), {}, list(hf.items())))
+    runs.append(("bf16", os.path.join(work, "bf16"), graphs, list(hf.items())))
     for name, model_dir, server_args, weights in runs:
         try:
             res["engines"][name] = run_engine(model_dir, server_args, weights, batch, args)
@@ -134,7 +141,8 @@ def main() -> int:
             print(f"{name} / bf16 tokens/s: {r['over_bf16']:.2f}x (medians); greedy first token equal {agree:.0%}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"gpu_fp8_decode_{args.model}.json"), "w") as f:
+        name = f"gpu_fp8_decode_{args.model}{'_graphs' if args.cuda_graphs else ''}.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(res, f, indent=1)
     return 0 if all("error" not in r for r in res["engines"].values()) else 1
 

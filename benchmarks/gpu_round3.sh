@@ -11,7 +11,8 @@
 #   routing_dsv3 / routing_qwen3moe  GRPO with routing replay off vs on: logprob gap, disagreement, overhead (issue 14)
 #   routing_start  rows from routed_experts_start_len equal the start-0 rows; multi-turn bytes (issue 14; 1 GPU)
 #   fp8_qwen3moe   FP8 sync vs bf16 vs copy floor on Qwen3-30B-A3B's layer shape, pull, contiguous (issue 15)
-#   fp8_decode     FP8 vs bf16 engine tokens/s, 3 timed batches after an untimed one (FP8_DECODE_MODEL, _BACKENDS)
+#   fp8_decode     FP8 vs bf16 engine tokens/s, 3 timed batches after an untimed one (FP8_DECODE_MODEL, _BACKENDS,
+#                  FP8_DECODE_GRAPHS=1: decode CUDA graphs in both engines)
 #   kernel5  the kernel's run-to-run spread: 5 processes each of bench_kernel (dense, moe) and bench_fp8_kernel
 #            (qwen3moe), plus one bench_fp8_kernel on llama8b (issue 15 point 4; 1 GPU)
 #   pack_rope_loop  pack's 1B bench (no profile) with MTRAIN_ROPE_PER_TOKEN=0, the A/B of the packed RoPE (issue 18)
@@ -93,8 +94,8 @@ if [[ $parts == *" fp8_qwen3moe "* ]]; then
     step fp8_qwen3moe 420 python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model qwen3moe12l --contiguous-params
 fi
 if [[ $parts == *" fp8_decode "* ]]; then  # FP8 vs bf16 engine tokens/s, untimed warm-up batch, several timed ones
-    step fp8_decode 300 python benchmarks/gpu_fp8_decode.py --out "$out/fp8_decode" --model "${FP8_DECODE_MODEL:-qwen3moe12l}" \
-        --fp8-backends "${FP8_DECODE_BACKENDS:-triton}"
+    step fp8_decode "${FP8_DECODE_TIMEOUT:-300}" python benchmarks/gpu_fp8_decode.py --out "$out/fp8_decode" --model "${FP8_DECODE_MODEL:-qwen3moe12l}" \
+        --fp8-backends "${FP8_DECODE_BACKENDS:-triton}" ${FP8_DECODE_GRAPHS:+--cuda-graphs}
 fi
 if [[ $parts == *" kernel5 "* ]]; then
     for i in 1 2 3 4 5; do  # separate processes: the MoE bucket's speed depended on the allocation pattern

@@ -275,16 +275,43 @@ def reset_kv_scales(model: torch.nn.Module) -> int:
     a 0.08 to a 0.79 mean logprob gap after the first release (docs/results.md section 29)."""
     layers = _kv_scale_layers.get(model)
     if layers is None:
-        layers = _kv_scale_layers[model] = [
-            m for m in model.modules()
-            if all(isinstance(getattr(m, f"{w}_scale", None), torch.Tensor) and hasattr(m, f"{w}_scale_float")
-                   for w in "kv")]
+        found = [m for m in model.modules()
+                 if all(isinstance(getattr(m, f"{w}_scale", None), torch.Tensor) and hasattr(m, f"{w}_scale_float")
+                        for w in "kv")]
+        check_graph_kv_scales(found, cuda_graphs_on())  # first sync: the floats are still those of the start
+        layers = _kv_scale_layers[model] = found
     with torch.no_grad():
         for m in layers:
             m.k_scale.fill_(1.0)
             m.v_scale.fill_(1.0)
             m.k_scale_float = m.v_scale_float = 1.0
     return len(layers)
+
+
+def cuda_graphs_on() -> bool:
+    """Whether this scheduler captured decode CUDA graphs (SGLang's server args of this process)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+        return not get_global_server_args().disable_cuda_graph
+    except Exception:  # noqa: BLE001 -- no SGLang here (CPU tests) or not a scheduler: no graphs
+        return False
+
+
+def check_graph_kv_scales(layers: Sequence[torch.nn.Module], graphs: bool) -> None:
+    """Refuse an engine whose decode CUDA graphs captured KV scales other than 1.0. A graph keeps the Python floats
+    `k_scale_float`/`v_scale_float` as kernel arguments from the engine's start (the value SGLang derived from the
+    dummy start weights, ~1e-4: the triton backend scales attention scores by it), and `reset_kv_scales` cannot
+    reach into it. Which models are hit is SGLang's model code (those that pass the quantization config to
+    RadixAttention: Llama, Qwen2, DeepSeek, ...; not Qwen3 or Qwen3-MoE), so it is checked here, at the first sync,
+    before any rollout. Without graphs, or with every captured scale 1.0, nothing is refused."""
+    if not graphs:
+        return
+    bad = [m for m in layers if float(m.k_scale_float) != 1.0 or float(m.v_scale_float) != 1.0]
+    if bad:
+        raise LoaderError(
+            f"this FP8 engine captured CUDA graphs with KV scales SGLang derived from its dummy start weights "
+            f"(k_scale {float(bad[0].k_scale_float):.3g} in {len(bad)} attention layers), which no sync can change: "
+            "this model's FP8 engine must run without graphs (engine.server_args.disable_cuda_graph=true)")
 
 
 def run_post_load_hooks(model: Any, touched: Sequence[str]) -> None:

@@ -95,16 +95,6 @@ def rope_problem(hf_config: Mapping[str, Any]) -> str | None:
             f"sizes 16 and 32: give the model a head size of 64 or 128")
 
 
-def fp8_graph_problem(args: Mapping[str, Any]) -> str | None:
-    """An FP8 engine with CUDA graphs: SGLang derives the attention layers' KV scales from the dummy weights our
-    engines start with (a positive random value becomes the scale), and decode graphs captured at start keep that
-    float, while every sync resets it to 1.0 for the uncaptured paths (sglang_loader.reset_kv_scales)."""
-    if args.get("quantization") == "fp8" and args.get("disable_cuda_graph") is False:
-        return ("an FP8 engine (quantization='fp8') must run without CUDA graphs (disable_cuda_graph=True): its decode "
-                "graphs would keep the KV scales SGLang derived from the dummy start weights (docs/fp8.md)")
-    return None
-
-
 def unknown_server_args(names: Iterable[str], known: Iterable[str]) -> list[str]:
     """One message per name of engine.server_args that SGLang's ServerArgs lacks (sglang.Engine would raise a
     TypeError naming only the first, after mtrain had built the rest of the run); the closest known name when near."""
@@ -122,9 +112,6 @@ def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | N
                        extensions: set[str] | None) -> list[str]:
     """Everything that would make this engine start fail later; [] when none is known."""
     out = missing_kernels(args, extensions)
-    graphs = fp8_graph_problem(args)
-    if graphs:
-        out.append(graphs)
     if hf_config is not None:
         missing = missing_vision_modules(hf_config)
         if missing:

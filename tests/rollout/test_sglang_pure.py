@@ -216,6 +216,37 @@ def test_finish_resets_kv_scales_of_fp8_attention_layers(status_dir):
     assert L.reset_kv_scales(m) == 2
 
 
+def test_fp8_engine_whose_graphs_captured_dummy_kv_scales_is_refused_at_first_sync(status_dir, monkeypatch):
+    """With decode CUDA graphs the start's KV-scale floats are kernel arguments no sync can change: attention layers
+    that hold the dummy-derived value make the first sync fail with one clear message, nothing else done, and the
+    scales are left as they were (the run stops there). Layers already at 1.0 (a model without KV-scale
+    attention has none at all: Qwen3-MoE) pass, and without graphs the same model is reset as before."""
+    monkeypatch.setattr(L, "cuda_graphs_on", lambda: True)
+    m = TinySGLangLikeModel()
+    m.model.layers[0].self_attn.attn = _Fp8RadixAttention(4.2e-4, 4.2e-4)
+    L.load_direct(m, [(L.FINISH_NAME, torch.empty(0))])
+    (err,) = L.collect_errors(status_dir)
+    assert "captured CUDA graphs with KV scales" in err and "0.00042 in 1 attention layers" in err
+    assert "disable_cuda_graph=true" in err
+    assert m.model.layers[0].self_attn.attn.k_scale_float == 4.2e-4
+    ok = TinySGLangLikeModel()
+    ok.model.layers[0].self_attn.attn = _Fp8RadixAttention(1.0, 1.0)
+    L.load_direct(ok, [(L.FINISH_NAME, torch.empty(0))])
+    L.load_direct(TinySGLangLikeModel(), [(L.FINISH_NAME, torch.empty(0))])  # no KV-scale layers
+    assert L.collect_errors(status_dir) == []
+    monkeypatch.setattr(L, "cuda_graphs_on", lambda: False)
+    L.load_direct(m, [(L.FINISH_NAME, torch.empty(0))])
+    assert L.collect_errors(status_dir) == [] and m.model.layers[0].self_attn.attn.k_scale_float == 1.0
+    L.check_graph_kv_scales([], True)  # no KV-scale layers: nothing to refuse
+
+
+def test_cuda_graphs_are_off_without_sglang():
+    """On the CPU box (no SGLang) and outside a scheduler, `cuda_graphs_on` says no graphs rather than failing."""
+    import importlib.util
+    if importlib.util.find_spec("sglang") is None:
+        assert L.cuda_graphs_on() is False
+
+
 def test_dump_params_checksums_and_tensors(status_dir, tmp_path):
     m = TinySGLangLikeModel()
     qkv = torch.randn(16, 8).to(torch.bfloat16)
