@@ -117,7 +117,7 @@ def main() -> int:
             json.dump(c, f)
     batch = prompts(args.gen, cfg["vocab_size"])
     res: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "args": vars(args), "engines": {}}
-    graphs = {"disable_cuda_graph": False, "cuda_graph_max_bs": args.gen} if args.cuda_graphs else {}
+    graphs = {"disable_cuda_graph": False, "cuda_graph_max_bs_decode": args.gen} if args.cuda_graphs else {}
     runs = [(f"fp8_{b}", os.path.join(work, "fp8"), dict(SERVER_ARGS, fp8_gemm_runner_backend=b, **graphs), ckpt)
             for b in args.fp8_backends.split(",") if b.strip()]
     runs.append(("bf16", os.path.join(work, "bf16"), graphs, list(hf.items())))
