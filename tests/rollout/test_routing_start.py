@@ -183,6 +183,36 @@ def test_multi_turn_trajectory_asks_only_for_new_rows(tool_engine):
     assert torch.equal(b.routed_experts, b_ref.routed_experts)
 
 
+def test_multi_turn_turn_after_a_weight_sync_takes_every_row(tool_engine):
+    """A sync between two turns of a trajectory (no abort: the trajectory was between turns, e.g. running a tool):
+    the next turn runs on other weights than the held rows were routed under, so it asks for every row and they
+    replace the held ones (docs/design-routing-replay.md, "One routing per token"). Here the sync writes no new
+    values (it only moves the engine to version 2), so the routing must still equal the start-0 reference's."""
+    import asyncio
+
+    from mtrain.rollout.agents.multi_turn import rollout_group
+
+    class SyncAfterFirst(RecordingClient):
+        async def generate(self, request):
+            comp = await super().generate(request)
+            if len(self.log) == 1:
+                self.engine.finish_weight_update(2)
+            return comp
+
+    sample = PromptSample(0, QUESTION, "42")
+    client = SyncAfterFirst(tool_engine)
+    try:
+        (t,) = asyncio.run(rollout_group(sample, 1, client, _ctx()))
+        (ref,) = asyncio.run(rollout_group(sample, 1, FromZero(tool_engine), _ctx()))
+    finally:
+        tool_engine.finish_weight_update(1)
+    assert t.turns == 2 and [comp.weight_version for _, comp in client.log] == [1, 2]
+    assert [req.routed_experts_start for req, _ in client.log] == [0, 0]  # the turn after the sync: every row
+    assert t.routing_version == 2 and t.tokens == ref.tokens and torch.equal(t.routed_experts, ref.routed_experts)
+    assert t.routing_rows_received == len(client.log[0][0].prompt_ids) + len(client.log[0][1].output_ids) - 1 + \
+        len(t.tokens) - 1
+
+
 def _abort_after(engine, fut, tokens: int):
     while not any(n >= tokens for n in engine.active_requests().values()) and not fut.done():
         time.sleep(0.005)
