@@ -166,9 +166,12 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
                                      [quant[d].scale.data_ptr() for d in members], smaps)
             dev = dsts[members[0]].device
             n_whole = int(b[:, WHOLE].sum())
-            vecs = np.array([16 // m.dtype.itemsize for m in used_meta] or [1], np.int64)
+            table_aligned = False  # only the pipelined launch (off by default) reads it: no scan of the tables else
+            if tf.PIPELINE:
+                vecs = np.array([16 // m.dtype.itemsize for m in used_meta] or [1], np.int64)
+                table_aligned = tf.whole_blocks_aligned(b, s, n_whole, vecs)
             hit = (layout, torch.from_numpy(b).to(dev), torch.from_numpy(s).to(dev), members[wa], members[sa],
-                   n_whole, tf.whole_blocks_aligned(b, s, n_whole, vecs))
+                   n_whole, table_aligned)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             cache[("fp8_launch", block)] = hit

@@ -81,16 +81,17 @@ MAXNREG = _knob("MTRAIN_FP8_MAXNREG", 64, 0) or None
 # 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/results.md section 36).
 RCP_DIV = _flag("MTRAIN_FP8_RCP_DIV", True)
 RCP_DTYPES = (torch.bfloat16, torch.float16)
-# Software pipelining of the whole blocks (0 by default: not yet timed on the H200). With N > 0 the fast path's launch
-# is persistent: PROGRAMS_PER_SM programs on every SM each loop over blocks, and Triton's pipeliner (tl.range,
+# Software pipelining of the whole blocks (0 by default: on the H200 it is exact but no faster, 71-78 % of the floor
+# with N = 2 or 3 against 73-77 % without, docs/results.md section 38; kept for other GPUs). With N > 0 the fast path's
+# launch is persistent: PROGRAMS_PER_SM programs on every SM each loop over blocks, and Triton's pipeliner (tl.range,
 # num_stages=N) keeps N - 1 blocks' loads in flight (cp.async into shared memory, 32 KB of bf16 a stage) while the
-# current block is quantized. What it is for: today an SM holds two programs that each alternate loading a block
-# and quantizing it, so while both quantize nothing is in flight, about 32 KB of loads per SM on average against the
-# ~42 KB the H200 needs in flight to stream at full bandwidth (docs/results.md section 36: the kernel at 73-77 % of
-# its floor). Static counts (benchmarks/fp8_kernel_ptx_count.py --pipeline N): N = 2 or 3 take 93-95 registers and
-# no spill uncapped (MTRAIN_FP8_MAXNREG=0: one program per SM), 64 with 112 bytes of spill at the default cap.
-# Only for launches whose loads and stores need no branch: whole blocks, one source dtype, every source offset,
-# stride and width and every weight row 16-byte aligned (else the one-block-per-program launch, as with 0).
+# current block is quantized. What it is for: today an SM holds two programs that each alternate loading a block and
+# quantizing it, so while both quantize nothing is in flight, about 32 KB of loads per SM on average against the ~42 KB
+# the H200 needs in flight to stream at full bandwidth (docs/results.md section 36: the kernel at 73-77 % of its floor).
+# Static counts (benchmarks/fp8_kernel_ptx_count.py --pipeline N): N = 2 or 3 take 93-95 registers and no spill uncapped
+# (MTRAIN_FP8_MAXNREG=0: one program per SM), 64 with 112 bytes of spill at the default cap. Only for launches whose
+# loads and stores need no branch: whole blocks, one source dtype, every source offset, stride and width and every
+# weight row 16-byte aligned (else the one-block-per-program launch, as with 0).
 PIPELINE = _knob("MTRAIN_FP8_PIPELINE", 0, 0)
 # programs that share an SM's 64K registers at the register cap (uncapped: up to 128 a thread at 16 warps, one)
 PROGRAMS_PER_SM = max(1, 65536 // (32 * WARPS * (MAXNREG or 128)))
@@ -220,9 +221,9 @@ def _quotient(acc, scale, FMAX: tl.constexpr, RCP_DIV: tl.constexpr, HW_CVT: tl.
     RCP_DIV: the block's reciprocal r = 1/scale is taken once, and each element costs a multiply, two FMAs and a
     sign step: q0 = x*r, rem = x - scale*q0 (exact), q = q0 + rem*r. That is the correction step of the GPU's own
     div.rn (whose fast path recomputes the reciprocal per element and then checks the operands, ~10 instructions an
-    element instead of 4); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16) whenever
-    the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair: tests/kernels/test_fp8_rcp_div.py;
-    exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
+    element instead of 4); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16)
+    whenever the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair:
+    tests/kernels/test_fp8_rcp_div.py; exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
     An x of -0.0 comes out +0 from these steps (and a formulation that keeps the sign through negated operands is
     not safe: the compiler moves FMA negations, which the H200 run showed as -0.0 -> 0x00), so x's sign bit is ORed
     into the result, an integer step the compiler leaves alone."""
