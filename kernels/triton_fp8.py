@@ -223,7 +223,8 @@ def _quotient(acc, scale, FMAX: tl.constexpr, RCP_DIV: tl.constexpr, HW_CVT: tl.
     div.rn (whose fast path recomputes the reciprocal per element and then checks the operands, ~10 instructions an
     element instead of 4); it equals the IEEE quotient bit for bit for 8- and 11-bit-mantissa sources (bf16, fp16)
     whenever the scale lies in [2**-100, 2**100] (exhaustive check over every mantissa pair:
-    tests/kernels/test_fp8_rcp_div.py; exponents only shift the operands there). Outside that range (no real weight block) the block divides as before.
+    tests/kernels/test_fp8_rcp_div.py; exponents only shift the operands there). Outside that range (no real weight
+    block) the block divides as before.
     An x of -0.0 comes out +0 from these steps (and a formulation that keeps the sign through negated operands is
     not safe: the compiler moves FMA negations, which the H200 run showed as -0.0 -> 0x00), so x's sign bit is ORed
     into the result, an integer step the compiler leaves alone."""
