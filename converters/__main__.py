@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel(p)
     _add_stage_split(p)
     p.add_argument("--tol", type=float, default=None, help="tolerance for logits (default: the verifier's)")
+    p.add_argument("--dtype", type=parse_dtype, default=None,
+                   help="Megatron's forward dtype (default: the checkpoint's); float32 on a bf16 checkpoint checks "
+                        "the conversion without bf16's arithmetic noise")
 
     p = sub.add_parser("mcore-to-sglang", help="Megatron checkpoint -> SGLang engine-rank shards")
     p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")

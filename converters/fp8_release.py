@@ -1,7 +1,7 @@
 """make-fp8: write a checkpoint in the DeepSeek-V3 release format (block-scaled FP8), one tensor at a time.
 
-The release stores every linear projection (`*_proj.weight`: attention, dense MLP, routed and shared experts)
-as float8_e4m3fn plus `*.weight_scale_inv` (float32, one scale per 128x128 block) and everything else (the
+The release stores every linear projection (`*_proj.weight` and attention's `kv_a_proj_with_mqa.weight`: attention,
+dense MLP, routed and shared experts) as float8_e4m3fn plus `*.weight_scale_inv` (float32, one scale per 128x128 block) and everything else (the
 embedding, the head, norms, the router and its bias, MTP's `eh_proj`) unquantised; config.json carries
 `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}`. This module writes such
 a checkpoint from
@@ -34,8 +34,10 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def release_quantizes(name: str, shape: tuple[int, ...]) -> bool:
-    """Does the DeepSeek-V3 release store this tensor as block-scaled FP8? Its linear projections only."""
-    return len(shape) == 2 and name.endswith("_proj.weight") and not name.endswith("eh_proj.weight")
+    """Does the DeepSeek-V3 release store this tensor as block-scaled FP8? Its linear projections only, MTP's
+    eh_proj excepted. kv_a_proj_with_mqa is one (F8_E4M3 576 x 7168 with a 5 x 56 scale in the release)."""
+    return (len(shape) == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and not name.endswith("eh_proj.weight"))
 
 
 def quantize_fp8_blockwise(t: torch.Tensor, block: int | tuple[int, int] = 128) -> tuple[torch.Tensor, torch.Tensor]:

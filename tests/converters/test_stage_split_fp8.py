@@ -71,6 +71,9 @@ def test_release_format(fp8_dir):
     fp8 = {n for n in names if ckpt.dtype(n) == torch.float8_e4m3fn}
     assert fp8 and all(n + "_scale_inv" in names for n in fp8)
     assert fp8 == {n for n in names if release_quantizes(n, ckpt.shape(n))}
+    # the release's FP8 tensors of an attention layer (its index: q_a, q_b, kv_a_proj_with_mqa, kv_b, o)
+    assert {n.removeprefix("model.layers.0.self_attn.") for n in fp8 if n.startswith("model.layers.0.self_attn.")} \
+        == {"q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "o_proj.weight"}
     for n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
               "model.layers.4.eh_proj.weight", "model.layers.4.embed_tokens.weight"):
         assert n in names and ckpt.dtype(n) == torch.bfloat16, n
@@ -112,6 +115,23 @@ def test_uneven_pp_checkpoint_matches_transformers(converted, capsys):
     assert main(["verify", "--hf", str(back), "--mcore", str(mcore), "--pp", "2", "--first-stage-layers", "1",
                  "--last-stage-layers", "3"]) == 0
     assert "OK: logits" in capsys.readouterr().out
+
+
+def test_verify_in_float32_checks_a_bf16_conversion_exactly(fp8_dir, tmp_path, capsys):
+    """A bf16 checkpoint verified with Megatron's forward in float32 (its values upcast exactly) meets the float32
+    tolerance: what is left is float32 arithmetic, not bf16's (which flips expert choices on a random MoE)."""
+    from mtrain.converters.verify import verify
+    mcore = tmp_path / "bf16"
+    assert _convert(fp8_dir, mcore, "--dtype", "bfloat16") == 0
+    back = tmp_path / "back"
+    assert main(["mcore-to-hf", "--mcore", str(mcore), "--out", str(back)]) == 0
+    exact = verify(back, mcore, dtype=torch.float32)
+    assert exact.ok and exact.tol == 1e-4 and exact.dtype == "float32" and exact.max_rel < 1e-5, exact
+    noisy = verify(back, mcore)  # the checkpoint's own dtype: a bf16 forward
+    assert noisy.dtype == "bfloat16" and noisy.tol == 2e-2 and noisy.max_rel > 100 * exact.max_rel, (noisy, exact)
+    capsys.readouterr()
+    assert main(["verify", "--hf", str(back), "--mcore", str(mcore), "--dtype", "fp32"]) == 0
+    assert "forward float32" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -51,11 +51,12 @@ if (( ${train_rc:=0} )); then
     fi
 fi
 python -m mtrain.converters mcore-to-hf --mcore "$step/mcore" --hf-config release --out export --force
-# bf16 Megatron vs float32 transformers: on a random MoE model a few top-k routing flips can exceed the bf16
-# tolerance (docs/results.md, section 13: 9e-2 relative on the CPU model); report and go on to the memory step
-python -m mtrain.converters verify --hf export --mcore "$step/mcore" "${split[@]}" \
-    || echo "run_gpu.sh: verify FAILED (exit $?): compare with a float32 conversion before suspecting the converter"
+# Megatron's forward in float32 (the bf16 weights upcast exactly) against transformers' float32: a bf16 forward
+# flips top-k expert choices on this random MoE model and fails the bf16 tolerance with a correct checkpoint
+# (docs/results.md, sections 13 and 40). A failure is reported, the memory step still runs, and the script fails.
+python -m mtrain.converters verify --hf export --mcore "$step/mcore" "${split[@]}" --dtype float32 || verify_rc=$?
 python "$repo/examples/deepseek_v3/full/memory_math.py" --config config.json --nodes 1 --gpus-per-node "$gpus" \
     "${split[@]}" --ep 1 --dtype bf16 --seq 512 --engine-tp "$gpus" --cpu-offload "${fp8[@]}" \
     --measured run/metrics.jsonl
-exit "$train_rc"
+(( train_rc )) && exit "$train_rc"
+exit "${verify_rc:-0}"
