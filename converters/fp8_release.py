@@ -1,8 +1,9 @@
 """make-fp8: write a checkpoint in the DeepSeek-V3 release format (block-scaled FP8), one tensor at a time.
 
-The release stores every linear projection (`*_proj.weight` and attention's `kv_a_proj_with_mqa.weight`: attention,
-dense MLP, routed and shared experts) as float8_e4m3fn plus `*.weight_scale_inv` (float32, one scale per 128x128 block) and everything else (the
-embedding, the head, norms, the router and its bias, MTP's `eh_proj`) unquantised; config.json carries
+The release stores every linear projection (`*_proj.weight` and attention's `kv_a_proj_with_mqa.weight`:
+attention, dense MLP, routed and shared experts) as float8_e4m3fn plus `*.weight_scale_inv` (float32, one scale
+per 128x128 block) and everything else (the embedding, the head, norms, the router and its bias, MTP's `eh_proj`)
+unquantised; config.json carries
 `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}`. This module writes such
 a checkpoint from
 
