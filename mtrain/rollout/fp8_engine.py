@@ -11,8 +11,10 @@ block-FP8 kernels (`fp8_gemm_runner_backend="triton"`): no DeepGEMM JIT, float32
 CPU reference engine: `Fp8ReferenceEngine` emulates the FP8 engine: after every sync each linear weight is
 replaced by dequant(quant(w)) with the kernels' block math, on the weight's canonical tensor (HF parts stacked
 as SGLang fuses them: q;k;v, gate;up, q_a;kv_a), i.e. exactly SGLang's blocks at engine TP 1 (and at any TP the
-divisibility rules admit, whose blocks coincide). Its logprobs then differ from the trainer's by the
-quantization alone. It refuses shapes SGLang's FP8 layers refuse.
+divisibility rules admit, whose blocks coincide). Its logprobs then differ from the trainer's by the weights'
+quantization alone: SGLang also quantizes each linear layer's input per token and 128 channels, which is not
+emulated (on the GPU model of docs/results.md section 40, whose step-1 weights are on the FP8 grid, that part alone
+is a 0.06 mean logprob gap). It refuses shapes SGLang's FP8 layers refuse.
 """
 from __future__ import annotations
 
