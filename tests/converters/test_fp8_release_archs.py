@@ -1,4 +1,4 @@
-"""Block-FP8 checkpoints of every architecture the layout table knows, not only DeepSeek-V3's: Qwen3 and
+"""Block-FP8 checkpoints of the text architectures the layout table knows, not only DeepSeek-V3's: Qwen3 and
 Qwen3-MoE FP8 releases use the same format (float8_e4m3fn + `weight_scale_inv` per 128x128 block). Each is written
 by `make-fp8` (small blocks: several per matrix, partial edge blocks), converted to Megatron in float32 and exported
 back; the export must equal the checkpoint's float32 dequantisation bit for bit, every tensor present.
