@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtrain.converters.__main__ import main
-from mtrain.converters.fp8 import dequantized_view, weight_block_size
 from mtrain.converters.fp8_release import make_fp8, quantize_fp8_blockwise, release_quantizes
 from mtrain.converters.safetensors_io import HFCheckpoint
 from mtrain.tiny_configs import tiny_config
@@ -31,10 +30,20 @@ def fp8_dir(tmp_path_factory) -> Path:
 
 
 def dequantized(d: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's float32 dequantisation, written here independently of the converters' reader (which
+    hf-to-mcore uses): every float8 element times its block's scale, exact in float64, rounded once to float32."""
     ckpt = HFCheckpoint(d)
-    view = dequantized_view({n: (lambda n=n: ckpt.get(n)) for n in ckpt.names()}, block=weight_block_size(ckpt.config),
-                            out_dtype=torch.float32)
-    return {n: g() for n, g in view.items()}
+    br, bc = ckpt.config["quantization_config"]["weight_block_size"]
+    names = set(ckpt.names())
+    out = {}
+    for n in sorted(x for x in names if not x.endswith("_scale_inv")):
+        t = ckpt.get(n).double()
+        if n + "_scale_inv" in names:
+            rows, cols = t.shape
+            scale = ckpt.get(n + "_scale_inv").double()
+            t = t * scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        out[n] = t.float()
+    return out
 
 
 def leftovers(parent: Path, name: str) -> list[str]:
