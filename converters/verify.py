@@ -79,11 +79,10 @@ def megatron_logits_rank(rank: int, world: int, job: dict):
     return out.float().cpu()  # the parent compares on the host (the chunks are on CUDA on a GPU machine)
 
 
-def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
-                    hf_config_dir: Path | None = None, split: StageSplit = StageSplit(),
-                    probe: dict | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    cfg, mtp, stored = checkpoint_facts(mcore_dir, hf_config_dir)
-    dtype = dtype or stored  # a bf16 checkpoint loads into float32 parameters exactly (Megatron copies on load)
+def megatron_logits(mcore_dir: Path, tokens: torch.Tensor, cfg: dict, mtp: bool, dtype: torch.dtype,
+                    tp: int = 1, pp: int = 1, ep: int = 1, split: StageSplit = StageSplit(),
+                    probe: dict | None = None) -> torch.Tensor:
+    """dtype: the forward's; a bf16 checkpoint loads into float32 parameters exactly (Megatron copies on load)."""
     layout, _ = megatron_layout(layout_for(cfg, mtp), tp, pp, ep, None, split=split)
     job = dict(cfg=cfg, mtp=mtp, dtype=str(dtype).removeprefix("torch."), mcore=str(mcore_dir), tokens=tokens,
                layout=layout, probe=probe)
@@ -105,8 +104,8 @@ def verify(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, *, tp: int =
         probe = probe_batch(cfg)
         tokens = probe["tokens"]
     tokens = make_tokens(layout_for(cfg, mtp).vocab_size) if tokens is None else tokens
-    got = megatron_logits(mcore_dir, tokens, tp, pp, ep, hf_config_dir=hf_dir,
-                          split=StageSplit(first_stage_layers, last_stage_layers), probe=probe, dtype=dtype)
+    got = megatron_logits(mcore_dir, tokens, cfg, mtp, dtype, tp, pp, ep,
+                          split=StageSplit(first_stage_layers, last_stage_layers), probe=probe)
     want = hf_logits(hf_dir, tokens, probe and {k: probe[k] for k in
                                                 ("pixel_values", "image_grid_thw", "mm_token_type_ids")})
     if got.shape != want.shape:
