@@ -1,8 +1,9 @@
 """mtrain: a Megatron-core-native RL trainer with embedded SGLang.
 
 `kernels/` and `converters/` are top-level folders that import as `mtrain.kernels` and
-`mtrain.converters` (a top-level `kernels` package would collide with the `kernels` package
-that newer SGLang and transformers import).
+`mtrain.converters` through the symbolic links `mtrain/kernels` and `mtrain/converters`, so a plain
+checkout imports exactly as an installed copy does (a top-level `kernels` package would collide with
+the `kernels` package that newer SGLang and transformers import).
 """
 from setuptools import setup
 
@@ -15,7 +16,6 @@ setup(
         "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer", "mtrain.tools", "mtrain.rollout.agents",
         "mtrain.kernels", "mtrain.converters",
     ],
-    package_dir={"mtrain.kernels": "kernels", "mtrain.converters": "converters"},
     package_data={"mtrain": ["configs/*.yaml"]},
     install_requires=[
         # torch itself is chosen by an extra: `cpu` pins the CPU build (CI, laptops); on a GPU box
