@@ -222,3 +222,7 @@ def score_responses(fn: RewardFn, samples: Sequence[PromptSample], responses: Se
         raise RewardError(f"score_responses: {len(samples)} samples but {len(responses)} responses")
     return [safe_reward(fn, r, s.answer, prompt=s.prompt, metadata=s.metadata, timeout_s=timeout_s,
                         sample_id=f"{s.index} (response {i})") for i, (s, r) in enumerate(zip(samples, responses))]
+
+
+# Verifier rewards live in their own module; named here so reward.fn = "mtrain.data.rewards:math_verify_reward" works.
+from mtrain.data.verifiers import code_exec_reward, math_verify_reward  # noqa: E402,F401
