@@ -195,7 +195,9 @@ class CountShapesTaskConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str | None = None  # .jsonl / .json / .parquet
+    train_path: str | None = None  # .jsonl / .json / .parquet, or a HF dataset folder (save_to_disk, hub parquet shards)
+    train_split: str = "train"  # the split of a HF dataset folder (mtrain/data/hf_datasets.py)
+    eval_split: str = "test"
     eval_path: str | None = None
     prompt_key: str = "prompt"  # dotted paths reach into nested records, e.g. "extra.question"
     answer_key: str = "answer"  # e.g. "reward_model.ground_truth" for verl-style parquet

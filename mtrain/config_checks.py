@@ -178,4 +178,5 @@ def check_paths(cfg: RunConfig) -> None:
            f"{cfg.model.mcore_ckpt} does not exist")
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
-        _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
+        _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
+               f"{path} is not a file or a dataset folder")
