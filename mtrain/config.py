@@ -257,6 +257,15 @@ class MultiTurnConfig:
 
 
 @dataclass
+class WandbConfig:  # train.log_wandb: the run in Weights & Biases (mtrain/wandb_log.py)
+    project: str = "mtrain"
+    entity: str | None = None  # None: the account's default
+    name: str | None = None  # None: the run_dir's folder name
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["online", "offline"] | None = None  # None: WANDB_MODE, else online; offline: no network, `wandb sync`
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 4  # samples per padded micro-batch (used when max_tokens_per_micro_batch is unset)
@@ -281,6 +290,8 @@ class TrainConfig:
     # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
     optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
     log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
+    log_wandb: bool = False  # metrics (the names of metrics.jsonl), the config and eval samples to Weights & Biases
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 

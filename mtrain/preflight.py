@@ -170,6 +170,10 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_logging(cfg: RunConfig) -> None:
+    if cfg.train.log_wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise _fail("train.log_wandb", "true, but wandb is not installed: pip install 'mtrain[wandb]'")
     if cfg.train.log_tensorboard:
         import importlib.util
         if importlib.util.find_spec("torch.utils.tensorboard") is None or \
