@@ -17,9 +17,14 @@ import sys
 
 
 def check(gold: list[str], pred: str, timeout: int) -> bool:
-    from math_verify import parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    parsed_pred = parse(pred, parsing_timeout=timeout)
+    # The response: an answer it marks (\boxed{}, "the answer is ...") only. Unanchored, math-verify takes any
+    # expression of the text, and a response that restates the question ("$\frac{5}{2}-\frac{3}{5}$ can be rewritten
+    # ...") would score by the question's value.
+    anchored = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+                ExprExtractionConfig(try_extract_without_anchor=False)]
+    parsed_pred = parse(pred, extraction_config=anchored, parsing_timeout=timeout)
     if not parsed_pred:
         return False
     return any(verify(parse(g, parsing_timeout=timeout), parsed_pred, timeout_seconds=timeout) for g in gold)

@@ -130,7 +130,8 @@ def _gold_texts(answer: Any) -> list[str]:
 
 def _prediction_text(response: str) -> str:
     """The last \\boxed{} is the answer (a response that boxes a scratch value first and the result last is judged by
-    the result); without one, math-verify searches the whole text ("the answer is ...", the last expression)."""
+    the result); without one, math-verify's anchored search ("the answer is 12", "final answer: ..."), never a bare
+    expression of the text (it may be the question restated: mtrain/data/math_verify_worker.py)."""
     from mtrain.data.rewards import last_boxed
 
     boxed = last_boxed(response)

@@ -33,7 +33,10 @@ MATH_TABLE = [
     ("\\boxed{x=3}", "3", 1.0),
     ("\\boxed{\\pi}", "3.14159", 0.0),
     ("So we get $x = 3$, thus \\boxed{3}", "3", 1.0),
-    ("the answer is 12", "12", 1.0),  # no box: math-verify's own answer search
+    ("the answer is 12", "12", 1.0),  # no box: math-verify's anchored answer search
+    ("The final answer is $\\frac{3}{4}$", "0.75", 1.0),
+    ("$\\frac{5}{2}-\\frac{3}{5}$ can be rewritten by multiplying", "\\frac{19}{10}", 0.0),  # the question restated
+    ("we get $x = 3$ and then", "3", 0.0),  # an unmarked intermediate value is not the answer
     ("I don't know.", "3", 0.0),  # no answer
     ("", "3", 0.0),
     ("first \\boxed{2} then \\boxed{4}", "4", 1.0),  # several boxed: the last is the answer
