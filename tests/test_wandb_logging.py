@@ -1,6 +1,6 @@
 """train.log_wandb: W&B offline runs (no network) read back from the run's own .wandb file: the metrics.jsonl records
 under the same names and steps, the resolved config, eval samples as a table; one rank logs under torchrun; one line
-when wandb is missing."""
+when wandb is missing (and when math-verify is, for its reward)."""
 from __future__ import annotations
 
 import json
@@ -141,3 +141,17 @@ def test_torchrun_two_ranks_logs_once_with_the_jsonl_names(tmp_path):
         table = json.loads((run["dir"] / "files" / run["history"][step]["eval/samples/path"]).read_text())
         want = [s for s in samples if s["step"] == step]
         assert [dict(zip(table["columns"], row)) for row in table["data"]] == want
+
+
+def test_missing_math_verify_is_one_line(tmp_path):
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("llama", tmp_path / "llama")
+    code = ("import sys; sys.modules['math_verify'] = None; from mtrain.__main__ import main; sys.argv = sys.argv[1:]; "
+            "sys.exit(main())")
+    p = subprocess.run([sys.executable, "-c", code, "mtrain", "train", str(CONFIG), f"model.hf_path={hf}",
+                        f"train.run_dir={tmp_path / 'run'}", "reward.fn=mtrain.data.rewards:math_verify_reward"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "mtrain: error: ConfigError: reward.fn: mtrain.data.rewards:math_verify_reward needs math-verify, which is not "
+        "installed: pip install 'mtrain[math]'"]
