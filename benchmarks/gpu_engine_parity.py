@@ -81,12 +81,8 @@ def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: 
     from mtrain.rollout.protocol import SamplingParams
     kwargs = engine_server_args(hf, tp_size=1, mem_fraction_static=0.5, base_gpu_id=0, load_format="auto",
                                 random_seed=0, extra=extra)
-    if not kwargs.get("disable_cuda_graph"):
-        extra_env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}  # as mtrain's engine starts (same graph memory path)
-    else:
-        extra_env = {}
     t0 = time.perf_counter()
-    with engine_environment(extra=extra_env):
+    with engine_environment():
         eng = sglang.Engine(**kwargs)
     out = {"start_s": time.perf_counter() - t0}
     params = SamplingParams(max_new_tokens=new, temperature=1.0)

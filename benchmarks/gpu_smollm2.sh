@@ -52,7 +52,7 @@ for d in sorted(pathlib.Path("/tmp/smollm2_runs").iterdir()):
     print(d.name, "eval", ev, "gap mean max %.4f mean %.4f" % (max(gap or [0]), sum(gap or [0]) / max(len(gap), 1)),
           "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0))
 PY
-    tar -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs --exclude='*.pt' --exclude='checkpoints' --exclude='step_*' ;;
+    tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs ;;
 parity)
     python3 benchmarks/gpu_engine_parity.py --hf "$HF_DIR" --out "$OUT/parity.json" 2>&1 | tee "$OUT/parity.log" | grep -v "^\[" ;;
 *) echo "gpu_smollm2.sh: unknown action ${1:-}" >&2; exit 2 ;;

@@ -78,8 +78,10 @@ class EngineConfig:
     # engine.server_args.disable_cuda_graph=false. Keys that other config keys or the weight layout decide are
     # refused (mtrain/engine_args.py); names SGLang does not know are refused before the engine starts.
     server_args: dict[str, Any] = field(default_factory=dict)
-    # SGLang decode CUDA graphs (3.6x the rollout speed of the SmolLM2 demo on an H200); the colocated engine
-    # releases their memory with the KV cache while training runs. false: no capture (a faster start, for tests).
+    # SGLang decode CUDA graphs (3.6x the rollout speed of the SmolLM2 demo on an H200). Their memory stays on the
+    # GPU while training runs: SGLang 0.5.17 pauses graph memory only with torch_memory_saver's LD_PRELOAD hook
+    # ("Only hook_mode=preload supports pauseable CUDA Graph"), which an engine inside the trainer cannot use.
+    # false: no capture (a faster start, for tests).
     cuda_graphs: bool = True
     # the largest decode batch captured (SGLang's cuda_graph_max_bs_decode); null: the requests one engine runs at
     # once (min(prompts_per_step, max_groups_in_flight) x samples_per_prompt, rounded up to a multiple of 8)

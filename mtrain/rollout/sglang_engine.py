@@ -133,11 +133,6 @@ class SGLangEngine(RolloutEngine):
         children_before = _child_pids()
         logging_before = logging_state()
         env = {STATUS_DIR_ENV: self._status_dir}
-        # Decode graphs' memory is only tagged for release when this is set before the start
-        # (full_cuda_graph_backend.py:64-67); the colocated engine then gives it back with the KV cache.
-        self._graph_memory = not kwargs.get("disable_cuda_graph")
-        if self._graph_memory:
-            env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
         if self.node_part:
             env["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         with engine_environment(extra=env):
@@ -461,8 +456,6 @@ class SGLangEngine(RolloutEngine):
         bad = [t for t in tags if t not in SGLANG_MEMORY_TAGS]
         if bad or not tags:
             raise EngineError(f"{what}: tags must be a non-empty subset of {SGLANG_MEMORY_TAGS}, got {tags}")
-        if self._graph_memory and "kv_cache" in tags and "cuda_graph" not in tags:
-            tags.append("cuda_graph")  # the graphs' buffers go and come back with the KV cache they decode from
         return tags
 
     def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
