@@ -115,8 +115,9 @@ def print_error_line(e: BaseException) -> None:
     under torchrun the same line shows once per rank.
     """
     sys.stdout.flush()
+    sys.stderr.flush()  # nothing pending: the line below leaves in a single write of its own
+    sys.stderr.write(f"mtrain: error: {type(e).__name__}: {e}\n")
     sys.stderr.flush()
-    os.write(2, f"mtrain: error: {type(e).__name__}: {e}\n".encode())
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
