@@ -52,7 +52,7 @@ def _serve(args) -> int:
     from mtrain.debug_signals import install_stack_dump_signal
     install_stack_dump_signal()  # `kill -USR1 PID`: every thread's stack to stderr
     cfg = load_config(args.config, args.overrides)
-    from mtrain.serve.cli import serve
+    from mtrain.serve_command import serve
     return serve(cfg)
 
 
