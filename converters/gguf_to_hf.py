@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import ConvertError, UnsupportedModelError
+from .hf_config_file import complete_config_file
 from .safetensors_io import ShardedWriter, check_output_dir
 
 # Architectures whose transformers tensor processor maps each GGUF tensor to exactly one HF tensor.
@@ -116,6 +117,7 @@ def gguf_to_hf(
         if unmapped:
             logging.getLogger(__name__).info("GGUF tensors without a HF counterpart, skipped: %s", unmapped)
         config.save_pretrained(writer.path)
+        complete_config_file(writer.path / "config.json")
         generation_config.save_pretrained(writer.path)
         tokenizer.save_pretrained(writer.path)
     return writer.out_dir

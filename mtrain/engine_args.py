@@ -28,6 +28,9 @@ FROM_CONFIG = {
     "dist_init_addr": "engine.nnodes",
     "base_gpu_id": "engine.tp (each engine takes its group's GPUs)",
     "enable_return_routed_experts": "algo.routing_replay",
+    "disable_cuda_graph": "engine.cuda_graphs",
+    "cuda_graph_max_bs_decode": "engine.cuda_graph_max_bs",
+    "enable_fp32_lm_head": "model.fp32_lm_head",
 }
 # SGLang argument -> why mtrain fixes it
 FIXED = {

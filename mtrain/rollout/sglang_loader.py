@@ -222,7 +222,7 @@ def check_graph_kv_scales(layers: Sequence[torch.nn.Module], graphs: bool) -> No
         raise LoaderError(
             f"this FP8 engine captured CUDA graphs with KV scales SGLang derived from its dummy start weights "
             f"(k_scale {float(bad[0].k_scale_float):.3g} in {len(bad)} attention layers), which no sync can change: "
-            "this model's FP8 engine must run without graphs (engine.server_args.disable_cuda_graph=true)")
+            "this model's FP8 engine must run without graphs (engine.cuda_graphs=false)")
 
 
 def run_post_load_hooks(model: Any, touched: Sequence[str]) -> None:

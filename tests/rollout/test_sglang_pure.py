@@ -228,7 +228,7 @@ def test_fp8_engine_whose_graphs_captured_dummy_kv_scales_is_refused_at_first_sy
     L.load_direct(m, [(L.FINISH_NAME, torch.empty(0))])
     (err,) = L.collect_errors(status_dir)
     assert "captured CUDA graphs with KV scales" in err and "0.00042 in 1 attention layers" in err
-    assert "disable_cuda_graph=true" in err
+    assert "engine.cuda_graphs=false" in err
     assert m.model.layers[0].self_attn.attn.k_scale_float == 4.2e-4
     ok = TinySGLangLikeModel()
     ok.model.layers[0].self_attn.attn = _Fp8RadixAttention(1.0, 1.0)
