@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from mtrain.config_error import ConfigError
+
 # SGLang argument -> the mtrain config key that decides it
 FROM_CONFIG = {
     "model_path": "model.hf_path",
@@ -60,6 +62,5 @@ def server_args_problems(server_args: Mapping[str, Any], engine_kind: str) -> li
 def refuse_on_reference_engine(server_args: Mapping[str, Any]) -> None:
     """engine.kind=auto resolved to the CPU reference engine: engine.server_args would be read by nothing."""
     if server_args:
-        from mtrain.config_checks import ConfigError  # here: config_checks imports this module
         raise ConfigError(f"engine.server_args: applies to SGLang engines only, and this machine's engine is the "
                           f"CPU reference engine (got {sorted(server_args)})")

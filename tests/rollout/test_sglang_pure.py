@@ -10,6 +10,7 @@ import torch
 
 from mtrain.rollout.engine_env import engine_environment, torchrun_variables
 from mtrain.rollout.protocol import EngineError, Request, SamplingParams
+from mtrain.reshard import targets as T
 from mtrain.rollout import sglang_loader as L
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
@@ -108,12 +109,12 @@ def _params(model):
 
 
 def test_parse_target_forms_and_errors():
-    assert L.parse_target("model.a.weight") == L.Target("model.a.weight")
-    assert L.parse_target("model.a.w13_weight@2:4") == L.Target("model.a.w13_weight", 2, 4)
+    assert T.parse_target("model.a.weight") == T.Target("model.a.weight")
+    assert T.parse_target("model.a.w13_weight@2:4") == T.Target("model.a.w13_weight", 2, 4)
     for bad, msg in [("p@4:2", "stop 2 must exceed start 4"), ("p@1:", "expected"), ("", "expected"),
                      (3, "must be a str")]:
-        with pytest.raises(L.LoaderError, match=msg):
-            L.parse_target(bad)
+        with pytest.raises(T.LoaderError, match=msg):
+            T.parse_target(bad)
 
 
 def test_load_direct_writes_whole_params_and_expert_rows(status_dir):
