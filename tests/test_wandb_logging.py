@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,11 +56,19 @@ def read_wandb_records(path: Path) -> list:
     return records
 
 
-def offline_run(run_dir: Path) -> dict:
+def offline_run(run_dir: Path, wait_s: float = 60.0) -> dict:
     runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
+    # wandb's service process writes the file: run.finish() may return before it has (seen: only the 7-byte header
+    # just after finish, the whole run a moment later). Its last record is "exit" once it is complete.
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = read_wandb_records(runs[0])
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     out = {"history": {}, "config": {}, "run": None, "dir": runs[0].parent}
-    for r in read_wandb_records(runs[0]):
+    for r in records:
         kind = r.WhichOneof("record_type")
         if kind == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
