@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
+from mtrain.data.rewards import RewardError, finite_reward
 from mtrain.rollout.protocol import EngineError
 from mtrain.serve.front import Choice, OpenAIFront, Result
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 class RewardBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: StrictFloat | StrictInt
+
+
+def _no_constant(name: str):
+    """NaN, Infinity and -Infinity are not JSON (RFC 8259); Python's parser takes them unless told not to."""
+    raise ValueError(f"{name} is not a JSON value (numbers must be finite)")
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -130,7 +136,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         if len(raw) > max_body_bytes:  # chunked bodies carry no content-length
             raise FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large")
         try:
-            data = json.loads(raw)
+            data = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
             raise FrontError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}",
                              code="invalid_json") from e
@@ -180,7 +186,15 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     @app.post("/sessions/{sid}/reward")
     async def set_reward(sid: str, request: Request):
         s = front.sessions.get(sid)
-        s.reward = float((await body_of(request, RewardBody)).reward)
+        value = (await body_of(request, RewardBody)).reward
+        try:  # before anything is stored: a NaN would break GET /sessions/{id} and poison a batch
+            reward = finite_reward(value, "reward")
+        except RewardError as e:
+            raise FrontError(400, f"{e}: a reward is a finite number", param="reward", code="invalid_reward") from None
+        if s.reward is not None:  # one reward per session: a silent replacement would hide a buggy agent
+            raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
+                             param="reward", code="reward_already_set")
+        s.reward = reward
         return {"id": sid, "reward": s.reward}
 
     # -- the OpenAI API ---------------------------------------------------------------------------------------

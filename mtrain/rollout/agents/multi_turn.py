@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mtrain.data.datasets import PromptSample
-from mtrain.data.rewards import safe_reward
+from mtrain.data.rewards import finite_reward, safe_reward
 from mtrain.rollout.agents import tito
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import Request, SamplingParams
@@ -246,8 +246,10 @@ async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
             safe_reward, ctx.reward_fn, traj.final_text, sample.answer, prompt=sample.prompt,
             metadata=sample.metadata, sample_id=f"{sample.index} ({traj.rid})", timeout_s=ctx.reward_timeout_s,
             trajectory=traj)
+    for name, r in tool_rewards.items():  # a tool's NaN would otherwise hide inside the sum
+        finite_reward(r, f"tool {name!r} on sample {sample.index} ({traj.rid})")
     reward += ctx.tool_reward_weight * sum(tool_rewards.values())
-    traj.reward = reward
+    traj.reward = finite_reward(reward, f"sample {sample.index} ({traj.rid})")
     last_model = next((s for s in reversed(traj.segments) if s.trained), None)
     stop_id = last_model.ids[-1] if last_model and last_model.ids and last_model.ids[-1] in ctx.params.stop_token_ids \
         else None
