@@ -36,13 +36,13 @@ def finite_reward(value: Any, who: str) -> float:
     Every reward that enters a batch passes here: a NaN or infinite reward would poison the whole group's
     advantages; an int too large for a float (10**400) is refused rather than overflowing."""
     if isinstance(value, (str, bytes)) or value is None or not hasattr(value, "__float__"):
-        raise RewardError(f"{who}: reward {value!r} ({type(value).__name__}) is not a number")
+        raise RewardError(f"{who} returned {value!r} ({type(value).__name__}); expected a finite number")
     try:
         score = float(value)
     except (TypeError, ValueError, OverflowError) as e:  # a tensor with several elements, an int beyond float
-        raise RewardError(f"{who}: reward of type {type(value).__name__} is not one finite number: {e}") from None
+        raise RewardError(f"{who} returned {type(value).__name__} that is not one number (or not finite): {e}") from None
     if not math.isfinite(score):
-        raise RewardError(f"{who}: reward {score} is not finite")
+        raise RewardError(f"{who} returned {score}; expected a finite number")
     return score
 
 
@@ -219,7 +219,7 @@ def safe_reward(fn: RewardFn, response: str, answer: Any, *, prompt: Any = None,
     if error is not None:
         raise RewardError(f"{who} raised {type(error).__name__}: {error} "
                           f"(response starts {response[:120]!r})") from error
-    return finite_reward(value, f"{who} (response starts {response[:120]!r})")
+    return finite_reward(value, who)
 
 
 def score_responses(fn: RewardFn, samples: Sequence[PromptSample], responses: Sequence[str], *,

@@ -189,8 +189,9 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         value = (await body_of(request, RewardBody)).reward
         try:  # before anything is stored: a NaN would break GET /sessions/{id} and poison a batch
             reward = finite_reward(value, "reward")
-        except RewardError as e:
-            raise FrontError(400, f"{e}: a reward is a finite number", param="reward", code="invalid_reward") from None
+        except RewardError:
+            raise FrontError(400, f"reward: {str(value)[:40]} is not a finite number (a float64)", param="reward",
+                             code="invalid_reward") from None
         if s.reward is not None:  # one reward per session: a silent replacement would hide a buggy agent
             raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
                              param="reward", code="reward_already_set")

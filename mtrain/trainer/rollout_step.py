@@ -139,7 +139,7 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
     out = RolloutResult([], [], [], run.metrics())
     out.trajectories = [t for trajs in run.results for t in trajs]
     # A user rollout_fn sets rewards itself: checked here, where they enter the batch.
-    out.rewards = [finite_reward(t.reward, f"rollout_fn trajectory {t.rid}") for t in out.trajectories]
+    out.rewards = [finite_reward(t.reward, f"rollout_fn for trajectory {t.rid}") for t in out.trajectories]
     out.responses = [t.final_text for t in out.trajectories]
     # Over all trajectories, not a mean of per-group values: the valid-call rate is valid / attempted calls of
     # the whole rollout (a group without calls must not count as a valid rate of 0).

@@ -50,5 +50,5 @@ def test_an_agents_non_finite_returned_reward_names_the_session(server):
     c = OpenAI(base_url=f"{server.url}/sessions/{_new_session(server)}/v1", api_key=server.api_key)
     c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     sid = c.base_url.path.split("/")[2]
-    with pytest.raises(RewardError, match=f"session {sid}.*not finite"):
+    with pytest.raises(RewardError, match=f"session {sid}: the agent returned nan; expected a finite number"):
         session_trajectory(server.front.sessions, sid, float("nan"))

@@ -249,7 +249,7 @@ async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
     for name, r in tool_rewards.items():  # a tool's NaN would otherwise hide inside the sum
         finite_reward(r, f"tool {name!r} on sample {sample.index} ({traj.rid})")
     reward += ctx.tool_reward_weight * sum(tool_rewards.values())
-    traj.reward = finite_reward(reward, f"sample {sample.index} ({traj.rid})")
+    traj.reward = finite_reward(reward, f"the reward of sample {sample.index} ({traj.rid})")
     last_model = next((s for s in reversed(traj.segments) if s.trained), None)
     stop_id = last_model.ids[-1] if last_model and last_model.ids and last_model.ids[-1] in ctx.params.stop_token_ids \
         else None

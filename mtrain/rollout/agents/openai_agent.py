@@ -31,7 +31,7 @@ def session_trajectory(store: SessionStore, sid: str, reward: float | None) -> T
     """Close session `sid` and return its last branch as a trajectory carrying the reward."""
     s = store.take(sid)
     if reward is not None:
-        s.reward = finite_reward(reward, f"session {sid}: the agent's returned value")
+        s.reward = finite_reward(reward, f"session {sid}: the agent")
     if s.reward is None:
         raise EngineError(f"session {sid}: the agent returned no reward and posted none")
     if not s.branches:
