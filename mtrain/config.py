@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtrain.config_checks import ConfigError, check_paths, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
+from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
 from mtrain.fileperm import chmod_umask
 
 
@@ -250,6 +250,9 @@ class MultiTurnConfig:
     sandbox_cpu_s: int = 5
     sandbox_memory_mb: int = 512
     sandbox_max_procs: int = 16
+    sandbox_disk_mb: int = 64  # all a python call may have written at once (scratch, /tmp, /dev/shm): killed beyond
+    sandbox_max_files: int = 1000  # files and folders a python call may have at once (same places)
+    sandbox_network: bool = True  # false: each python call in a network namespace of its own (root only)
     retrieval_corpus: str | None = None  # .txt (a document per line) / .jsonl {"text"}; None = generated towns
     retrieval_top_k: int = 2
 
@@ -559,6 +562,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
     file_tree = copy.deepcopy(tree)
+    refuse_secret_overrides(overrides)
     for o in overrides:
         _apply_override(tree, o)
     for note in switch_data_source(file_tree, tree, overrides):
