@@ -311,6 +311,10 @@ class ServeConfig:
     # a factory name(model_name) -> agent) run n times per prompt through each engine leader's front (ephemeral
     # loopback port; serve.port is for `mtrain serve`). None = the built-in rollouts.
     agent: str | None = None
+    shutdown_grace_s: float = 5.0  # on stop, running calls get this long; streams still open then end with an error
+    read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
+    max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
+    session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
 
 
 @dataclass

@@ -165,7 +165,12 @@ def validate(cfg: RunConfig) -> None:
     sv = cfg.serve
     _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
     _check(bool(sv.host), "serve.host", "must not be empty")
-    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions")
+    _at_least(cfg, 0, "serve.shutdown_grace_s")
+    for k in ("read_timeout_s", "session_ttl_s"):
+        v = getattr(sv, k)
+        _check(v is None and k == "session_ttl_s" or v is not None and v > 0, f"serve.{k}",
+               f"must be > 0{' or null' if k == 'session_ttl_s' else ''}, got {v}")
     mt = cfg.multi_turn
     _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
               "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",
