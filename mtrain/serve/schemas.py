@@ -107,7 +107,7 @@ class _Sampling(_Strict):
     temperature: StrictFloat = Field(1.0, ge=0, le=2)
     top_p: StrictFloat = Field(1.0, gt=0, le=1)
     stop: Union[str, list[str], None] = None
-    seed: StrictInt | None = Field(None, ge=0)
+    seed: StrictInt | None = Field(None, ge=0, le=2 ** 63 - 65)  # an int64, and choice j samples with seed + j
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -142,3 +142,16 @@ def test_sessions_expire_and_are_counted(short_server):
     assert httpx.post(f"{short_server.url}/sessions", headers=h).status_code == 200  # room again
     m = httpx.get(f"{short_server.url}/metrics", headers=h).json()
     assert m["sessions_expired"] == 3 and m["sessions_open"] == 1 and m["sessions_ttl_s"] == 2.0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 10 ** 30}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 63 - 1, "n": 2}),
+    ("completions", {"prompt": "hi", "seed": 2 ** 64}),
+])
+def test_a_seed_beyond_int64_is_a_400_not_an_engine_failure(server, route, body):
+    r = httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body}, headers=_auth(server))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    body["seed"] = 2 ** 63 - 65  # the largest seed whose choices' seeds (seed + j) stay int64
+    assert httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body},
+                      headers=_auth(server)).status_code == 200
