@@ -214,6 +214,13 @@ def test_non_finite_rewards_never_reach_a_trajectory(trained):
         asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx))
     assert ctx.tools.open_sessions == []
 
+    class HugeRewardCalculator(CalculatorTool):
+        def calc_reward(self, session):
+            return 10 ** 400
+    ctx = ctx_for(tools=ToolServer([HugeRewardCalculator()]), tool_reward_weight=0.5)
+    with pytest.raises(RewardError, match=r"tool 'calculator' on sample 0 .*not one number"):
+        asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx))
+
     def huge_reward(response, answer):
         return 10 ** 400
     with pytest.raises(RewardError, match=r"huge_reward.*sample 0 .*not one number"):

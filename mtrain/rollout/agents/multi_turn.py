@@ -236,7 +236,8 @@ async def _replay(ctx: RolloutContext, session, calls: list[dict[str, Any]]) -> 
 
 
 async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
-    tool_rewards = ctx.tools.calc_reward(session)
+    tool_rewards = {name: finite_reward(r, f"tool {name!r} on sample {traj.sample.index} ({traj.rid})")
+                    for name, r in ctx.tools.calc_reward(session).items()}  # a NaN would hide inside the sum
     traj.metrics.update({f"tool_reward/{k}": v for k, v in tool_rewards.items()})
     traj.tool_calls = list(session.calls)
     sample = traj.sample
@@ -246,8 +247,6 @@ async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
             safe_reward, ctx.reward_fn, traj.final_text, sample.answer, prompt=sample.prompt,
             metadata=sample.metadata, sample_id=f"{sample.index} ({traj.rid})", timeout_s=ctx.reward_timeout_s,
             trajectory=traj)
-    for name, r in tool_rewards.items():  # a tool's NaN would otherwise hide inside the sum
-        finite_reward(r, f"tool {name!r} on sample {sample.index} ({traj.rid})")
     reward += ctx.tool_reward_weight * sum(tool_rewards.values())
     traj.reward = finite_reward(reward, f"the reward of sample {sample.index} ({traj.rid})")
     last_model = next((s for s in reversed(traj.segments) if s.trained), None)
