@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from front_fixtures import MODEL
 from mtrain.data.rewards import RewardError
-from mtrain.rollout.agents.openai_agent import session_trajectory
+from mtrain.serve.openai_agent import session_trajectory
 
 
 def _auth(server):
