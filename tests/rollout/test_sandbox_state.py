@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from mtrain.tools.python_tool import PythonTool
 from mtrain.tools.sandbox import SandboxLimits, network_isolation_available, run_python, sandbox_python
 from mtrain.tools.sandbox_fs import SHARED_TMP
 
+REPO = str(Path(__file__).resolve().parents[2])  # the checkout under test, for the subprocesses
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=3, memory_mb=256, max_procs=16, max_output_chars=2000)
 own_uid = pytest.mark.skipif(not sandbox_python()[1], reason="needs root and an interpreter other users may run "
                                                              "(the sandbox's own uid)")
@@ -125,7 +127,7 @@ NO_REAP = textwrap.dedent("""
 @own_uid
 def test_zombies_left_by_the_sandbox_never_exhaust_its_uids():
     p = subprocess.run([sys.executable, "-c", NO_REAP], capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                       env=dict(os.environ, PYTHONPATH=REPO))
     assert p.returncode == 0 and "all calls ok" in p.stdout, p.stdout + p.stderr
 
 
@@ -191,7 +193,7 @@ def test_an_api_key_on_the_command_line_is_refused_with_the_remedy(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model:\n  hf_path: /nonexistent\n")
     p = subprocess.run([sys.executable, "-m", "mtrain", "serve", str(cfg), "serve.api_key=hunter2"], capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert p.returncode != 0
     assert "serve.api_key: a secret on the command line" in p.stderr and "MTRAIN_API_KEY" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
