@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtrain.config_checks import ConfigError, check_paths, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
+from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
 from mtrain.fileperm import chmod_umask
 
 
@@ -264,6 +264,9 @@ class MultiTurnConfig:
     sandbox_cpu_s: int = 5
     sandbox_memory_mb: int = 512
     sandbox_max_procs: int = 16
+    sandbox_disk_mb: int = 64  # all a python call may have written at once (scratch, /tmp, /dev/shm): killed beyond
+    sandbox_max_files: int = 1000  # files and folders a python call may have at once (same places)
+    sandbox_network: bool = True  # false: each python call in a network namespace of its own (root only)
     retrieval_corpus: str | None = None  # .txt (a document per line) / .jsonl {"text"}; None = generated towns
     retrieval_top_k: int = 2
 
@@ -336,6 +339,10 @@ class ServeConfig:
     # a factory name(model_name) -> agent) run n times per prompt through each engine leader's front (ephemeral
     # loopback port; serve.port is for `mtrain serve`). None = the built-in rollouts.
     agent: str | None = None
+    shutdown_grace_s: float = 5.0  # on stop, running calls get this long; streams still open then end with an error
+    read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
+    max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
+    session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
 
 
 @dataclass
@@ -587,6 +594,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
     file_tree = copy.deepcopy(tree)
+    refuse_secret_overrides(overrides)
     for o in overrides:
         _apply_override(tree, o)
     for note in switch_data_source(file_tree, tree, overrides):
