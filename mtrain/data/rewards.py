@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mtrain.data.boxed import last_boxed
 from mtrain.data.datasets import PromptSample
 
 RewardFn = Callable[..., float]
@@ -49,19 +50,6 @@ def finite_reward(value: Any, who: str) -> float:
 # ---- answer extraction ------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, j = 1, i
-    while j < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        j += 1
-    return text[i:j - 1] if depth == 0 else None
 
 
 def extract_answer(text: str) -> str | None:

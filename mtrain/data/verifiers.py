@@ -25,6 +25,8 @@ import sys
 import threading
 from typing import Any
 
+from mtrain.data.boxed import last_boxed
+
 log = logging.getLogger(__name__)
 
 MATH_VERIFY_TIMEOUT_S = 5.0  # per response: parse of both sides + every comparison
@@ -132,8 +134,6 @@ def _prediction_text(response: str) -> str:
     """The last \\boxed{} is the answer (a response that boxes a scratch value first and the result last is judged by
     the result); without one, math-verify's anchored search ("the answer is 12", "final answer: ..."), never a bare
     expression of the text (it may be the question restated: mtrain/data/math_verify_worker.py)."""
-    from mtrain.data.rewards import last_boxed
-
     boxed = last_boxed(response)
     return f"$\\boxed{{{boxed}}}$" if boxed is not None else response
 
