@@ -99,7 +99,7 @@ def default_store():
 
 class RolloutPool:
     def __init__(self, groups: EngineGroups, rank: int, engine: RolloutEngine | None, *, max_groups_in_flight: int,
-                 store=None, namespace: str = "mtrain/pool"):
+                 store=None, namespace: str = "mtrain/pool", process_group=None):
         if groups.is_leader(rank) != (engine is not None):
             raise EngineError(f"rank {rank}: an engine group's leader must hold its engine and no other rank may "
                               f"({'leader' if groups.is_leader(rank) else 'not a leader'}, engine="
@@ -110,6 +110,9 @@ class RolloutPool:
         self.max_in_flight = max_groups_in_flight
         self.store = store if store is not None else default_store()
         self.namespace = namespace
+        # A pool driven from a thread of its own (rollout.async) gathers over its own gloo group, never the one the
+        # training collectives use at the same time (mtrain/trainer/async_step.py).
+        self.pg = process_group
         self.client = LocalClient(engine) if engine is not None else None
         self._calls = 0
 
@@ -127,7 +130,7 @@ class RolloutPool:
         until the queue runs dry (partial rollout passes a reserve of groups beyond what it keeps in flight)."""
         key = f"{self.namespace}/{self._calls}"
         self._calls += 1
-        dist.barrier()  # every engine starts claiming together: the first one ready must not take the whole queue
+        dist.barrier(group=self.pg)  # every engine starts claiming together: the first one ready must not take the whole queue
         mine: dict[int, Any] = {}
         error: Exception | _Echo | None = None
         seconds = 0.0
@@ -136,8 +139,8 @@ class RolloutPool:
             t0 = time.perf_counter()
             mine, error, timeline = asyncio.run(self._drive(n, fn, key, rid_prefix, quota, in_flight or n))
             seconds = time.perf_counter() - t0
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline))
+        gathered: list = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline), group=self.pg)
         if self.rank == 0:
             for suffix in ("next", "error", "done", "quota"):
                 self.store.delete_key(f"{key}/{suffix}")
