@@ -130,7 +130,8 @@ class RolloutPool:
         until the queue runs dry (partial rollout passes a reserve of groups beyond what it keeps in flight)."""
         key = f"{self.namespace}/{self._calls}"
         self._calls += 1
-        dist.barrier(group=self.pg)  # every engine starts claiming together: the first one ready must not take the whole queue
+        # every engine starts claiming together: the first one ready must not take the whole queue
+        dist.barrier(group=self.pg)
         mine: dict[int, Any] = {}
         error: Exception | _Echo | None = None
         seconds = 0.0

@@ -21,9 +21,12 @@ pending rollout drew its prompts, so a restart draws them again (none lost, none
 """
 from __future__ import annotations
 
+import json
 import threading
+from datetime import timedelta
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -31,7 +34,10 @@ from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer.rollout_step import RolloutResult, run_multi_turn_rollout, run_rollout
 
-ONE_STEP_STALENESS = 1  # what rollout.max_staleness means for one_step when unset
+ONE_STEP_STALENESS = 1
+# run_dir file: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart
+# check counts (every sampled prompt trained once)
+LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
 
 
 def rollout_for_step(trainer, pool: RolloutPool, step: int) -> RolloutResult:
@@ -39,6 +45,9 @@ def rollout_for_step(trainer, pool: RolloutPool, step: int) -> RolloutResult:
     run on `pool`: a one_step run differs from a synchronous one only in the weights that generated."""
     cfg = trainer.cfg
     samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
+    ahead = getattr(trainer, "async_rollout", None)
+    if ahead is not None:  # the ledger of trained prompts (LEDGER)
+        ahead.drawn[step] = [s.index for s in samples]
     kw = dict(n=cfg.rollout.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
               rid_prefix=f"s{step}", max_positions=trainer.max_positions,
               max_new_tokens=length_budget(cfg.rollout, step))
@@ -72,16 +81,43 @@ def offpolicy_mask(batch, step: int, rollout_cfg) -> None:
     batch.response_mask[(batch.versions >= 0) & (batch.versions < step - allowed)] = 0.0
 
 
+def _ledger_step(line: str) -> float:
+    """A ledger line's step; a line cut by a kill mid-write (or blank) counts as past every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class OneStepRollout:
     def __init__(self, trainer):
         self.trainer = trainer
         d = trainer.decisions
-        pg = dist.new_group(backend="gloo")  # collective on every rank, in the same order
+        # collective on every rank, in the same order; bounded like every other collective of the run (a dead or hung
+        # rank ends the job with an error within train.collective_timeout_s, not a silent hang)
+        pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=trainer.cfg.train.collective_timeout_s))
         self.pool = RolloutPool(d.groups, trainer.rank, trainer.engine,
                                 max_groups_in_flight=trainer.cfg.rollout.max_groups_in_flight,
                                 namespace="mtrain/pool_async", process_group=pg)
         self._pending: dict | None = None  # {"step", "thread", "box", "t0"}
         self._sampler_before: dict | None = None
+        self.drawn: dict[int, list[int]] = {}  # step -> dataset indices of its prompts
+        self.ledger = Path(trainer.cfg.train.run_dir) / LEDGER if trainer.rank == 0 else None
+        self._ledger_checked = False
+
+    def _record_trained(self, step: int) -> None:
+        """Append this step's prompts to the ledger (rank 0). The update of `step` makes weights step+1, the key of
+        its record; after a restart, entries past the checkpoint's step are dropped first (they were not saved)."""
+        if self.ledger is None:
+            return
+        if not self._ledger_checked:
+            self._ledger_checked = True
+            if self.ledger.exists():
+                kept = [x for x in self.ledger.read_text().splitlines() if _ledger_step(x) <= step]
+                self.ledger.write_text("".join(x + "\n" for x in kept))
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.ledger, "a") as f:
+            f.write(json.dumps({"step": step + 1, "prompts": self.drawn.pop(step)}) + "\n")
 
     def sampler_state(self) -> dict:
         """What a checkpoint saves: the sampler as it was before the pending rollout drew its prompts."""
@@ -97,9 +133,7 @@ class OneStepRollout:
     def _take(self, step: int) -> RolloutResult:
         p = self._pending
         if p is None:  # nothing generated ahead: the first step, or the first after a restart
-            t0 = time.perf_counter()
-            res = rollout_for_step(self.trainer, self.pool, step)
-            res.metrics["perf/train_wait_s"] = time.perf_counter() - t0
+            res = rollout_for_step(self.trainer, self.pool, step)  # (its time is the loop's time/rollout)
         else:
             if p["step"] != step:
                 raise RuntimeError(f"rollout.async: the pending rollout is for step {p['step']}, not {step}")
@@ -110,6 +144,7 @@ class OneStepRollout:
             res = p["box"]["result"]
             res.metrics.update(p["timing"])
         res.metrics.update(lag_metrics(res, step))
+        self._record_trained(step)
         return res
 
     def _start(self, step: int) -> None:

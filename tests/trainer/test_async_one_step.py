@@ -40,8 +40,10 @@ def tiny_hf(tmp_path_factory):
 
 def test_one_step_torchrun(tiny_hf, tmp_path):
     run = tmp_path / "run"
+    # TIS corrects the one-version lag: min(pi_trainer / pi_rollout, cap) per token (the objective's tis/ metrics)
     p = _launch(base_overrides(tiny_hf, run, **{"rollout.async": "one_step", "train.steps": 3,
-                                                "reward.fn": SIGNAL_REWARD}), tmp_path)
+                                                "reward.fn": SIGNAL_REWARD, "rollout.offpolicy": "tis",
+                                                "algo.tis_cap": 2.0}), tmp_path)
     assert "placement=colocated: all 2 ranks train and host engines" in p.stdout
     assert "rollout.async=one_step" in p.stdout
     recs = train_records(run)
@@ -58,9 +60,28 @@ def test_one_step_torchrun(tiny_hf, tmp_path):
         assert recs[s]["perf/train_wait_s"] >= 0.0 and recs[s]["time/rollout_background"] > 0.0
     assert "perf/engine_busy_frac" not in recs[3]  # the last step generates nothing ahead
     assert recs[3]["weight_version"] == 3
+    for s in (1, 2, 3):
+        assert 0.0 < recs[s]["tis/weight_mean"] <= 2.0 and "tis/capped_frac" in recs[s]
+    assert (run / "trained_prompts.jsonl").exists()
     saved = (run / "config.yaml").read_text()
     assert "  async: one_step" in saved and "async_mode" not in saved
     assert load_config(run / "config.yaml").rollout.async_mode == "one_step"
+
+
+def test_mask_drops_tokens_older_than_max_staleness():
+    """rollout.offpolicy=mask under asynchrony: a token leaves the loss when step - version > max_staleness (null: 1);
+    positions off the response (version -1) keep their mask."""
+    import torch
+    from types import SimpleNamespace
+    from mtrain.trainer.async_step import offpolicy_mask
+    versions = torch.tensor([[-1, 5, 4, 3, 2]])
+    for staleness, want in ((None, [1, 1, 1, 0, 0]), (2, [1, 1, 1, 1, 0]), (1, [1, 1, 1, 0, 0])):
+        batch = SimpleNamespace(versions=versions, response_mask=torch.ones(1, 5))
+        offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="mask", max_staleness=staleness))
+        assert batch.response_mask.tolist() == [[float(x) for x in want]], staleness
+    batch = SimpleNamespace(versions=versions, response_mask=torch.ones(1, 5))
+    offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="tis", max_staleness=None))
+    assert batch.response_mask.tolist() == [[1.0] * 5]  # tis keeps every token, weighted in the objective
 
 
 BAD = [
@@ -95,7 +116,8 @@ def test_yaml_spelling(tmp_path):
 SPLITS = [  # (world, overrides, message or the split's training and engine ranks)
     (4, ["engine.placement=separate", "engine.ranks=2"], ((0, 1), (2, 3))),
     (4, ["engine.placement=separate", "engine.ranks=2", "engine.tp=2"], ((0, 1), (2, 3))),
-    (8, ["engine.placement=separate", "engine.ranks=4", "parallel.tp=2", "parallel.pp=2"], ((0, 1, 2, 3), (4, 5, 6, 7))),
+    (8, ["engine.placement=separate", "engine.ranks=4", "parallel.tp=2", "parallel.pp=2"],
+     ((0, 1, 2, 3), (4, 5, 6, 7))),
     (4, ["engine.placement=separate", "engine.ranks=4"], "engine.ranks: 4 engine ranks leave no training rank"),
     (4, ["engine.placement=separate", "engine.ranks=2", "parallel.tp=2", "parallel.pp=2"],
      "engine.ranks: 2 engine ranks leave 2 training ranks, not a multiple of parallel.tp x pp x cp = 2 x 2 x 1 = 4"),
@@ -121,8 +143,9 @@ def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
     """A valid separate split is refused by preflight in one line, exit 2 (the trainer runs colocated placement only):
     what each of 4 ranks does before any process group (preflight reads torchrun's WORLD_SIZE)."""
     import sys
-    p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *base_overrides(tiny_hf, tmp_path / "r", **{
-        "engine.placement": "separate", "engine.ranks": 2, "parallel.tp": 1})], cwd=tmp_path,
+    overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
+                                                           "parallel.tp": 1})
+    p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
         env=dict(_env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == ("mtrain: error: ConfigError: engine.placement: separate (placement=separate: training "
