@@ -141,7 +141,13 @@ class RolloutPool:
             mine, error, timeline = asyncio.run(self._drive(n, fn, key, rid_prefix, quota, in_flight or n))
             seconds = time.perf_counter() - t0
         gathered: list = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline), group=self.pg)
+        arrived = f"{key}/arrived/{self.rank}"  # who reached the gather: a rank that never does is named
+        self.store.set(arrived, "1")
+        try:
+            dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline), group=self.pg)
+        except Exception as e:  # noqa: BLE001 - a dead or hung rank (the collective's timeout): say which
+            raise EngineError(self._absent(key, rid_prefix, e)) from e
+        self.store.delete_key(arrived)
         if self.rank == 0:
             for suffix in ("next", "error", "done", "quota"):
                 self.store.delete_key(f"{key}/{suffix}")
@@ -171,6 +177,13 @@ class RolloutPool:
         if missing:
             raise EngineError(f"rollout {rid_prefix}: groups {missing[:5]} were claimed by no engine")
         return PoolRun(results, served, seconds, timelines=timelines)
+
+    def _absent(self, key: str, rid_prefix: str, cause: Exception) -> str:
+        ranks = dist.get_process_group_ranks(self.pg) if self.pg is not None else range(dist.get_world_size())
+        missing = [r for r in ranks if not self.store.check([f"{key}/arrived/{r}"])]
+        who = ", ".join(f"rank {r} (engine {self.groups.group_of(r)})" for r in missing) or "no rank missing"
+        return (f"rollout {rid_prefix}: {who} did not reach the end of the rollout (dead or hung; bounded by "
+                f"train.collective_timeout_s): {type(cause).__name__}: {str(cause)[:200]}")
 
     async def _drive(self, n: int, fn: GroupFn, key: str, rid_prefix: str, quota: int | None,
                      in_flight: int) -> tuple[dict[int, Any], Exception | None, EngineTimeline]:
