@@ -32,7 +32,7 @@ front|1|300|OpenAI front under 64 clients vs direct engine calls
 tool|1|300|multi-turn calculator rollouts on SGLang, token-in-token-out checked
 partial|1|330|synchronous vs partial rollout on the longtail task: trained tokens/s
 partial_learn|1|300|both rollout modes' reward curves, 12 steps
-async|1|540|colocated rollout.async=one_step vs synchronous on the SmolLM2 demo (model staged: gpu_smollm2.sh stage)
+async|1|590|colocated rollout.async=one_step vs synchronous on the SmolLM2 demo (model staged: gpu_smollm2.sh stage)
 routing_dsv3|1|420|routing replay off vs on: logprob gap, disagreement, overhead (tiny DeepSeek-V3)
 routing_qwen3moe|1|420|the same on a Qwen3-MoE-shaped model
 routing_start|1|300|routed_experts_start_len rows equal the start-0 rows; multi-turn bytes
