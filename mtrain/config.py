@@ -86,6 +86,10 @@ class EngineConfig:
     # the largest decode batch captured (SGLang's cuda_graph_max_bs_decode); null: the requests one engine runs at
     # once (min(prompts_per_step, max_groups_in_flight) x samples_per_prompt, rounded up to a multiple of 8)
     cuda_graph_max_bs: int | None = None
+    # Where engines live (docs/design-async.md): colocated = every rank trains and hosts (a part of) an engine;
+    # separate = the last `engine.ranks` ranks host engines, the others train.
+    placement: Literal["colocated", "separate"] = "colocated"
+    ranks: int | None = None  # separate placement: ranks hosting engines (a multiple of engine.tp)
 
 
 @dataclass
@@ -109,6 +113,9 @@ class RolloutConfig:
     max_staleness: int | None = None  # drop buffered groups with tokens more than this many versions old
     max_new_tokens_start: int | None = None  # growing length budget: start here, reach max_new_tokens ...
     max_new_tokens_ramp_steps: int = 0  # ... linearly over this many steps (0 = no ramp)
+    # Asynchronous RL (docs/design-async.md): off | one_step (step N+1's groups generated with weights N while step
+    # N trains) | stream. Its key is `rollout.async` (a Python keyword, hence the field name: USER_KEYS).
+    async_mode: Literal["off", "one_step", "stream"] = "off"
 
 
 # Partial rollout's default over-sampling: twice the trained groups in flight. On the longtail task the H200 A/B
@@ -365,7 +372,7 @@ class RunConfig:
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _user_keys(dataclasses.asdict(self))
 
     def format_config(self) -> str:
         """The full resolved config as YAML, for printing at start."""
@@ -389,6 +396,26 @@ class RunConfig:
 
 # ---- loading -------------------------------------------------------------------------------------------
 
+# Config keys that cannot be field names (Python keywords): field name -> the key users write (YAML, overrides,
+# config.yaml, error messages). The field name itself is not a key.
+USER_KEYS = {"async_mode": "async"}
+_FIELDS = {v: k for k, v in USER_KEYS.items()}
+
+
+def _key_of(name: str) -> str:
+    return USER_KEYS.get(name, name)
+
+
+def _field_of(key: str) -> str:
+    return _FIELDS.get(key, key)
+
+
+def _user_keys(tree: Any) -> Any:
+    """asdict() output with field names turned into the keys users write."""
+    if isinstance(tree, dict):
+        return {_key_of(k) if isinstance(k, str) else k: _user_keys(v) for k, v in tree.items()}
+    return tree
+
 def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
@@ -396,7 +423,7 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(t):
             keys.extend(_leaf_keys(t, f"{prefix}{f.name}."))
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{_key_of(f.name)}")
     return keys
 
 
@@ -484,14 +511,14 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
         raise ConfigError(f"'{prefix.rstrip('.') or '<root>'}' ({source}) must be a mapping of keys, "
                           f"got {type(data).__name__}")
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {_key_of(f.name) for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in names:
             raise _unknown_key(key, source)
-        t = hints[k]
-        kwargs[k] = _build(t, v, f"{key}.", source) if dataclasses.is_dataclass(t) else _coerce(v, t, key)
+        t = hints[_field_of(k)]
+        kwargs[_field_of(k)] = _build(t, v, f"{key}.", source) if dataclasses.is_dataclass(t) else _coerce(v, t, key)
     return cls(**kwargs)
 
 
@@ -508,10 +535,10 @@ def _apply_override(tree: dict, override: str) -> None:
     parts = key.split(".")
     cls, node = RunConfig, tree
     for i, part in enumerate(parts):
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {_key_of(f.name) for f in dataclasses.fields(cls)}
         if part not in names:
             raise _unknown_key(key, f"override {override!r}")
-        t = _hints(cls)[part]
+        t = _hints(cls)[_field_of(part)]
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(t):
             if last:

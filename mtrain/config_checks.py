@@ -182,6 +182,8 @@ def validate(cfg: RunConfig) -> None:
     _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
     _check(cfg.serve.agent is None or ":" in cfg.serve.agent, "serve.agent",
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
+    from mtrain.job_split import check_async
+    check_async(cfg)  # engine.placement / engine.ranks / rollout.async (docs/design-async.md)
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,

@@ -216,6 +216,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     world = world_size() if world is None else world
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
+    from mtrain.job_split import check_placement_runs, split_ranks
+    check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
     check_sglang_engine(cfg, hf_config)
