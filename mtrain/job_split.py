@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtrain.config_checks import ConfigError
+from mtrain.config_error import ConfigError
 
 
 def _fail(key: str, msg: str) -> ConfigError:
