@@ -236,7 +236,7 @@ def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], dev
         d[f"kernel_only_vs_copy_{order}"] = t_copy / bench(launch, device, args.reps)
         d[f"call_vs_copy_{order}"] = t_copy / bench(
             lambda: execute_pieces_triton(dst, srcs, table, tile_order=order), device, args.reps)
-    # Whole 384-wide w2 rows per tile (the second session's best in the fresh-allocation state, 74 %): 16384-element
+    # Whole 384-wide w2 rows per tile (the best width measured in the fresh-allocation state on 2026-11-29, 74 %): 16384-element
     # tiles 512 wide, in both orders. A fresh PieceTable: the tile cache is keyed on block and order, not on width.
     with forced_block_c(512):
         for order in TILE_ORDERS:
