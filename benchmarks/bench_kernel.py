@@ -18,7 +18,7 @@ before any timing. The goal is kernel/copy >= 85 % on the bandwidth scenarios.
 kernel_ms is the whole call (host work + kernel) under do_bench, as a sync pays it. For dense and moe
 each run also records (benchmarks/kernel_diag.py) the host time of one call, the kernel alone in both
 tile orders, the call as it was before the per-call host caches, the tile table's fingerprint and the
-sources' address alignment: the MoE bucket's run-to-run spread (docs/results.md, "MoE bucket spread").
+sources' address alignment: the MoE bucket's run-to-run spread (docs/archive/results-2026-11.md, "MoE bucket spread").
 `--diag-only` skips the torch executor (host bound, ~20-30 ms a call) to keep 5-process runs short.
 """
 from __future__ import annotations
