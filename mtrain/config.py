@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtrain.config_checks import ConfigError, check_paths, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
+from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
 from mtrain.fileperm import chmod_umask
 
 
@@ -207,7 +207,9 @@ class CountShapesTaskConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str | None = None  # .jsonl / .json / .parquet
+    train_path: str | None = None  # .jsonl / .json / .parquet, or a HF dataset folder (save_to_disk, hub parquet shards)
+    train_split: str = "train"  # the split of a HF dataset folder (mtrain/data/hf_datasets.py)
+    eval_split: str = "test"
     eval_path: str | None = None
     prompt_key: str = "prompt"  # dotted paths reach into nested records, e.g. "extra.question"
     answer_key: str = "answer"  # e.g. "reward_model.ground_truth" for verl-style parquet
@@ -262,8 +264,20 @@ class MultiTurnConfig:
     sandbox_cpu_s: int = 5
     sandbox_memory_mb: int = 512
     sandbox_max_procs: int = 16
+    sandbox_disk_mb: int = 64  # all a python call may have written at once (scratch, /tmp, /dev/shm): killed beyond
+    sandbox_max_files: int = 1000  # files and folders a python call may have at once (same places)
+    sandbox_network: bool = True  # false: each python call in a network namespace of its own (root only)
     retrieval_corpus: str | None = None  # .txt (a document per line) / .jsonl {"text"}; None = generated towns
     retrieval_top_k: int = 2
+
+
+@dataclass
+class WandbConfig:  # train.log_wandb: the run in Weights & Biases (mtrain/wandb_log.py)
+    project: str = "mtrain"
+    entity: str | None = None  # None: the account's default
+    name: str | None = None  # None: the run_dir's folder name
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["online", "offline"] | None = None  # None: WANDB_MODE, else online; offline: no network, `wandb sync`
 
 
 @dataclass
@@ -291,6 +305,8 @@ class TrainConfig:
     # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
     optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
     log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
+    log_wandb: bool = False  # metrics (the names of metrics.jsonl), the config and eval samples to Weights & Biases
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     # metrics weights/*: the share of model (training-dtype) elements each optimizer step changes, and how far the
     # float32 main copy and the model copy have moved since the first step (a copy of the weights is kept for it)
     log_weight_change: bool = False
@@ -323,6 +339,10 @@ class ServeConfig:
     # a factory name(model_name) -> agent) run n times per prompt through each engine leader's front (ephemeral
     # loopback port; serve.port is for `mtrain serve`). None = the built-in rollouts.
     agent: str | None = None
+    shutdown_grace_s: float = 5.0  # on stop, running calls get this long; streams still open then end with an error
+    read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
+    max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
+    session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
 
 
 @dataclass
@@ -574,6 +594,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
     file_tree = copy.deepcopy(tree)
+    refuse_secret_overrides(overrides)
     for o in overrides:
         _apply_override(tree, o)
     for note in switch_data_source(file_tree, tree, overrides):

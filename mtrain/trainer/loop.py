@@ -27,6 +27,7 @@ from mtrain.dist import destroy as destroy_distributed, init_distributed
 from mtrain.layouts import model_layout
 from mtrain.layouts.vlm import flat_config
 from mtrain.metrics import MetricsWriter
+from mtrain.wandb_log import wandb_sink
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
@@ -129,7 +130,8 @@ class Trainer:
             print(d.summary(), flush=True)
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
-                                     total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard
+                                     total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard,
+                                     sinks=tuple(s for s in [wandb_sink(cfg, self.run_dir)] if s)
                                      ) if self.rank == 0 else None
         self.sync.sync(version=self.step)
 
@@ -182,10 +184,12 @@ class Trainer:
         mean, rows = evaluate_in_chunks(rollout, self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            shown = [{"step": self.step, "index": sample.index, "answer": str(sample.answer), "response": text,
+                      "reward": r} for sample, text, r in rows[:8 * n]]
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
-                for sample, text, r in rows[:8 * n]:
-                    f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
-                                        "response": text, "reward": r}) + "\n")
+                f.writelines(json.dumps(row) + "\n" for row in shown)
+            if self.metrics is not None:
+                self.metrics.log_table(self.step, "eval/samples", shown)
         out = {"eval/reward_mean": mean}
         # tool-call rate, valid-call rate, drift... of the greedy eval (named as in training: eval/tools/...)
         out.update({f"eval/tools/{k}": v for k, v in tool_metrics(trajectories).items()})
