@@ -48,6 +48,23 @@ def _rate(rounds: list[float], tokens: int) -> dict:
             "rounds_s": rounds}
 
 
+def _timed_rounds(one_round, batches: list[int], new: int, repeats: int, vocab: int) -> dict:
+    """For each batch size: one warm-up round, then `repeats` timed ones; every request must generate `new` tokens."""
+    out = {}
+    for b in batches:
+        prompts = _prompts(b, vocab)
+        rounds = []
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            lengths = one_round(b, r, prompts)
+            dt = time.perf_counter() - t
+            assert all(n == new for n in lengths), "a request stopped before its length"
+            if r:
+                rounds.append(dt)
+        out[str(b)] = _rate(rounds, b * new)
+    return out
+
+
 def run_inprocess(hf: str, extra: dict, batches: list[int], new: int, repeats: int, vocab: int) -> dict:
     from mtrain.rollout.protocol import Request, SamplingParams
     from mtrain.rollout.sglang_engine import SGLangEngine
@@ -55,19 +72,12 @@ def run_inprocess(hf: str, extra: dict, batches: list[int], new: int, repeats: i
     eng = SGLangEngine(hf, tp_size=1, mem_fraction_static=0.5, load_format="auto", random_seed=0, server_args=extra)
     out = {"start_s": time.perf_counter() - t0}
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
+
+    def one_round(b: int, r: int, prompts: list[list[int]]) -> list[int]:
+        reqs = [Request(rid=f"p{b}r{r}i{i:05d}", prompt_ids=p, params=params) for i, p in enumerate(prompts)]
+        return [len(c.output_ids) for c in eng.generate(reqs)]
     try:
-        for b in batches:
-            prompts = _prompts(b, vocab)
-            rounds = []
-            for r in range(repeats + 1):
-                reqs = [Request(rid=f"p{b}r{r}i{i:05d}", prompt_ids=p, params=params) for i, p in enumerate(prompts)]
-                t = time.perf_counter()
-                done = eng.generate(reqs)
-                dt = time.perf_counter() - t
-                assert all(len(c.output_ids) == new for c in done), "a request stopped before its length"
-                if r:
-                    rounds.append(dt)
-            out[str(b)] = _rate(rounds, b * new)
+        out.update(_timed_rounds(one_round, batches, new, repeats, vocab))
     finally:
         eng.shutdown()
     return out
@@ -87,19 +97,12 @@ def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: 
     out = {"start_s": time.perf_counter() - t0}
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     seeds = random.Random(1)
+
+    def one_round(b: int, r: int, prompts: list[list[int]]) -> list[int]:
+        sp = [to_sglang_sampling(params, seeds.getrandbits(62)) for _ in prompts]
+        return [len(d["output_ids"]) for d in eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)]
     try:
-        for b in batches:
-            prompts = _prompts(b, vocab)
-            rounds = []
-            for r in range(repeats + 1):
-                sp = [to_sglang_sampling(params, seeds.getrandbits(62)) for _ in prompts]
-                t = time.perf_counter()
-                done = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
-                dt = time.perf_counter() - t
-                assert all(len(d["output_ids"]) == new for d in done), "a request stopped before its length"
-                if r:
-                    rounds.append(dt)
-            out[str(b)] = _rate(rounds, b * new)
+        out.update(_timed_rounds(one_round, batches, new, repeats, vocab))
     finally:
         eng.shutdown()
     return out

@@ -13,7 +13,6 @@ Exit status 0 when the GGUF is in place, 3 while a half is still missing, 1 on a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import sys
@@ -22,17 +21,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout imports as the installed package does (mtrain/converters is a link)
 
-from mtrain.converters.smollm2 import GGUF_NAME, GGUF_SHA256, GGUF_SIZE, cache_root, fetch_smollm2_gguf  # noqa: E402
+from mtrain.converters.smollm2 import (GGUF_NAME, GGUF_SHA256, GGUF_SIZE, cache_root,  # noqa: E402
+                                       fetch_smollm2_gguf, sha256_of)
 
 HALVES = ("a", "b")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split() -> None:
@@ -71,7 +63,7 @@ def take() -> int:
         for half in HALVES:
             with open(stage / f"part-{half}", "rb") as src:
                 shutil.copyfileobj(src, dst, 1 << 22)
-    size, digest = partial.stat().st_size, _sha256(partial)
+    size, digest = partial.stat().st_size, sha256_of(partial)
     if size != GGUF_SIZE or digest != GGUF_SHA256:
         partial.unlink()
         for half in HALVES:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import time
 from collections import Counter
 
 import pytest
 
-from loop_harness import base_overrides, torchrun_cmd
+from loop_harness import base_overrides, kill_job, torchrun_cmd
 from mtrain.data.sampler import PromptSampler
 from test_async_one_step import _env, tiny_hf  # noqa: F401  (fixture)
 
@@ -24,20 +23,13 @@ STEPS, PROMPTS, NUM_TRAIN = 8, 4, 256
 def _kill_when(cmd, cwd, run, step: int, extra_s: float, timeout: float = 300) -> None:
     """Start the job; once checkpoint `step` exists, wait `extra_s` more (a random moment of a later step: its
     rollout, update, sync or checkpoint write) and SIGKILL every process of it."""
-    import psutil
     p = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     deadline = time.monotonic() + timeout
     while _latest_step(run) < step and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(extra_s)
-    procs = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
-    for child in procs:
-        child.send_signal(signal.SIGKILL)
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    psutil.wait_procs(procs, timeout=30)
+    kill_job(p)
 
 
 def _latest_step(run) -> int:
