@@ -51,3 +51,17 @@ def test_teacher_equal_to_the_policy_gives_zero_signal(models, tmp_path):
     assert first["distill/reverse_kl"] == 0.0
     assert first["adv/std"] > 0  # the task reward did carry signal, which `only` left out
     assert first["grad_norm"] == 0.0
+
+
+@pytest.mark.slow  # a third torchrun launch: MTRAIN_SLOW=1
+def test_distillation_under_pipeline_parallelism_and_minibatches(models, tmp_path):
+    # PP2: the teacher's logprobs exist on the last stage only, like the student's; every stage runs its forward.
+    # Two PPO minibatches per rollout: each is scored by the teacher before the first update.
+    student, teacher = models
+    run = tmp_path / "run"
+    launch(base_overrides(student, run, **{"train.steps": 2, "parallel.tp": 1, "parallel.pp": 2,
+                                           "train.global_batch_size": 8, "algo.distill.teacher_path": teacher}),
+           cwd=tmp_path)
+    recs = train_records(run)
+    for r in recs.values():
+        assert r["ppo/updates"] == 2.0 and r["distill/reverse_kl"] > 0 and r["grad_norm"] > 0
