@@ -98,7 +98,7 @@ class Trainer:
         self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False,
                          overrides=arch) if cfg.algo.kl_coef else None
         teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
-        self.distill = Distiller(cfg, teacher) if teacher is not None else None
+        self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
         # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)

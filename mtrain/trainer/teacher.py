@@ -16,6 +16,7 @@ from mtrain.algorithms.distill import distill_advantages
 from mtrain.layouts import model_layout
 from mtrain.trainer.actor import Actor
 from mtrain.trainer.engines import weight_loader
+from mtrain.trainer.offload import TrainOffload
 
 
 def build_teacher(cfg, rank: int, overrides: dict) -> Actor | None:
@@ -38,12 +39,28 @@ def _with_model(cfg, hf_path: str):
     return out
 
 
-class Distiller:
-    """Adds the distillation term to each minibatch's advantages and keeps the step's token-weighted metric."""
+class TeacherOffload(TrainOffload):
+    """The frozen teacher has no gradients or optimizer state: its parameters are what leaves the device (no engine
+    reads them, unlike the policy's)."""
 
-    def __init__(self, cfg, teacher: Actor):
+    def storages(self) -> list[torch.Tensor]:
+        found: dict[int, torch.Tensor] = {}
+        for c in self.actor.chunks:
+            for p in c.parameters():
+                if p.numel():
+                    found.setdefault(p.untyped_storage().data_ptr(), p)
+        return list(found.values())
+
+
+class Distiller:
+    """Adds the distillation term to each minibatch's advantages and keeps the step's token-weighted metric.
+    offload (engine.offload_train): the teacher's weights stay in host memory except during its scoring passes."""
+
+    def __init__(self, cfg, teacher: Actor, offload: bool = False):
         dc = cfg.algo.distill
         self.teacher = teacher
+        self.offload = TeacherOffload(teacher, offload)
+        self.offload.offload()
         self.coef = 1.0 if dc.coef is None else dc.coef
         self.only = bool(dc.only)
         self.kl_sum = self.tokens = 0.0
@@ -52,6 +69,7 @@ class Distiller:
         """adv - coef * (student_lp - teacher_lp) on this minibatch's model tokens (or -coef * (...) alone).
         Logprobs exist on the last pipeline stage only: elsewhere the advantages are not read and pass as they are.
         The teacher's forward runs on every stage (its pipeline needs each stage)."""
+        self.offload.reload()  # no-op unless offloaded
         teacher_lp = self.teacher.logprobs(mb)
         if student_lp is None or teacher_lp is None:
             return adv
@@ -63,7 +81,11 @@ class Distiller:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """This rank's step metric (mean over its model tokens), then reset for the next step."""
+        """This rank's step metric (mean over its model tokens), then reset for the next step. Called after the
+        step's last scoring pass: the teacher leaves the device here until the next step's."""
         out = {"distill/reverse_kl": self.kl_sum / self.tokens} if self.tokens else {}
+        moved = self.offload.offload().get("offload/bytes")
+        if moved is not None:
+            out["distill/offload_bytes"] = moved
         self.kl_sum = self.tokens = 0.0
         return out

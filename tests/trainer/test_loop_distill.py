@@ -25,12 +25,21 @@ def models(tmp_path_factory):
     return write_tiny_hf("llama", root / "student", seed=0), write_tiny_hf("llama", root / "teacher", seed=1)
 
 
-def test_distillation_from_another_model_steps_and_logs_reverse_kl(models, tmp_path):
+def distill_run(models, root, **extra):
     student, teacher = models
-    run = tmp_path / "run"
+    run = root / "run"
     launch(base_overrides(student, run, **{"train.steps": 2, "algo.distill.teacher_path": teacher,
-                                           "algo.distill.coef": 0.5}), cwd=tmp_path)
-    recs = train_records(run)
+                                           "algo.distill.coef": 0.5, **extra}), cwd=root)
+    return train_records(run)
+
+
+@pytest.fixture(scope="module")
+def distilled(models, tmp_path_factory):
+    return distill_run(models, tmp_path_factory.mktemp("distill"))
+
+
+def test_distillation_from_another_model_steps_and_logs_reverse_kl(distilled):
+    recs = distilled
     assert sorted(recs) == [1, 2]
     for r in recs.values():
         # the sample mean of log p_student - log p_teacher on the student's own samples estimates KL(s || t) > 0
@@ -65,3 +74,14 @@ def test_distillation_under_pipeline_parallelism_and_minibatches(models, tmp_pat
     recs = train_records(run)
     for r in recs.values():
         assert r["ppo/updates"] == 2.0 and r["distill/reverse_kl"] > 0 and r["grad_norm"] > 0
+
+
+@pytest.mark.slow  # a further torchrun launch: MTRAIN_SLOW=1
+def test_teacher_offload_moves_its_weights_and_changes_nothing(models, distilled, tmp_path):
+    # engine.offload_train: the teacher's parameters live in host memory outside its scoring passes; the run's
+    # distillation signal is the same, bit for bit, as without offload
+    recs = distill_run(models, tmp_path, **{"engine.offload_train": "true"})
+    for step, r in recs.items():
+        assert r["distill/offload_bytes"] > 0
+        assert r["distill/reverse_kl"] == distilled[step]["distill/reverse_kl"]
+        assert r["grad_norm"] == distilled[step]["grad_norm"]
