@@ -145,6 +145,14 @@ ALGO_PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/design-critic-distill.md): a frozen teacher scores the sampled tokens."""
+    teacher_path: str = ""  # HF model dir of the teacher (same tokenizer and vocabulary as model.hf_path); "" = off
+    coef: float | None = None  # weight of the per-token reverse KL in the advantage; None = 1.0 with a teacher
+    only: bool | None = None  # True: the distillation signal alone, the task reward's advantage is not used
+
+
+@dataclass
 class AlgoConfig:
     name: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
     # None = take the value from ALGO_PRESETS[name]
@@ -164,6 +172,7 @@ class AlgoConfig:
     # and the trainer's routers replay them in the logprob pass and the update; "trainer" = the update replays the
     # old-policy scoring pass's own routing; "off" = each forward routes itself
     routing_replay: Literal["off", "rollout", "trainer"] = "off"
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

@@ -189,6 +189,15 @@ def validate(cfg: RunConfig) -> None:
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
            "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
+    _check_distill(cfg)
+
+
+def _check_distill(cfg: RunConfig) -> None:
+    dc = cfg.algo.distill
+    for key in ("coef", "only"):
+        _check(bool(dc.teacher_path) or getattr(dc, key) is None, f"algo.distill.{key}",
+               "is set but algo.distill.teacher_path is not (distillation needs a teacher model)")
+    _check(dc.coef is None or dc.coef > 0, "algo.distill.coef", f"must be > 0, got {dc.coef}")
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -198,7 +207,43 @@ def check_paths(cfg: RunConfig) -> None:
     _check((hf / "config.json").is_file(), "model.hf_path", f"{hf} is not a HF model dir (no config.json)")
     _check(cfg.model.mcore_ckpt is None or Path(cfg.model.mcore_ckpt).exists(), "model.mcore_ckpt",
            f"{cfg.model.mcore_ckpt} does not exist")
+    if cfg.algo.distill.teacher_path:
+        check_teacher(hf, Path(cfg.algo.distill.teacher_path))
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
         _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
                f"{path} is not a file or a dataset folder")
+
+
+# files that define a HF tokenizer; a model dir with none of them uses the character tokenizer of its vocab_size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    import json
+    c = json.loads((model_dir / "config.json").read_text())
+    return c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+
+
+def check_teacher(policy: Path, teacher: Path) -> None:
+    """The teacher scores the student's token ids: its vocabulary and tokenizer must be the policy's."""
+    key = "algo.distill.teacher_path"
+    _check((teacher / "config.json").is_file(), key, f"{teacher} is not a HF model dir (no config.json)")
+    pv, tv = _vocab_size(policy), _vocab_size(teacher)
+    _check(pv == tv, key, f"the teacher's vocab_size is {tv}, the policy's ({policy}) is {pv}: distillation "
+           f"compares the two models' logprobs of the same token ids")
+    p_files = sorted(f for f in TOKENIZER_FILES if (policy / f).exists())
+    t_files = sorted(f for f in TOKENIZER_FILES if (teacher / f).exists())
+    _check(bool(p_files) == bool(t_files), key, f"the policy's tokenizer files are {p_files or 'none'}, the "
+           f"teacher's {t_files or 'none'}: the two models must share one tokenizer")
+    if not p_files:
+        return  # both use the character tokenizer of the same vocab_size
+    from transformers import AutoTokenizer
+    pt, tt = AutoTokenizer.from_pretrained(str(policy)), AutoTokenizer.from_pretrained(str(teacher))
+    p_vocab, t_vocab = pt.get_vocab(), tt.get_vocab()
+    diff = sorted(set(p_vocab.items()) ^ set(t_vocab.items()), key=lambda kv: kv[1])
+    _check(not diff, key, f"the teacher's tokenizer differs from the policy's: {len(diff)} (token, id) pairs are in "
+           f"one vocabulary only, e.g. {diff[:1]}")
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        _check(getattr(pt, attr) == getattr(tt, attr), key, f"the teacher's tokenizer has {attr}="
+               f"{getattr(tt, attr)}, the policy's {getattr(pt, attr)}")

@@ -43,6 +43,7 @@ from mtrain.trainer.partial_step import PartialRollout
 from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer.sync import WeightSync
+from mtrain.trainer.teacher import Distiller, build_teacher
 
 log = logging.getLogger("mtrain")
 
@@ -97,6 +98,8 @@ class Trainer:
         self.actor = Actor(cfg, self.train_config, load_weights=load, overrides=arch)
         self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False,
                          overrides=arch) if cfg.algo.kl_coef else None
+        teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
+        self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
         # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)
@@ -278,9 +281,13 @@ class Trainer:
                 sl = slice(start + sl.start, start + sl.stop) if isinstance(sl, slice) else start + sl
                 mb = batch.select(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
-                minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
+                lp = self.actor.logprobs(mb)
+                a = self.distill.advantages(mb, adv[sl], lp) if self.distill else adv[sl]
+                minibatches.append((mb, a, lp, self.ref.logprobs(mb) if self.ref else None,
                                     {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
                                      "num_seqs": float(kept)}))
+            if self.distill:
+                local.update(self.distill.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
             self._engine_memory("release_memory", ("kv_cache", "weights"))
