@@ -153,3 +153,24 @@ def module_slices(layout: ModelLayout) -> dict[str, list[tuple[str, Weight, Weig
         module, _, rest = name.partition(".lora")
         out.setdefault(module, []).append((rest.strip(".").removesuffix("A").strip("."), w, b))
     return out
+
+
+META_FILE = "lora.json"  # next to a dist checkpoint's files: the adapters' rank, alpha and targets
+
+
+def write_meta(mcore_dir, spec: LoraSpec) -> None:
+    import json
+    from pathlib import Path
+    (Path(mcore_dir) / META_FILE).write_text(json.dumps(
+        {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}, indent=2) + "\n")
+
+
+def read_meta(mcore_dir) -> LoraSpec | None:
+    """The LoraSpec a checkpoint was trained with, or None for a checkpoint without adapters."""
+    import json
+    from pathlib import Path
+    f = Path(mcore_dir) / META_FILE
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return LoraSpec(int(d["rank"]), float(d["alpha"]), tuple(d["targets"]))

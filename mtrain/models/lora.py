@@ -127,6 +127,23 @@ def _hook(module, args, output):
     return output + delta.to(output.dtype)
 
 
+def _lora_sharded_state_dict(module, base_fn):
+    """The module's own sharded state (megatron-core's), with each TP-split adapter tensor declared split along its
+    axis (megatron would call every tensor it does not know replicated): a checkpoint then reshards the adapters,
+    and their optimizer state, to any layout as it does the base weights."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = base_fn(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        split = {f"lora.{n}": p for n, p in module.lora.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        if split:
+            out.update(make_sharded_tensors_for_checkpoint(
+                split, prefix, {k: p.partition_dim for k, p in split.items()}, sharded_offsets,
+                tp_group=module.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        return out
+    return sharded_state_dict
+
+
 def _named_modules(chunks) -> list[dict[str, torch.nn.Module]]:
     from mtrain.reshard.megatron_side import unwrap
     return [dict(unwrap(c).named_modules()) for c in chunks]
@@ -207,6 +224,7 @@ def attach_lora(chunks, hf_config: dict, spec: LoraSpec, dropout: float = 0.0, *
             module.lora = _build_adapter(module, w, rows, h.rule_rank, h.rule_world, spec, dropout,
                                          module.config)
             module.register_forward_hook(_hook)
+            module.sharded_state_dict = _lora_sharded_state_dict(module, module.sharded_state_dict)
             attached += 1
     for c in chunks:  # adapters are the only trainable parameters
         for n, p in c.named_parameters():

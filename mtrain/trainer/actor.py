@@ -121,7 +121,7 @@ class Actor:
         if load_weights is not None:
             load_weights(chunks)
         # model.lora: base frozen, adapters the only trainable parameters (the KL reference keeps the base alone)
-        spec = lora_spec_of(cfg) if trainable else None
+        self.lora_spec = spec = lora_spec_of(cfg) if trainable else None
         self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed()) if spec else None
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
