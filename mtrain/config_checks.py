@@ -188,8 +188,6 @@ def _check_lora(cfg: RunConfig) -> None:
            "adapters would be applied on block-quantized base weights the trainer never sees)")
     _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
            "(adapters go on the language model only; the vision tower stays frozen)")
-    _check(not cfg.model.mtp, "model.lora.targets", "LoRA with model.mtp=true is not supported (no adapters on the "
-           "multi-token-prediction layers)")
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")

@@ -178,6 +178,11 @@ def check_logging(cfg: RunConfig) -> None:
                                                  "(or leave the key unset: TensorBoard is then used when installed)")
 
 
+def check_lora_model(cfg, hf_config: dict) -> None:
+    from mtrain.lora_checks import check_model as lora_check
+    lora_check(cfg, hf_config)
+
+
 def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     """Run every check; returns the model's config.json. Raises ConfigError (one line) on the first problem."""
     world = world_size() if world is None else world
@@ -185,6 +190,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     hf_config = read_hf_config(cfg)
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
+    check_lora_model(cfg, hf_config)
     check_batch(cfg, dp)
     check_weights(cfg)
     check_data(cfg)

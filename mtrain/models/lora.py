@@ -241,25 +241,3 @@ def spec_of(cfg) -> LoraSpec | None:
     """The run's LoRA spec (model.lora), or None for full fine-tuning."""
     lo = cfg.model.lora
     return LoraSpec(lo.rank, float(lo.alpha), tuple(lo.targets)) if lo.targets else None
-
-
-def check_model(cfg, hf_config: dict) -> None:
-    """The model-dependent model.lora checks, as one ConfigError line before anything is built."""
-    from mtrain.config_checks import ConfigError
-    from mtrain.layouts.rules import LayoutError
-    from mtrain.models.hf_config import map_hf_config
-
-    spec = spec_of(cfg)
-    if spec is None:
-        return
-    if map_hf_config(hf_config).vision:
-        raise ConfigError(f"model.lora.targets: LoRA on a vision-language model ({hf_config.get('model_type')}) is not "
-                          "supported yet (the adapter table covers text-only models)")
-    try:
-        lora_layout(model_layout(hf_config, mtp=False), spec)
-    except LayoutError as e:
-        raise ConfigError(f"model.lora.targets: {e}") from None
-    p = cfg.parallel
-    if "experts" in spec.targets and (p.etp or p.tp) > 1:
-        raise ConfigError("model.lora.targets: experts need parallel.etp=1 (the dispatcher reduces expert outputs "
-                          "over expert-TP itself)")

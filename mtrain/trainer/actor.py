@@ -22,7 +22,8 @@ from mtrain.algorithms.objective import policy_loss
 from mtrain.compat.no_te import te_installed
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model, packed_rope
-from mtrain.models.lora import attach_lora, check_model as lora_check_model, spec_of as lora_spec_of
+from mtrain.lora_checks import check_model as lora_check_model
+from mtrain.models.lora import attach_lora, spec_of as lora_spec_of
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
