@@ -18,7 +18,7 @@ PROG = "mtrain-convert"
 SUBCOMMANDS = {
     "hf-to-mcore": "hf_to_mcore",
     "mcore-to-hf": "mcore_to_hf",
-    "gguf-to-hf": "gguf_to_hf",
+    "gguf-to-hf": "gguf_to_hf_cli",
     "verify": "verify",
     "mcore-to-sglang": "mcore_to_sglang",
     "make-fp8": "fp8_release",

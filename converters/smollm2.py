@@ -79,7 +79,7 @@ def _converter_fingerprint() -> str:
     """Hash of the converter sources, so a cached conversion is redone when the converter changes."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for name in ("gguf_to_hf.py", "safetensors_io.py", "output_dir.py"):
+    for name in ("gguf_to_hf.py", "hf_config_file.py", "safetensors_io.py", "output_dir.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 

@@ -53,7 +53,7 @@ def _flag(name: str, default: bool) -> bool:
     return raw == "1"
 
 
-# The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh, docs/results.md
+# The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh in git history, docs/results.md
 # section 34; every variant bit-equal to the torch executor there): the whole 128-row block in registers (one gather,
 # no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (cvt.rn.satfinite, round to nearest
 # even, saturating: _e4m3x4) instead of _e4m3_bits' ~30 integer instructions per value: 2.1x (Llama-8B) and 2.1x

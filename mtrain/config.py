@@ -50,6 +50,10 @@ class ModelConfig:
     # Vision-language models (Qwen2.5-VL): train the vision tower and patch merger too (docs/design-vlm.md); false
     # keeps them frozen (no gradients, no optimizer state) while the language model trains.
     train_vision: bool = False
+    # The language-model head (logits) in float32 on both sides: the trainer's output layer multiplies float32
+    # copies of its input and weight, and SGLang engines start with enable_fp32_lm_head. A bf16 head rounds every
+    # logit to 8 mantissa bits before the softmax, on each side differently (docs/design-gpu-recipe.md).
+    fp32_lm_head: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -86,6 +90,14 @@ class EngineConfig:
     # engine.server_args.disable_cuda_graph=false. Keys that other config keys or the weight layout decide are
     # refused (mtrain/engine_args.py); names SGLang does not know are refused before the engine starts.
     server_args: dict[str, Any] = field(default_factory=dict)
+    # SGLang decode CUDA graphs (3.6x the rollout speed of the SmolLM2 demo on an H200). Their memory stays on the
+    # GPU while training runs: SGLang 0.5.17 pauses graph memory only with torch_memory_saver's LD_PRELOAD hook
+    # ("Only hook_mode=preload supports pauseable CUDA Graph"), which an engine inside the trainer cannot use.
+    # false: no capture (a faster start, for tests).
+    cuda_graphs: bool = True
+    # the largest decode batch captured (SGLang's cuda_graph_max_bs_decode); null: the requests one engine runs at
+    # once (min(prompts_per_step, max_groups_in_flight) x samples_per_prompt, rounded up to a multiple of 8)
+    cuda_graph_max_bs: int | None = None
 
 
 @dataclass
@@ -291,6 +303,9 @@ class TrainConfig:
     # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
     optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
     log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
+    # metrics weights/*: the share of model (training-dtype) elements each optimizer step changes, and how far the
+    # float32 main copy and the model copy have moved since the first step (a copy of the weights is kept for it)
+    log_weight_change: bool = False
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 

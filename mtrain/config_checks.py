@@ -6,14 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtrain.config_error import ConfigError
 from mtrain.engine_args import server_args_problems
 
 if TYPE_CHECKING:
     from mtrain.config import RunConfig
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message names the dotted key."""
 
 
 def _check(ok: bool, key: str, msg: str) -> None:

@@ -11,25 +11,10 @@ run before any work, with its file and line named.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-
-class DatasetError(ValueError):
-    """A prompt file that cannot be read; the message names the file and the line/row."""
-
-
-@dataclass(frozen=True)
-class PromptSample:
-    index: int  # position in its dataset: the id used in logs and reward errors
-    prompt: str | list[dict[str, str]]  # text, or chat messages
-    answer: Any
-    metadata: dict[str, Any] = field(default_factory=dict)  # the rest of the record, for reward functions
-    # Images in prompt order, one per `<image>` in the prompt: file paths, PIL images or generated pictures
-    # (anything with `size` and `to_pil()`); mtrain/data/vision.py renders them.
-    images: tuple[Any, ...] = ()
-
+from mtrain.data.records import DatasetError, PromptSample
 
 _MISSING = object()
 

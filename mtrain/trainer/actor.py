@@ -25,11 +25,13 @@ from mtrain.models import build_model, packed_rope
 from mtrain.lora_checks import check_model as lora_check_model
 from mtrain.models.lora import attach_lora, spec_of as lora_spec_of
 from mtrain.models.builder import pipeline_split_overrides
+from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
+from mtrain.trainer.weight_change import WeightChange
 from mtrain.trainer.routing_replay import RouterReplayFeeder
 from mtrain.trainer.train_options import cpu_offload_options, optimizer_config, recompute_overrides
 
@@ -121,6 +123,8 @@ class Actor:
                              f"with parallel.ep for the experts")
         if load_weights is not None:
             load_weights(chunks)
+        if cfg.model.fp32_lm_head:
+            install_fp32_lm_head(chunks)
         # model.lora: base frozen, adapters the only trainable parameters (the KL reference keeps the base alone)
         self.lora_spec = spec = lora_spec_of(cfg) if trainable else None
         self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed()) if spec else None
@@ -161,6 +165,8 @@ class Actor:
             # On resume the schedule's shape comes from this run's config (a relaunch with more train.steps
             # extends the decay); only the position (num_steps) comes from the checkpoint.
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        self.weight_change = (WeightChange([p for c in self.chunks for p in c.parameters()], self.optimizer)
+                              if cfg.train.log_weight_change else None)
 
     # ---------------------------------------------------------------- forward plumbing
     @property
@@ -349,6 +355,8 @@ class Actor:
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""
         outs = self.forward_backward(batch, old_lp, adv, ref_lp, norms)
+        if self.weight_change is not None:
+            self.weight_change.before_step()
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = {}
@@ -358,6 +366,8 @@ class Actor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
+        if self.weight_change is not None:
+            metrics.update(self.weight_change.after_step())
         metrics.update(memory_metrics(self, ps.get_pipeline_model_parallel_rank()))  # after the step: Adam state exists
         return metrics
 

@@ -29,8 +29,8 @@ def load_agent(spec: str, model_name: str):
 
 class AgentRollout:
     def __init__(self, cfg, pool: RolloutPool, tokenizer, *, max_positions: int, model_name: str):
-        from mtrain.rollout.agents.openai_agent import FrontRegistry
-        from mtrain.serve.cli import api_key_of
+        from mtrain.serve.openai_agent import FrontRegistry
+        from mtrain.serve.api_key import api_key_of
         from mtrain.serve.front import OpenAIFront
         from mtrain.serve.server import FrontServer
 
@@ -45,7 +45,7 @@ class AgentRollout:
             max_concurrency=s.max_concurrency))
 
     def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
-        from mtrain.rollout.agents.openai_agent import agent_group_fn
+        from mtrain.serve.openai_agent import agent_group_fn
 
         with_images = [s.index for s in samples if getattr(s, "images", ())]
         if with_images:  # the OpenAI front takes text messages only

@@ -3,25 +3,16 @@
 For trying an agent before training it, and for evaluation. One process, one engine (SGLang on a GPU machine, the
 reference engine elsewhere, decided as for a run: `mtrain.trainer.decisions`), the weights of `model.hf_path`.
 Prints the base URL and where the API key comes from, then serves until SIGINT/SIGTERM, and stops cleanly
-(the server, then the engine).
+(the server, then the engine). A command, above the trainer: it picks the engine as a run does.
 """
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from pathlib import Path
 
-
-def api_key_of(cfg) -> tuple[str | None, str]:
-    """(key, its source). None means FrontServer makes a fresh one."""
-    if cfg.serve.api_key is not None:
-        return cfg.serve.api_key, "serve.api_key"
-    env = os.environ.get(cfg.serve.api_key_env)
-    if env:
-        return env, f"${cfg.serve.api_key_env}"
-    return None, "generated for this run (printed below)"
+from mtrain.serve.api_key import api_key_of
 
 
 def make_serving_engine(cfg, hf_dir: Path, hf_config: dict):
