@@ -88,6 +88,7 @@ def test_export_adapter_loads_in_peft(saved, tmp_path):
         assert float((model(tokens).logits - want).abs().max()) > 1e-3
 
 
+@pytest.mark.slow  # PEFT's merge and a HF save on top of the adapter export
 def test_export_merged_checkpoint(saved, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -88,7 +88,7 @@ def _run(rank, world, layout):
     return out
 
 
-@pytest.mark.parametrize("layout", [{}, {"ep": 2}], ids=["ep1", "ep2"])
+@pytest.mark.parametrize("layout", [pytest.param({}, marks=pytest.mark.slow, id="ep1"), pytest.param({"ep": 2}, id="ep2")])
 def test_expert_lora_equals_merged_experts(layout):
     world = 2 if layout else 1
     res = run_on_ranks(_run, world, layout, timeout=600)

@@ -103,11 +103,15 @@ def _compare(rank: int, world: int, arch: str, layout: dict) -> dict:
     return out
 
 
-CASES = [("llama", 1, {}), ("qwen3", 1, {}), ("llama", 2, {"tp": 2}), ("qwen3", 2, {"tp": 2}),
-         ("llama", 2, {"pp": 2}), ("qwen3", 2, {"pp": 2})]
+# default run: TP1 and TP2 (PP2 runs in the default run through tests/trainer/test_loop_lora.py); every case
+# with MTRAIN_SLOW=1
+_SLOW = pytest.mark.slow
+CASES = [pytest.param("llama", 1, {}, marks=_SLOW, id="llama-tp1"), pytest.param("qwen3", 1, {}, id="qwen3-tp1"),
+         pytest.param("llama", 2, {"tp": 2}, id="llama-tp2"), pytest.param("qwen3", 2, {"tp": 2}, marks=_SLOW, id="qwen3-tp2"),
+         pytest.param("llama", 2, {"pp": 2}, marks=_SLOW, id="llama-pp2"), pytest.param("qwen3", 2, {"pp": 2}, marks=_SLOW, id="qwen3-pp2")]
 
 
-@pytest.mark.parametrize("arch,world,layout", CASES, ids=[f"{a}-{w}-{l}" for a, w, l in CASES])
+@pytest.mark.parametrize("arch,world,layout", CASES)
 def test_lora_matches_peft(arch, world, layout):
     results = run_on_ranks(_compare, world, arch, layout, timeout=600)
     assert any("logits" in r for r in results)

@@ -96,6 +96,7 @@ def _save_then_resume(rank, world, hf, run_dir, first: dict, second: dict):
     return out
 
 
+@pytest.mark.slow  # two trainers, 3 steps: ~50 s
 @pytest.mark.parametrize("first,second", [({"parallel.tp": 1, "parallel.pp": 2}, {"parallel.tp": 2, "parallel.pp": 1})],
                          ids=["pp2-to-tp2"])
 def test_lora_checkpoint_resumes_at_another_layout(tiny_llama, tmp_path, first, second):
