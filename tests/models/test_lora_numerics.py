@@ -103,8 +103,8 @@ def _compare(rank: int, world: int, arch: str, layout: dict) -> dict:
     return out
 
 
-# default run: TP1 and TP2 (PP2 runs in the default run through tests/trainer/test_loop_lora.py); every case
-# with MTRAIN_SLOW=1
+# default run: one TP1 and one TP2 case (a LoRA model at PP2 trains in the default run's tests/trainer/
+# test_loop_lora.py); every case, PP2 against PEFT included, with MTRAIN_SLOW=1
 _SLOW = pytest.mark.slow
 CASES = [pytest.param("llama", 1, {}, marks=_SLOW, id="llama-tp1"), pytest.param("qwen3", 1, {}, id="qwen3-tp1"),
          pytest.param("llama", 2, {"tp": 2}, id="llama-tp2"), pytest.param("qwen3", 2, {"tp": 2}, marks=_SLOW, id="qwen3-tp2"),
