@@ -32,6 +32,7 @@ front|1|300|OpenAI front under 64 clients vs direct engine calls
 tool|1|300|multi-turn calculator rollouts on SGLang, token-in-token-out checked
 partial|1|330|synchronous vs partial rollout on the longtail task: trained tokens/s
 partial_learn|1|300|both rollout modes' reward curves, 12 steps
+async|1|590|colocated rollout.async=one_step vs synchronous on the SmolLM2 demo (model staged: gpu_smollm2.sh stage)
 routing_dsv3|1|420|routing replay off vs on: logprob gap, disagreement, overhead (tiny DeepSeek-V3)
 routing_qwen3moe|1|420|the same on a Qwen3-MoE-shaped model
 routing_start|1|300|routed_experts_start_len rows equal the start-0 rows; multi-turn bytes
@@ -85,6 +86,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     tool) (cd /tmp && python "$repo/benchmarks/gpu_tool_rollout.py" --engine sglang --out "$out/tool_rollout.json") ;;
     partial) tiny_longtail_llama && (cd /tmp && python "$repo/benchmarks/bench_partial_rollout.py" \
                  --hf /tmp/mtrain-partial-hf --repeats 3 --block 3 --over-sample 2,4 $longtail) ;;
+    async) OUT="$out/async" REPEATS=1 STEPS=10 bash "$repo/benchmarks/gpu_async_one_step.sh" ;;
     partial_learn) tiny_longtail_llama && (cd /tmp && python "$repo/benchmarks/bench_partial_rollout.py" \
                        --hf /tmp/mtrain-partial-hf --json bench_partial_rollout_learn.json --repeats 0 --learn-steps 12 \
                        --over-sample 2 $longtail --learn-set optim.lr=3e-4 reward.fn=mtrain.data.rewards:digit_share_reward) ;;

@@ -3,6 +3,7 @@ problem raises. Apart from mtrain/config.py so that the dataclass tree stays rea
 readers of the keys (tests/test_config_readers.py skips this file too)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,20 @@ if TYPE_CHECKING:
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {msg}")
+
+
+# Keys whose value is a secret: every process of the host (sandboxed tool code included) reads a command line in
+# /proc/PID/cmdline, so they may come from the config file or the environment only.
+SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
+
+
+def refuse_secret_overrides(overrides) -> None:
+    for o in overrides:
+        key = o.lstrip("-").split("=", 1)[0].strip()
+        value = o.split("=", 1)[1].strip() if "=" in o else ""
+        if key in SECRET_KEYS and value not in ("", "null", "~"):
+            raise ConfigError(f"{key}: a secret on the command line is readable by every process of this host "
+                              f"(/proc/PID/cmdline); give it through {SECRET_KEYS[key]} or the config file")
 
 
 def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> None:
@@ -147,11 +162,19 @@ def validate(cfg: RunConfig) -> None:
     sv = cfg.serve
     _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
     _check(bool(sv.host), "serve.host", "must not be empty")
-    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions")
+    _at_least(cfg, 0, "serve.shutdown_grace_s")
+    for k in ("read_timeout_s", "session_ttl_s"):
+        v = getattr(sv, k)
+        _check(v is None and k == "session_ttl_s" or v is not None and v > 0, f"serve.{k}",
+               f"must be > 0{' or null' if k == 'session_ttl_s' else ''}, got {v}")
     mt = cfg.multi_turn
     _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
               "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",
-              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k")
+              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k", "multi_turn.sandbox_disk_mb",
+              "multi_turn.sandbox_max_files")
+    _check(mt.sandbox_network or "python" not in mt.tools or os.geteuid() == 0, "multi_turn.sandbox_network",
+           "false (a network namespace per python call) needs root; run as root or set it to true")
     for k in ("tool_timeout_s", "sandbox_wall_s"):
         _check(getattr(mt, k) > 0, f"multi_turn.{k}", f"must be > 0, got {getattr(mt, k)}")
     _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
@@ -159,6 +182,8 @@ def validate(cfg: RunConfig) -> None:
     _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
     _check(cfg.serve.agent is None or ":" in cfg.serve.agent, "serve.agent",
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
+    from mtrain.job_split import check_async
+    check_async(cfg)  # engine.placement / engine.ranks / rollout.async (docs/design-async.md)
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
@@ -202,4 +227,5 @@ def check_paths(cfg: RunConfig) -> None:
            f"{cfg.model.mcore_ckpt} does not exist")
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
-        _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
+        _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
+               f"{path} is not a file or a dataset folder")

@@ -191,7 +191,18 @@ def check_data(cfg: RunConfig) -> None:
         raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
 
 
+def check_reward_package(cfg: RunConfig) -> None:
+    """The verifier rewards' optional package, named before start (else the first reward call would fail)."""
+    import importlib.util
+    if cfg.reward.fn.endswith(":math_verify_reward") and importlib.util.find_spec("math_verify") is None:
+        raise _fail("reward.fn", f"{cfg.reward.fn} needs math-verify, which is not installed: pip install 'mtrain[math]'")
+
+
 def check_logging(cfg: RunConfig) -> None:
+    if cfg.train.log_wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise _fail("train.log_wandb", "true, but wandb is not installed: pip install 'mtrain[wandb]'")
     if cfg.train.log_tensorboard:
         import importlib.util
         if importlib.util.find_spec("torch.utils.tensorboard") is None or \
@@ -210,6 +221,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     world = world_size() if world is None else world
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
+    from mtrain.job_split import check_placement_runs, split_ranks
+    check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
     check_lora_model(cfg, hf_config)
@@ -219,4 +232,5 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_data(cfg)
     check_resume(cfg)
     check_logging(cfg)
+    check_reward_package(cfg)
     return hf_config

@@ -37,6 +37,7 @@ def serve(cfg) -> int:
     from mtrain.rollout.client import LocalClient
     from mtrain.serve.front import OpenAIFront
     from mtrain.serve.server import FrontServer
+    from mtrain.serve.sessions import SessionStore
     from mtrain.trainer.engines import load_tokenizer
 
     hf_dir = Path(cfg.model.hf_path)
@@ -52,8 +53,10 @@ def serve(cfg) -> int:
         front = OpenAIFront(LocalClient(engine), tokenizer, model_name=sv.model_name or hf_dir.resolve().name,
                             max_positions=int(hf_config.get("max_position_embeddings", 4096)),
                             default_max_tokens=sv.default_max_tokens, tool_parser=sv.tool_parser)
+        front.sessions = SessionStore(max_sessions=sv.max_sessions, ttl_s=sv.session_ttl_s)  # nobody takes them
         server = FrontServer(front, host=sv.host, port=sv.port, api_key=key, max_body_bytes=sv.max_body_kb * 1024,
-                             max_concurrency=sv.max_concurrency)
+                             max_concurrency=sv.max_concurrency, shutdown_grace_s=sv.shutdown_grace_s,
+                             read_timeout_s=sv.read_timeout_s)
         server.start()
         print(f"mtrain serve: model {front.model_name!r} at {server.base_url}", flush=True)
         print(f"mtrain serve: API key from {source}", flush=True)
@@ -64,7 +67,9 @@ def serve(cfg) -> int:
         while not stop.wait(0.5):
             pass
         print("mtrain serve: stopping", flush=True)
-        server.stop()
+        cut = server.stop()
+        print(f"mtrain serve: stopped ({cut} streams ended early with an error event, "
+              f"{front.sessions.expired} sessions expired)", flush=True)
     finally:
         engine.shutdown()
     return 0

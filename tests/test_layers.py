@@ -18,9 +18,9 @@ PKG = REPO / "mtrain"
 
 # Bottom to top. A unit is a subpackage or top-level module of mtrain; it may import its own layer and those below.
 LAYERS: list[set[str]] = [
-    {"compat", "fileperm", "debug_signals", "dist", "metrics", "plot", "run_output", "tiny_configs", "tiny_vlm",
+    {"compat", "fileperm", "debug_signals", "dist", "metrics", "wandb_log", "plot", "run_output", "tiny_configs", "tiny_vlm",
      "tiny_hf"},                                    # plain utilities: no knowledge of models or training
-    {"config", "config_checks", "config_error", "engine_args"},  # the dataclass tree; every layer may read it
+    {"config", "config_checks", "config_error", "engine_args", "job_split"},  # the dataclass tree; every layer may read it
     {"kernels"},                                    # Triton/torch kernels on plain tensors
     {"layouts"},                                    # per-architecture weight-layout tables
     {"reshard"},                                    # the planner and executor of a weight sync

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
+from mtrain.data.rewards import finite_reward
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import EngineError
 from mtrain.rollout.trajectory import Trajectory
@@ -30,7 +31,7 @@ def session_trajectory(store: SessionStore, sid: str, reward: float | None) -> T
     """Close session `sid` and return its last branch as a trajectory carrying the reward."""
     s = store.take(sid)
     if reward is not None:
-        s.reward = float(reward)
+        s.reward = finite_reward(reward, f"session {sid}: the agent")
     if s.reward is None:
         raise EngineError(f"session {sid}: the agent returned no reward and posted none")
     if not s.branches:

@@ -42,7 +42,7 @@ class AgentRollout:
             OpenAIFront(client, tokenizer, model_name=model_name, max_positions=max_positions,
                         default_max_tokens=s.default_max_tokens, tool_parser=s.tool_parser),
             host=s.host, port=0, api_key=api_key, max_body_bytes=s.max_body_kb << 10,
-            max_concurrency=s.max_concurrency))
+            max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
 
     def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
         from mtrain.serve.openai_agent import agent_group_fn
