@@ -14,7 +14,7 @@ setup(
     packages=[
         "mtrain", "mtrain.layouts", "mtrain.reshard", "mtrain.rollout", "mtrain.models",
         "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer", "mtrain.tools", "mtrain.rollout.agents",
-        "mtrain.kernels", "mtrain.converters",
+        "mtrain.serve", "mtrain.kernels", "mtrain.converters",
     ],
     package_data={"mtrain": ["configs/*.yaml"]},
     install_requires=[

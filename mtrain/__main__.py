@@ -35,7 +35,7 @@ def _train(args) -> int:
         # Every file is written and every engine stopped; what is left are CUDA blocks still mapped by engines that
         # were killed (their loaders keep the last bucket open), which torch would free in its static destructors
         # after the driver began shutting down: on 2 x H200 that aborted a finished DeepSeek-V3 run with "CUDA error:
-        # driver shutting down" (docs/results.md, section 34). The driver reclaims this process's memory on exit.
+        # driver shutting down" (docs/archive/results-2026-11.md, section 34). The driver reclaims this process's memory on exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

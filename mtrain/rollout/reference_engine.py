@@ -229,7 +229,7 @@ class ReferenceEngine(RolloutEngine):
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
         """Pull mode: the same engine-side code SGLang's loader runs (`pull_protocol.run_pull`), on this engine's
         HF-layout parameters, in-process (no IPC). Casts like the kernel does (fp32/bf16/fp16)."""
-        from mtrain.rollout.sglang_loader import LoaderError
+        from mtrain.reshard.targets import LoaderError
         from mtrain.reshard.pull_protocol import PullSender, PullState, run_pull
 
         self._check_alive("pull_weights")
