@@ -36,7 +36,7 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "triton>=3.3"],
         "test": ["pytest>=8", "pyarrow>=15", "matplotlib>=3.8", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40", "httpx>=0.27",
-                 "math-verify>=0.7", "datasets>=2.18", "wandb>=0.17"],
+                 "math-verify>=0.7", "datasets>=2.18", "wandb>=0.17", "peft>=0.17"],
         # the OpenAI front (mtrain.serve) and agents written against the openai client; sglang brings them too
         "server": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
         "gpu": ["sglang==0.5.17"],

@@ -29,6 +29,17 @@ from mtrain.fileperm import chmod_umask
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy's linear layers (docs/design-lora.md); empty targets: full fine-tuning."""
+    rank: int = 16
+    alpha: float = 32.0  # the update is (alpha / rank) * B @ A
+    dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
+    # Layout-table names (mtrain/layouts/lora.py): qkv, o_proj, gate_up, down, experts, shared.gate_up, shared.down
+    targets: list[str] = field(default_factory=list)
+    lr: float | None = None  # the adapters' learning rate (LoRA wants a larger one than full tuning); null: optim.lr
+
+
+@dataclass
 class ModelConfig:
     hf_path: str = ""  # HF model dir with config.json (and tokenizer files unless a tiny tokenizer is used)
     mcore_ckpt: str | None = None  # Megatron dist checkpoint to start from instead of the HF weights
@@ -43,6 +54,7 @@ class ModelConfig:
     # copies of its input and weight, and SGLang engines start with enable_fp32_lm_head. A bf16 head rounds every
     # logit to 8 mantissa bits before the softmax, on each side differently (docs/design-gpu-recipe.md).
     fp32_lm_head: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

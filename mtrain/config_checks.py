@@ -190,6 +190,7 @@ def validate(cfg: RunConfig) -> None:
            "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
     _check_distill(cfg)
+    _check_lora(cfg)
 
 
 def _check_distill(cfg: RunConfig) -> None:
@@ -198,6 +199,32 @@ def _check_distill(cfg: RunConfig) -> None:
         _check(bool(dc.teacher_path) or getattr(dc, key) is None, f"algo.distill.{key}",
                "is set but algo.distill.teacher_path is not (distillation needs a teacher model)")
     _check(dc.coef is None or dc.coef > 0, "algo.distill.coef", f"must be > 0, got {dc.coef}")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """model.lora: its own bounds, and the combinations LoRA does not run with (model-dependent checks, such as
+    targets that match no layer, run where the model's config is read: mtrain.models.lora.check_model)."""
+    from mtrain.layouts.lora import TARGETS
+    lo, e = cfg.model.lora, cfg.engine
+    _check(lo.rank > 0, "model.lora.rank", f"must be > 0, got {lo.rank}")
+    _check(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
+    _check(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+    _check(lo.lr is None or lo.lr > 0, "model.lora.lr", f"must be > 0 or null, got {lo.lr}")
+    bad = [t for t in lo.targets if t not in TARGETS]
+    _check(not bad, "model.lora.targets", f"unknown target(s) {bad}; the layout tables name {', '.join(TARGETS)}")
+    if not lo.targets:
+        return
+    _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")
+    _check(e.weight_dtype != "fp8", "model.lora.targets", "LoRA with engine.weight_dtype=fp8 is not supported (the "
+           "adapters would be applied on block-quantized base weights the trainer never sees)")
+    _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
+           "(adapters go on the language model only; the vision tower stays frozen)")
+    max_rank = e.server_args.get("max_lora_rank")
+    _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
+           f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
+    _check(e.kind != "sglang" or "experts" not in lo.targets, "model.lora.targets",
+           "experts on SGLang: mtrain's adapter sync fills SGLang's per-linear LoRA buffers (q/k/v/o/gate/up/down) "
+           "and has no path into FusedMoE expert adapters; use engine.kind=reference or drop 'experts'")
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -211,6 +211,11 @@ def check_logging(cfg: RunConfig) -> None:
                                                  "(or leave the key unset: TensorBoard is then used when installed)")
 
 
+def check_lora_model(cfg, hf_config: dict) -> None:
+    from mtrain.lora_checks import check_model as lora_check
+    lora_check(cfg, hf_config)
+
+
 def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     """Run every check; returns the model's config.json. Raises ConfigError (one line) on the first problem."""
     world = world_size() if world is None else world
@@ -220,6 +225,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
+    check_lora_model(cfg, hf_config)
     check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)
     check_weights(cfg)

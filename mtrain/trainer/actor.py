@@ -22,6 +22,8 @@ from mtrain.algorithms.objective import policy_loss
 from mtrain.compat.no_te import te_installed
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model, packed_rope
+from mtrain.lora_checks import check_model as lora_check_model
+from mtrain.models.lora import attach_lora, spec_of as lora_spec_of
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
@@ -99,6 +101,7 @@ class Actor:
         replays = mode == "rollout" or (mode == "trainer" and trainable)
         if replays:
             split["moe_enable_routing_replay"] = True
+        lora_check_model(cfg, hf_config)
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})},
                                            train_vision=cfg.model.train_vision)
@@ -122,6 +125,9 @@ class Actor:
             load_weights(chunks)
         if cfg.model.fp32_lm_head:
             install_fp32_lm_head(chunks)
+        # model.lora: base frozen, adapters the only trainable parameters (the KL reference keeps the base alone)
+        self.lora_spec = spec = lora_spec_of(cfg) if trainable else None
+        self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed()) if spec else None
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if self.dtype == torch.bfloat16:
@@ -144,14 +150,15 @@ class Actor:
         from megatron.core.distributed import finalize_model_grads
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
+        lr = cfg.model.lora.lr if self.lora is not None and cfg.model.lora.lr is not None else o.lr
         self.optimizer = get_megatron_optimizer(optimizer_config(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            optimizer="adam", lr=lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload)), self.chunks)
         steps = max(cfg.train.steps, 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            self.optimizer, init_lr=0.0 if o.warmup_steps else lr, max_lr=lr, min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(steps, o.warmup_steps + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=steps, wd_incr_style="constant",

@@ -74,6 +74,9 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
     dist_checkpointing.save(_sharded(actor, is_loading=False, optimizer_format=fmt), str(part / "mcore"))
     torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
+    if rank == 0 and getattr(actor, "lora", None) is not None:  # what export-lora and a resume need to rebuild it
+        from mtrain.layouts.lora import write_meta
+        write_meta(part / "mcore", actor.lora_spec)
     if rank == 0:
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
                     "adam_steps": _adam_steps(actor), "layout": current_layout(), "optimizer_format": fmt},

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
+from mtrain.config import ConfigError
+from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
+from mtrain.models.lora import spec_of as lora_spec_of
+from mtrain.trainer.lora_sync import engine_lora_args
 from mtrain.rollout.routing import routing_shape
 
 
@@ -35,8 +39,14 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
-        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
+        lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/lora_sync.py)
+        lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
+        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
+                               lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
+    if lora_spec_of(cfg) is not None:
+        raise ConfigError("model.lora.targets: LoRA on SGLang engines is not wired into the trainer yet "
+                          "(benchmarks/gpu_lora_sync.py drives SGLang's adapter path alone); use engine.kind=reference")
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
     if fp8:
         from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir

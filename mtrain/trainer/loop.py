@@ -44,6 +44,8 @@ from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, too
 from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer.sync import WeightSync
 from mtrain.trainer.teacher import Distiller, build_teacher
+from mtrain.trainer.lora_sync import AdapterSync
+from mtrain.models.lora import spec_of as lora_spec_of
 
 log = logging.getLogger("mtrain")
 
@@ -123,11 +125,15 @@ class Trainer:
         if cfg.rollout.async_mode == "one_step":  # step N+1 generated with weights N while step N trains
             from mtrain.trainer.async_step import OneStepRollout
             self.async_rollout = OneStepRollout(self)
-        self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, groups=d.groups,
+        make_sync = lambda table: WeightSync(table, self.actor.chunks, self.engine, groups=d.groups,  # noqa: E731
                                engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
                                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
                                dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                mode=d.sync_mode, device=d.device, engine_fp8=d.engine_fp8)
+        lora = lora_spec_of(cfg)  # LoRA: the base once, then only the adapters (mtrain/trainer/lora_sync.py)
+        self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora)
+        # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
+        self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0
         resumed = self._resume()
         if self.rank == 0:
@@ -176,7 +182,7 @@ class Trainer:
 
     def _engine_memory(self, op: str, tags: tuple[str, ...]) -> None:
         """Colocated engines give their memory to training and take it back (engine.colocate)."""
-        if self.engine is not None and self.decisions.colocate:
+        if self.engine is not None and self.decisions.colocate and tags:
             getattr(self.engine, op)(tags)
 
     def evaluate(self) -> dict[str, float]:
@@ -290,7 +296,7 @@ class Trainer:
                 local.update(self.distill.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
-            self._engine_memory("release_memory", ("kv_cache", "weights"))
+            self._engine_memory("release_memory", ("kv_cache",) + self.weight_tags)
             offload_metrics.update(self.offload.reload())
             t2 = time.perf_counter()
             per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches]
@@ -300,7 +306,7 @@ class Trainer:
             mine = RolloutBatch.concat([m[0] for m in minibatches])
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             offload_metrics.update(self.offload.offload())
-            self._engine_memory("resume_memory", ("weights",))
+            self._engine_memory("resume_memory", self.weight_tags)
         if self.async_rollout is not None:  # the engines keep weights N until the next step's rollout is done
             local.update(self.async_rollout.wait())
         self.step += 1
