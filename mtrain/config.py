@@ -34,7 +34,7 @@ class LoraConfig:
     rank: int = 16
     alpha: float = 32.0  # the update is (alpha / rank) * B @ A
     dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
-    # Layout-table names (mtrain/layouts/lora.py): qkv, o_proj, gate_up, down, experts, shared.gate_up, shared.down
+    # a subset of config_checks.LORA_TARGETS (the layout tables' names: qkv, o_proj, gate_up, down, experts, ...)
     targets: list[str] = field(default_factory=list)
     lr: float | None = None  # the adapters' learning rate (LoRA wants a larger one than full tuning); null: optim.lr
 

@@ -201,17 +201,21 @@ def _check_distill(cfg: RunConfig) -> None:
     _check(dc.coef is None or dc.coef > 0, "algo.distill.coef", f"must be > 0, got {dc.coef}")
 
 
+# The names model.lora.targets may use: the layout tables' keys of each adaptable linear (mtrain/layouts/lora.py
+# maps them onto every architecture's rows).
+LORA_TARGETS = ("qkv", "o_proj", "gate_up", "down", "experts", "shared.gate_up", "shared.down")
+
+
 def _check_lora(cfg: RunConfig) -> None:
     """model.lora: its own bounds, and the combinations LoRA does not run with (model-dependent checks, such as
     targets that match no layer, run where the model's config is read: mtrain.models.lora.check_model)."""
-    from mtrain.layouts.lora import TARGETS
     lo, e = cfg.model.lora, cfg.engine
     _check(lo.rank > 0, "model.lora.rank", f"must be > 0, got {lo.rank}")
     _check(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
     _check(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
     _check(lo.lr is None or lo.lr > 0, "model.lora.lr", f"must be > 0 or null, got {lo.lr}")
-    bad = [t for t in lo.targets if t not in TARGETS]
-    _check(not bad, "model.lora.targets", f"unknown target(s) {bad}; the layout tables name {', '.join(TARGETS)}")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    _check(not bad, "model.lora.targets", f"unknown target(s) {bad}; the layout tables name {', '.join(LORA_TARGETS)}")
     if not lo.targets:
         return
     _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")

@@ -2,7 +2,7 @@
 layouts), one ConfigError line before any process group or model exists. Megatron-free: preflight runs it."""
 from __future__ import annotations
 
-from mtrain.config_checks import ConfigError
+from mtrain.config_error import ConfigError
 from mtrain.layouts import model_layout
 from mtrain.layouts.lora import LoraSpec, lora_layout
 from mtrain.layouts.rules import LayoutError

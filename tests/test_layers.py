@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"kernels"},                                    # Triton/torch kernels on plain tensors
     {"layouts"},                                    # per-architecture weight-layout tables
     {"reshard"},                                    # the planner and executor of a weight sync
-    {"models"},                                     # Megatron model building, forward, HF config facts
+    {"models", "lora_checks"},                      # Megatron model building, forward, HF config facts; LoRA model checks
     {"data", "algorithms", "tools", "converters"},  # prompts and rewards, losses, agent tools, checkpoint formats
     {"rollout"},                                    # engines, the pool, trajectories, agents
     {"serve"},                                      # the OpenAI front

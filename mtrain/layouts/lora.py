@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 
 from mtrain.layouts.rules import Block, Fused, GroupedQKV, LayoutError, Replicated, Split
 from mtrain.layouts.table import ModelLayout, Part, Weight, one
+from mtrain.config_checks import LORA_TARGETS
 
-TARGETS = ("qkv", "o_proj", "gate_up", "down", "experts", "shared.gate_up", "shared.down")
+TARGETS = LORA_TARGETS
 _KEY = re.compile(r"^L(\d+)\.(?:(E\d+)\.)?(.+)$")
 
 
