@@ -78,9 +78,9 @@ def main() -> None:
         lora_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         full_ms, lora_ms = [], []
         for n in range(args.repeats):
-            full_ms.append(timed(lambda: engine.update_weights_from_tensors(list(base.items()))))
+            full_ms.append(timed(lambda: engine.update_weights_from_tensor(list(base.items()))))
             name, previous = f"policy-v{n}", f"policy-v{n - 1}"
-            lora_ms.append(timed(lambda: (engine.load_lora_adapter_from_tensors(name, list(tensors.items()), config),
+            lora_ms.append(timed(lambda: (engine.load_lora_adapter_from_tensors(name, tensors, config),
                                           n and engine.unload_lora_adapter(previous))))
         print(f"full sync:    {full_bytes / 2**20:.1f} MiB, {spread(full_ms)}")
         print(f"adapter sync: {lora_bytes / 2**20:.2f} MiB, {spread(lora_ms)}")
