@@ -126,8 +126,9 @@ def _cuda() -> bool:
 
 
 def _engine_is_sglang(cfg: RunConfig) -> bool:
-    """engine.kind as the run will resolve it (mtrain/trainer/decisions.py): auto is SGLang where a GPU is."""
-    return cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and _cuda())
+    """engine.kind as the run will resolve it (one rule: mtrain/trainer/decisions.engine_kind)."""
+    from mtrain.trainer.decisions import engine_kind
+    return engine_kind(cfg.engine, _cuda()) == "sglang"
 
 
 def check_sglang_engine(cfg: RunConfig, hf_config: dict) -> None:

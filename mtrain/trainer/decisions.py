@@ -35,6 +35,11 @@ class RunDecisions:
                 f"{self.groups.describe()}")
 
 
+def engine_kind(engine_cfg, cuda: bool) -> str:
+    """engine.kind as the run resolves it: auto is SGLang where a GPU is, the CPU reference engine elsewhere."""
+    return engine_cfg.kind if engine_cfg.kind != "auto" else ("sglang" if cuda else "reference")
+
+
 def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = None,
            te: bool | None = None) -> RunDecisions:
     if cuda is None:
@@ -43,7 +48,7 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
         from mtrain.models.specs import te_available
         te = te_available()
     e, p = cfg.engine, cfg.parallel
-    kind = e.kind if e.kind != "auto" else ("sglang" if cuda else "reference")
+    kind = engine_kind(e, cuda)
     if kind == "sglang" and not cuda:
         raise ConfigError("engine.kind: sglang needs a GPU (none here); use engine.kind=reference or auto")
     try:
