@@ -32,14 +32,12 @@ def _prompts(n: int, vocab: int, length: int = 64) -> list[list[int]]:
 
 def _server_args(hf: str, max_bs: int, graphs: bool, backend: str | None) -> dict:
     from mtrain.config import load_config
-    from mtrain.rollout.sglang_wire import engine_server_args
     from mtrain.trainer.engines import production_server_args
     overrides = [f"model.hf_path={hf}", "data.task=arithmetic", f"engine.cuda_graph_max_bs={max_bs}",
                  f"engine.cuda_graphs={str(graphs).lower()}", "model.dtype=bfloat16"]
     if backend:
         overrides.append(f"engine.attention_backend={backend}")
-    extra = {"dtype": "bfloat16", **production_server_args(load_config(None, overrides))}
-    return extra
+    return {"dtype": "bfloat16", **production_server_args(load_config(None, overrides))}
 
 
 def _rate(rounds: list[float], tokens: int) -> dict:
