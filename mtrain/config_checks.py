@@ -36,6 +36,7 @@ def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
     p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
+    check_critic_distill(cfg)
     _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
     _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
               "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
@@ -179,3 +180,33 @@ def check_paths(cfg: RunConfig) -> None:
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
         _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
+
+
+def check_critic_distill(cfg: RunConfig) -> None:
+    """PPO's critic keys only with algo.name=ppo, which ignores the group-baseline options; distillation keys only
+    with a teacher (docs/design-critic-distill.md)."""
+    from mtrain.config import CriticConfig, DistillConfig
+    a, c, dd = cfg.algo, cfg.critic, cfg.algo.distill
+    if a.name == "ppo":
+        _check(a.adv_norm in ("batch_std", "none"), "algo.adv_norm",
+               f"algo.name=ppo whitens GAE advantages over the batch (batch_std) or not (none), got {a.adv_norm!r} "
+               "(a group baseline is GRPO's)")
+        _check(not a.filter_uniform_groups, "algo.filter_uniform_groups",
+               "algo.name=ppo has a critic, not a group baseline: uniform groups still train it; set it false")
+        _check(cfg.parallel.cp == 1, "parallel.cp", "the critic does not run under context parallelism yet (cp=1)")
+        _check(c.lr > 0, "critic.lr", f"must be > 0, got {c.lr}")
+        _check(c.warmup_steps >= 0, "critic.warmup_steps", f"must be >= 0, got {c.warmup_steps}")
+        _check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", f"must be > 0 or null, got {c.value_clip}")
+        for k in ("gamma", "lam"):
+            _check(0.0 <= getattr(c, k) <= 1.0, f"critic.{k}", f"must be in [0, 1], got {getattr(c, k)}")
+    else:
+        for k, default in vars(CriticConfig()).items():
+            _check(getattr(c, k) == default, f"critic.{k}",
+                   f"is set but algo.name={a.name} has no critic (critic.* is read by algo.name=ppo only)")
+    if dd.teacher_path is None:
+        for k, default in vars(DistillConfig()).items():
+            _check(getattr(dd, k) == default, f"algo.distill.{k}", "is set but algo.distill.teacher_path is not")
+    else:
+        _check(dd.coef > 0, "algo.distill.coef", f"must be > 0, got {dd.coef}")
+        _check(dd.with_task_advantage or a.name != "ppo", "algo.distill.with_task_advantage",
+               "false (distillation alone) leaves the critic nothing to learn: use a critic-free algo.name")

@@ -185,6 +185,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     hf_config = read_hf_config(cfg)
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
+    from mtrain.preflight_models import check_side_models
+    check_side_models(cfg, hf_config, dp)  # PPO's critic, the distillation teacher
     check_batch(cfg, dp)
     check_weights(cfg)
     check_data(cfg)
