@@ -72,8 +72,10 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
         (part / "mcore").mkdir(parents=True)
     dist.barrier()
     fmt = actor.cfg.train.optimizer_checkpoint
+    _allocate_optimizer_state(actor, for_save=True)  # the policy waits through critic.warmup_steps
     dist_checkpointing.save(_sharded(actor, is_loading=False, optimizer_format=fmt), str(part / "mcore"))
     for name, other in (extra or {}).items():
+        _allocate_optimizer_state(other, for_save=True)  # zeros at step 0 = a fresh Adam, for a model not stepped yet
         if rank == 0:
             (part / name).mkdir()
         dist.barrier()
@@ -177,7 +179,7 @@ def _optimizer_classes(actor) -> list:
     return out
 
 
-def _allocate_optimizer_state(actor) -> None:
+def _allocate_optimizer_state(actor, for_save: bool = False) -> None:
     """Give every parameter Adam state (zeros, step 0) before a load, as a first optimizer step would.
 
     Megatron's distributed optimizer reads the inner torch Adam's `step` to build the state dict it loads
@@ -193,6 +195,9 @@ def _allocate_optimizer_state(actor) -> None:
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     for opt in _inner_optimizers(actor.optimizer):
         if isinstance(opt, HybridDeviceOptimizer):
+            if not opt.state and for_save:  # dummy_step would change the weights being saved
+                raise CheckpointError("a save before the model's first optimizer step (critic.warmup_steps) is not "
+                                      "supported with optim.cpu_offload: save after the warm-up")
             if not opt.state:
                 for group in opt.param_groups:
                     for p in group["params"]:
