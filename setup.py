@@ -14,7 +14,7 @@ setup(
     packages=[
         "mtrain", "mtrain.layouts", "mtrain.reshard", "mtrain.rollout", "mtrain.models",
         "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer", "mtrain.tools", "mtrain.rollout.agents",
-        "mtrain.kernels", "mtrain.converters",
+        "mtrain.serve", "mtrain.kernels", "mtrain.converters",
     ],
     package_data={"mtrain": ["configs/*.yaml"]},
     install_requires=[
@@ -35,11 +35,15 @@ setup(
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "triton>=3.3"],
-        "test": ["pytest>=8", "pyarrow>=15", "matplotlib>=3.8", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40", "httpx>=0.27"],
+        "test": ["pytest>=8", "pyarrow>=15", "matplotlib>=3.8", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40", "httpx>=0.27",
+                 "math-verify>=0.7", "datasets>=2.18", "wandb>=0.17", "peft>=0.17"],
         # the OpenAI front (mtrain.serve) and agents written against the openai client; sglang brings them too
         "server": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
         "gpu": ["sglang==0.5.17"],
         "tensorboard": ["tensorboard>=2.14"],  # metrics also to TensorBoard (train.log_tensorboard; jsonl always)
+        "math": ["math-verify>=0.7"],  # reward.fn = mtrain.data.rewards:math_verify_reward
+        "datasets": ["datasets>=2.18"],  # data.train_path = a save_to_disk folder
+        "wandb": ["wandb>=0.17"],  # train.log_wandb
     },
     entry_points={
         "console_scripts": [

@@ -182,7 +182,7 @@ def main() -> int:
                fp8_back_to_back_vs_cast=t_cast_b2b / (split["fp8_back_to_back_ms"] / 1e3),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)")
     # Where the sources live (the bf16 MoE bucket ran at ~50 % or ~81 % of copy bandwidth depending on it,
-    # docs/results.md section 1): allocator segments and the address span the sources cover.
+    # docs/archive/results-2026-11.md section 1): allocator segments and the address span the sources cover.
     ptrs = sorted(t.data_ptr() for t in srcs)
     res["sources_span_GB"] = (ptrs[-1] - ptrs[0]) / 1e9 if ptrs else 0.0
     if device.type == "cuda":

@@ -18,7 +18,7 @@ before any timing. The goal is kernel/copy >= 85 % on the bandwidth scenarios.
 kernel_ms is the whole call (host work + kernel) under do_bench, as a sync pays it. For dense and moe
 each run also records (benchmarks/kernel_diag.py) the host time of one call, the kernel alone in both
 tile orders, the call as it was before the per-call host caches, the tile table's fingerprint and the
-sources' address alignment: the MoE bucket's run-to-run spread (docs/results.md, "MoE bucket spread").
+sources' address alignment: the MoE bucket's run-to-run spread (docs/archive/results-2026-11.md, "MoE bucket spread").
 `--diag-only` skips the torch executor (host bound, ~20-30 ms a call) to keep 5-process runs short.
 """
 from __future__ import annotations
@@ -236,7 +236,7 @@ def diagnose(table: PieceTable, dst: torch.Tensor, srcs: list[torch.Tensor], dev
         d[f"kernel_only_vs_copy_{order}"] = t_copy / bench(launch, device, args.reps)
         d[f"call_vs_copy_{order}"] = t_copy / bench(
             lambda: execute_pieces_triton(dst, srcs, table, tile_order=order), device, args.reps)
-    # Whole 384-wide w2 rows per tile (the second session's best in the fresh-allocation state, 74 %): 16384-element
+    # Whole 384-wide w2 rows per tile (the best width measured in the fresh-allocation state on 2026-11-29, 74 %): 16384-element
     # tiles 512 wide, in both orders. A fresh PieceTable: the tile cache is keyed on block and order, not on width.
     with forced_block_c(512):
         for order in TILE_ORDERS:

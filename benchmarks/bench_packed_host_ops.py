@@ -1,6 +1,6 @@
 """What the packed path dispatches per trainer step that the padded path does not, for the same tokens (issue 18).
 
-The H200 run of 2026-11-30 (session 7) put the packed path's step at 5.6-8.4 s against the fixed-length ceiling's
+The H200 run of 2026-11-30 put the packed path's step at 5.6-8.4 s against the fixed-length ceiling's
 4.2-4.5 s on IDENTICAL tokens (bench_train_throughput's ceiling_packed vs ceiling), with the varlen flash
 attention in use: host-side work, not FLOPs. This script counts that host work on the CPU, where it can be
 counted exactly: one trainer step (logprob recompute + train forward/backward + optimizer step, the

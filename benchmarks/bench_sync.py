@@ -17,7 +17,7 @@
    checks every parameter's checksum equals the reference: bit for bit.
 With --contiguous-params the Megatron parameters live in one buffer per dtype, as megatron's DDP with the
 distributed optimizer holds them (the kernel reads thousands of small separate allocations markedly slower:
-docs/results.md, section 1). Prints a table; writes $OUT/bench_sync_<model>[_contiguous].json.
+docs/archive/results-2026-11.md, section 1). Prints a table; writes $OUT/bench_sync_<model>[_contiguous].json.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 padded vs packed micro-batches on one heavy-tailed RL-like batch, and fixed-length batches as the ceiling, all
 in the same run. Prints tokens/s and model TFLOP/s (useful tokens only), and the ratios.
 
-    # H200 (one GPU, bf16): Llama-3.2-1B shape, lengths up to 4096, the lead's command
+    # H200 (one GPU, bf16): Llama-3.2-1B shape, lengths up to 4096
     python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 4096 --mbs 2 --budget 8192 \
         --fixed-len 2048 --steps 3 --warmup 1 --out docs/gpu-runs/train_throughput_1b.json
     # CPU smoke (float32); --dtype bfloat16 --profile for the noise floor and the profiler summary at a tiny size

@@ -15,8 +15,7 @@ common="model.dtype=${DTYPE:-bfloat16} engine.kind=${ENGINE:-sglang} engine.mem_
   reward.fn=$repo/tests/trainer/signal_reward.py:digit_share"
 run() {  # name, init-tiny args...
     local name=$1; shift
-    # Run outside the checkout: `python -m` puts the working directory first on sys.path, and the checkout's
-    # mtrain/ lacks the mtrain.kernels / mtrain.converters mapping that the installed package has.
+    # Run from the work folder, as a user runs from a folder of their own (the checkout imports either way).
     (cd "$work" && python -m mtrain init-tiny --out "$work/$name/hf" "$@" >/dev/null &&
      torchrun --nproc-per-node "${NPROC:-1}" -m mtrain train "$repo/mtrain/configs/tiny_llama_grpo.yaml" \
         model.hf_path="$work/$name/hf" train.run_dir="$work/$name/run" $common ${EXTRA:-} > "$out/log_$name.txt" 2>&1)

@@ -11,23 +11,25 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
 fi
 
 _mt_setup() {
-    local repo site pkg bundle wheel py
+    local repo site bundle wheel py
     repo=$(pwd)
     site=${MTRAIN_SITE:-/tmp/site}
-    pkg=${MTRAIN_PKG:-/tmp/mtrain_pkg}
     py=${PYTHON:-python3}
     bundle="$repo/.gpu/sglang-0.5.17-device-py312-torch211.tar.xz"
     wheel=$(ls "$repo"/.gpu/megatron_core-0.16.1-cp312-*.whl 2>/dev/null | head -n 1)
     if [ ! -f "$repo/mtrain/__init__.py" ]; then
         echo "gpu_setup.sh: run from the mtrain repository root (no mtrain/ in $repo)" >&2; return 1
     fi
-    if [ ! -f "$bundle" ]; then
-        echo "gpu_setup.sh: missing $bundle (carry .gpu/ to this machine)" >&2; return 1
+    # The machine keeps /tmp while it stays warm, but folders carried with the repository do not reliably stay from
+    # one call to the next: what is already unpacked is enough, and .gpu/ is needed only for what is missing.
+    if [ ! -f "$site/.mtrain-sglang-bundle" ] && [ ! -f "$bundle" ]; then
+        echo "gpu_setup.sh: SGLang is not unpacked in $site and $bundle is missing (carry .gpu/ to this machine)" >&2
+        return 1
     fi
-    if [ -z "$wheel" ]; then
-        echo "gpu_setup.sh: missing .gpu/megatron_core-0.16.1-cp312-*.whl" >&2; return 1
+    if [ ! -d "$site/megatron/core" ] && [ -z "$wheel" ]; then
+        echo "gpu_setup.sh: megatron-core is not in $site and .gpu/megatron_core-0.16.1-cp312-*.whl is missing" >&2
+        return 1
     fi
-
     # 1. SGLang runtime bundle (~5 s); a marker makes a second source on a warm machine free.
     if [ ! -f "$site/.mtrain-sglang-bundle" ]; then
         mkdir -p "$site" && tar -xJf "$bundle" -C "$site" && touch "$site/.mtrain-sglang-bundle" || {
@@ -53,21 +55,15 @@ _mt_setup() {
             rm -rf "$tmp"; echo "gpu_setup.sh: installing $extra failed" >&2; return 1; }
         rm -rf "$tmp"
     done
-    # 3. mtrain as setup.py lays it out: kernels/ and converters/ import as mtrain.kernels / mtrain.converters.
-    #    A fresh copy each time, so edits in the checkout are what runs.
-    rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$repo/mtrain" "$pkg/mtrain" || {
-        echo "gpu_setup.sh: copying mtrain to $pkg failed" >&2; return 1; }
-    [ -d "$repo/kernels" ] && cp -r "$repo/kernels" "$pkg/mtrain/kernels"
-    [ -d "$repo/converters" ] && cp -r "$repo/converters" "$pkg/mtrain/converters"
-
-    # SGLang's scheduler processes are spawned: they find mtrain's loader through this PYTHONPATH.
-    export PYTHONPATH="$pkg:$site${PYTHONPATH:+:$PYTHONPATH}"
+    # 3. mtrain from the checkout itself: mtrain/kernels and mtrain/converters are links to the top-level folders,
+    #    so the checkout imports as the installed package does. SGLang's scheduler processes are spawned: they
+    #    find mtrain's loader through this PYTHONPATH.
+    export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
     export MTRAIN_REPO="$repo"
-    # From outside the checkout: `python -` puts the working directory first on sys.path, and the checkout's mtrain/
-    # lacks the mtrain.kernels mapping.
+    # From outside the checkout, so that the check does not depend on the working directory.
     (cd /tmp && "$py" - <<'EOF') || { echo "gpu_setup.sh: import check failed" >&2; return 1; }
 import importlib, sys
-for m in ("torch", "sglang", "megatron.core", "mtrain.rollout.sglang_loader"):
+for m in ("torch", "sglang", "megatron.core", "mtrain.rollout.sglang_loader", "mtrain.converters"):
     mod = importlib.import_module(m)
     print(f"gpu_setup: {m} {getattr(mod, '__version__', '')} from {mod.__file__}")
 import torch

@@ -2,7 +2,7 @@
 
 The MoE bucket ran at ~50 % of copy bandwidth in some processes and ~82 % in others of the same command
 (issue 15, point 4). The tile table is the same in every process (checked on CPU under several
-PYTHONHASHSEEDs: docs/results.md, "MoE bucket spread"), so each run records what else could differ
+PYTHONHASHSEEDs: docs/archive/results-2026-11.md, "MoE bucket spread"), so each run records what else could differ
 between processes, to tell the causes apart from one GPU call:
   - the tile table's fingerprint and size stats (must be equal across runs),
   - the alignment of every source and of the destination (mod 128 / 256 / 4096 bytes, offset in a 2 MiB

@@ -18,10 +18,11 @@ PROG = "mtrain-convert"
 SUBCOMMANDS = {
     "hf-to-mcore": "hf_to_mcore",
     "mcore-to-hf": "mcore_to_hf",
-    "gguf-to-hf": "gguf_to_hf",
+    "gguf-to-hf": "gguf_to_hf_cli",
     "verify": "verify",
     "mcore-to-sglang": "mcore_to_sglang",
     "make-fp8": "fp8_release",
+    "export-lora": "export_lora",
 }
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -84,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")
     p.add_argument("--out", required=True, metavar="DIR", help="HF checkpoint directory to write")
     p.add_argument("--hf-config", metavar="DIR", default=None, help="HF directory whose config.json/tokenizer to copy")
+    _add_force(p)
+
+    p = sub.add_parser("export-lora", help="LoRA adapters of a Megatron checkpoint -> PEFT adapter (or merged HF)")
+    p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron dist checkpoint of a LoRA run")
+    p.add_argument("--hf", required=True, metavar="DIR", help="the HF base model the run trained on")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    p.add_argument("--merge", action="store_true", help="write the base with the adapters merged (a HF checkpoint)")
     _add_force(p)
 
     p = sub.add_parser("gguf-to-hf", help="GGUF file -> HF checkpoint (dequantised)")

@@ -29,6 +29,7 @@ import torch
 
 from .errors import ConvertError
 from .fp8 import SCALE_SUFFIX, _blocks
+from .hf_config_file import complete_config_file
 from .safetensors_io import HFCheckpoint, ShardedWriter
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -99,6 +100,7 @@ def write_fp8_release(tensors: Iterator[tuple[str, torch.Tensor]], cfg: dict, ou
         cfg["torch_dtype"] = dtype_name(dtype)
         cfg.pop("dtype", None)
         (writer.path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        complete_config_file(writer.path / "config.json")
         return writer.commit()
     except BaseException:
         writer.abort()

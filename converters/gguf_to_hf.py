@@ -8,7 +8,6 @@ stream each into a ShardedWriter, so only one dequantised tensor is in memory at
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import ConvertError, UnsupportedModelError
+from .hf_config_file import complete_config_file
 from .safetensors_io import ShardedWriter, check_output_dir
 
 # Architectures whose transformers tensor processor maps each GGUF tensor to exactly one HF tensor.
@@ -117,6 +117,7 @@ def gguf_to_hf(
         if unmapped:
             logging.getLogger(__name__).info("GGUF tensors without a HF counterpart, skipped: %s", unmapped)
         config.save_pretrained(writer.path)
+        complete_config_file(writer.path / "config.json")
         generation_config.save_pretrained(writer.path)
         tokenizer.save_pretrained(writer.path)
     return writer.out_dir
@@ -169,16 +170,3 @@ def _set_special_tokens_from_gguf(tokenizer, reader) -> None:
         if not 0 <= token_id < len(tokenizer):
             raise ConvertError(f"GGUF {key} = {token_id} is outside the vocabulary ({len(tokenizer)} tokens)")
         setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
-
-
-def run(args: argparse.Namespace) -> int:
-    """CLI entry: `mtrain-convert gguf-to-hf --gguf FILE|smollm2 --out DIR [--dtype] [--force]`."""
-    gguf = args.gguf
-    if gguf == "smollm2" and not Path(gguf).exists():
-        from .smollm2 import fetch_smollm2_gguf
-
-        gguf = fetch_smollm2_gguf()
-    dtype = args.dtype or torch.float32
-    out = gguf_to_hf(gguf, args.out, dtype=dtype, overwrite=args.force)
-    print(f"wrote {out}")
-    return 0

@@ -17,6 +17,7 @@ import torch
 
 from .mcore_io import (build_and_load, chunks_device, check_dist_checkpoint, checkpoint_facts, config_dtype, copy_side_files,
                        dtype_name, layout_for, rank_error, run_ranks)
+from .hf_config_file import complete_config_file
 from .output_dir import check_output_dir
 from .safetensors_io import ShardedWriter
 
@@ -47,6 +48,7 @@ def export_rank(rank: int, world: int, job: dict) -> int:
                     writer.add(name, tensor.to("cpu", copy=True))  # the executor reuses its buffer for the next bucket
         copy_side_files(Path(job["side_files"]), writer.path)
         set_config_dtype(writer.path / "config.json", dtype)
+        complete_config_file(writer.path / "config.json")
         writer.commit()
     except BaseException:
         writer.abort()

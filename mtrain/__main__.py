@@ -13,7 +13,7 @@ import sys
 
 
 def _train(args) -> int:
-    from mtrain.config import ConfigError, load_config
+    from mtrain.config import load_config
     from mtrain.preflight import preflight
     from mtrain.run_output import quiet_known_warnings
     from mtrain.debug_signals import install_stack_dump_signal
@@ -21,12 +21,8 @@ def _train(args) -> int:
     install_stack_dump_signal()  # `kill -USR1 PID`: every thread's stack to stderr, for a hung rank
     stop_with_parent()  # a SIGKILLed torchrun must not leave its workers training
     quiet_known_warnings()  # before megatron is imported: most of its warnings come at import
-    try:
-        cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
-        preflight(cfg)  # files, model vs layout, batch splits: one line, exit 2, no process group
-    except ConfigError as e:
-        e.same_on_every_rank = True
-        raise
+    cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
+    preflight(cfg)  # files, model vs layout, batch splits: one line, exit 2, no process group
     from mtrain.trainer.loop import Trainer
     trainer = Trainer(cfg)
     try:
@@ -39,7 +35,7 @@ def _train(args) -> int:
         # Every file is written and every engine stopped; what is left are CUDA blocks still mapped by engines that
         # were killed (their loaders keep the last bucket open), which torch would free in its static destructors
         # after the driver began shutting down: on 2 x H200 that aborted a finished DeepSeek-V3 run with "CUDA error:
-        # driver shutting down" (docs/results.md, section 34). The driver reclaims this process's memory on exit.
+        # driver shutting down" (docs/archive/results-2026-11.md, section 34). The driver reclaims this process's memory on exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -56,7 +52,7 @@ def _serve(args) -> int:
     from mtrain.debug_signals import install_stack_dump_signal
     install_stack_dump_signal()  # `kill -USR1 PID`: every thread's stack to stderr
     cfg = load_config(args.config, args.overrides)
-    from mtrain.serve.cli import serve
+    from mtrain.serve_command import serve
     return serve(cfg)
 
 
@@ -106,11 +102,22 @@ def main(argv: list[str] | None = None) -> int:
         # The other error classes are imported only now (megatron and all): a config error must not wait for them.
         if not isinstance(e, ConfigError) and not isinstance(e, _user_errors()):
             raise
-        # A wrong setting or input: one line. Errors found before the process group starts are the same on every
-        # rank, so only rank 0 prints them.
-        if os.environ.get("RANK", "0") == "0" or not getattr(e, "same_on_every_rank", False):
-            print(f"mtrain: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print_error_line(e)
         return 2
+
+
+def print_error_line(e: BaseException) -> None:
+    """`mtrain: error: TYPE: message` on this rank's stderr, in one write.
+
+    Every rank prints it, even an error that is the same on every rank: torchrun stops all ranks as soon as the first
+    one exits, so a line left to rank 0 alone was lost whenever another rank got there first (3 of 3 tries with 2
+    ranks). One `write` of one short line is atomic on a pipe (under PIPE_BUF), so the ranks' lines never interleave;
+    under torchrun the same line shows once per rank.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing pending: the line below leaves in a single write of its own
+    sys.stderr.write(f"mtrain: error: {type(e).__name__}: {e}\n")
+    sys.stderr.flush()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

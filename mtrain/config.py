@@ -24,8 +24,19 @@ from typing import Any, Literal
 
 import yaml
 
-from mtrain.config_checks import ConfigError, check_paths, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
+from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
 from mtrain.fileperm import chmod_umask
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy's linear layers (docs/design-lora.md); empty targets: full fine-tuning."""
+    rank: int = 16
+    alpha: float = 32.0  # the update is (alpha / rank) * B @ A
+    dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
+    # a subset of config_checks.LORA_TARGETS (the layout tables' names: qkv, o_proj, gate_up, down, experts, ...)
+    targets: list[str] = field(default_factory=list)
+    lr: float | None = None  # the adapters' learning rate (LoRA wants a larger one than full tuning); null: optim.lr
 
 
 @dataclass
@@ -39,6 +50,11 @@ class ModelConfig:
     # Vision-language models (Qwen2.5-VL): train the vision tower and patch merger too (docs/design-vlm.md); false
     # keeps them frozen (no gradients, no optimizer state) while the language model trains.
     train_vision: bool = False
+    # The language-model head (logits) in float32 on both sides: the trainer's output layer multiplies float32
+    # copies of its input and weight, and SGLang engines start with enable_fp32_lm_head. A bf16 head rounds every
+    # logit to 8 mantissa bits before the softmax, on each side differently (docs/design-gpu-recipe.md).
+    fp32_lm_head: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -74,6 +90,18 @@ class EngineConfig:
     # engine.server_args.disable_cuda_graph=false. Keys that other config keys or the weight layout decide are
     # refused (mtrain/engine_args.py); names SGLang does not know are refused before the engine starts.
     server_args: dict[str, Any] = field(default_factory=dict)
+    # SGLang decode CUDA graphs (3.6x the rollout speed of the SmolLM2 demo on an H200). Their memory stays on the
+    # GPU while training runs: SGLang 0.5.17 pauses graph memory only with torch_memory_saver's LD_PRELOAD hook
+    # ("Only hook_mode=preload supports pauseable CUDA Graph"), which an engine inside the trainer cannot use.
+    # false: no capture (a faster start, for tests).
+    cuda_graphs: bool = True
+    # the largest decode batch captured (SGLang's cuda_graph_max_bs_decode); null: the requests one engine runs at
+    # once (min(prompts_per_step, max_groups_in_flight) x samples_per_prompt, rounded up to a multiple of 8)
+    cuda_graph_max_bs: int | None = None
+    # Where engines live (docs/design-async.md): colocated = every rank trains and hosts (a part of) an engine;
+    # separate = the last `engine.ranks` ranks host engines, the others train.
+    placement: Literal["colocated", "separate"] = "colocated"
+    ranks: int | None = None  # separate placement: ranks hosting engines (a multiple of engine.tp)
 
 
 @dataclass
@@ -97,6 +125,9 @@ class RolloutConfig:
     max_staleness: int | None = None  # drop buffered groups with tokens more than this many versions old
     max_new_tokens_start: int | None = None  # growing length budget: start here, reach max_new_tokens ...
     max_new_tokens_ramp_steps: int = 0  # ... linearly over this many steps (0 = no ramp)
+    # Asynchronous RL (docs/design-async.md): off | one_step (step N+1's groups generated with weights N while step
+    # N trains) | stream. Its key is `rollout.async` (a Python keyword, hence the field name: USER_KEYS).
+    async_mode: Literal["off", "one_step", "stream"] = "off"
 
 
 # Partial rollout's default over-sampling: twice the trained groups in flight. On the longtail task the H200 A/B
@@ -130,11 +161,10 @@ ALGO_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation (docs/design-critic-distill.md): a frozen teacher scores every sampled model token;
-    -coef * (log p_student - log p_teacher) is the token's advantage, alone or added to the task advantage."""
-    teacher_path: str | None = None  # HF model dir of the teacher (same tokenizer and vocabulary as the policy)
-    coef: float = 1.0
-    with_task_advantage: bool = True  # false: the distillation term alone (the task reward only logged)
+    """On-policy distillation (docs/design-critic-distill.md): a frozen teacher scores the sampled tokens."""
+    teacher_path: str = ""  # HF model dir of the teacher (same tokenizer and vocabulary as model.hf_path); "" = off
+    coef: float | None = None  # weight of the per-token reverse KL in the advantage; None = 1.0 with a teacher
+    only: bool | None = None  # True: the distillation signal alone, the task reward's advantage is not used
 
 
 @dataclass
@@ -144,7 +174,7 @@ class CriticConfig:
     hf_path: str | None = None  # weights to start from; null = the policy's model.hf_path
     lr: float = 1e-5
     warmup_steps: int = 0  # the first N steps update the critic only (the policy waits for a useful baseline)
-    value_clip: float | None = 0.5  # PPO value clipping around the rollout's values; null = unclipped
+    value_clip: float = 0.5  # PPO value clipping around the rollout's values (verl's cliprange_value)
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
 
@@ -169,7 +199,7 @@ class AlgoConfig:
     # and the trainer's routers replay them in the logprob pass and the update; "trainer" = the update replays the
     # old-policy scoring pass's own routing; "off" = each forward routes itself
     routing_replay: Literal["off", "rollout", "trainer"] = "off"
-    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation (trainer/teacher.py)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -220,7 +250,9 @@ class CountShapesTaskConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str | None = None  # .jsonl / .json / .parquet
+    train_path: str | None = None  # .jsonl / .json / .parquet, or a HF dataset folder (save_to_disk, hub parquet shards)
+    train_split: str = "train"  # the split of a HF dataset folder (mtrain/data/hf_datasets.py)
+    eval_split: str = "test"
     eval_path: str | None = None
     prompt_key: str = "prompt"  # dotted paths reach into nested records, e.g. "extra.question"
     answer_key: str = "answer"  # e.g. "reward_model.ground_truth" for verl-style parquet
@@ -275,8 +307,20 @@ class MultiTurnConfig:
     sandbox_cpu_s: int = 5
     sandbox_memory_mb: int = 512
     sandbox_max_procs: int = 16
+    sandbox_disk_mb: int = 64  # all a python call may have written at once (scratch, /tmp, /dev/shm): killed beyond
+    sandbox_max_files: int = 1000  # files and folders a python call may have at once (same places)
+    sandbox_network: bool = True  # false: each python call in a network namespace of its own (root only)
     retrieval_corpus: str | None = None  # .txt (a document per line) / .jsonl {"text"}; None = generated towns
     retrieval_top_k: int = 2
+
+
+@dataclass
+class WandbConfig:  # train.log_wandb: the run in Weights & Biases (mtrain/wandb_log.py)
+    project: str = "mtrain"
+    entity: str | None = None  # None: the account's default
+    name: str | None = None  # None: the run_dir's folder name
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["online", "offline"] | None = None  # None: WANDB_MODE, else online; offline: no network, `wandb sync`
 
 
 @dataclass
@@ -304,6 +348,11 @@ class TrainConfig:
     # same TP/PP layout only (for models whose gathered state does not fit a host). docs/design-trainer.md.
     optimizer_checkpoint: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
     log_tensorboard: bool | None = None  # None: when tensorboard is installed; true: required (error if absent)
+    log_wandb: bool = False  # metrics (the names of metrics.jsonl), the config and eval samples to Weights & Biases
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # metrics weights/*: the share of model (training-dtype) elements each optimizer step changes, and how far the
+    # float32 main copy and the model copy have moved since the first step (a copy of the weights is kept for it)
+    log_weight_change: bool = False
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
@@ -333,6 +382,10 @@ class ServeConfig:
     # a factory name(model_name) -> agent) run n times per prompt through each engine leader's front (ephemeral
     # loopback port; serve.port is for `mtrain serve`). None = the built-in rollouts.
     agent: str | None = None
+    shutdown_grace_s: float = 5.0  # on stop, running calls get this long; streams still open then end with an error
+    read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
+    max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
+    session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
 
 
 @dataclass
@@ -356,7 +409,7 @@ class RunConfig:
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _user_keys(dataclasses.asdict(self))
 
     def format_config(self) -> str:
         """The full resolved config as YAML, for printing at start."""
@@ -380,6 +433,26 @@ class RunConfig:
 
 # ---- loading -------------------------------------------------------------------------------------------
 
+# Config keys that cannot be field names (Python keywords): field name -> the key users write (YAML, overrides,
+# config.yaml, error messages). The field name itself is not a key.
+USER_KEYS = {"async_mode": "async"}
+_FIELDS = {v: k for k, v in USER_KEYS.items()}
+
+
+def _key_of(name: str) -> str:
+    return USER_KEYS.get(name, name)
+
+
+def _field_of(key: str) -> str:
+    return _FIELDS.get(key, key)
+
+
+def _user_keys(tree: Any) -> Any:
+    """asdict() output with field names turned into the keys users write."""
+    if isinstance(tree, dict):
+        return {_key_of(k) if isinstance(k, str) else k: _user_keys(v) for k, v in tree.items()}
+    return tree
+
 def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
@@ -387,7 +460,7 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(t):
             keys.extend(_leaf_keys(t, f"{prefix}{f.name}."))
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{_key_of(f.name)}")
     return keys
 
 
@@ -475,14 +548,14 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
         raise ConfigError(f"'{prefix.rstrip('.') or '<root>'}' ({source}) must be a mapping of keys, "
                           f"got {type(data).__name__}")
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {_key_of(f.name) for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in names:
             raise _unknown_key(key, source)
-        t = hints[k]
-        kwargs[k] = _build(t, v, f"{key}.", source) if dataclasses.is_dataclass(t) else _coerce(v, t, key)
+        t = hints[_field_of(k)]
+        kwargs[_field_of(k)] = _build(t, v, f"{key}.", source) if dataclasses.is_dataclass(t) else _coerce(v, t, key)
     return cls(**kwargs)
 
 
@@ -499,10 +572,10 @@ def _apply_override(tree: dict, override: str) -> None:
     parts = key.split(".")
     cls, node = RunConfig, tree
     for i, part in enumerate(parts):
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {_key_of(f.name) for f in dataclasses.fields(cls)}
         if part not in names:
             raise _unknown_key(key, f"override {override!r}")
-        t = _hints(cls)[part]
+        t = _hints(cls)[_field_of(part)]
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(t):
             if last:
@@ -585,6 +658,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _build(RunConfig, tree, "", source)  # report unknown keys / bad types of the file itself first
     file_tree = copy.deepcopy(tree)
+    refuse_secret_overrides(overrides)
     for o in overrides:
         _apply_override(tree, o)
     for note in switch_data_source(file_tree, tree, overrides):

@@ -3,22 +3,34 @@ problem raises. Apart from mtrain/config.py so that the dataclass tree stays rea
 readers of the keys (tests/test_config_readers.py skips this file too)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtrain.config_error import ConfigError
 from mtrain.engine_args import server_args_problems
 
 if TYPE_CHECKING:
     from mtrain.config import RunConfig
 
 
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message names the dotted key."""
-
-
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {msg}")
+
+
+# Keys whose value is a secret: every process of the host (sandboxed tool code included) reads a command line in
+# /proc/PID/cmdline, so they may come from the config file or the environment only.
+SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
+
+
+def refuse_secret_overrides(overrides) -> None:
+    for o in overrides:
+        key = o.lstrip("-").split("=", 1)[0].strip()
+        value = o.split("=", 1)[1].strip() if "=" in o else ""
+        if key in SECRET_KEYS and value not in ("", "null", "~"):
+            raise ConfigError(f"{key}: a secret on the command line is readable by every process of this host "
+                              f"(/proc/PID/cmdline); give it through {SECRET_KEYS[key]} or the config file")
 
 
 def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> None:
@@ -36,7 +48,7 @@ def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
     p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
-    check_critic_distill(cfg)
+    check_critic(cfg)
     _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
     _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
               "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
@@ -151,11 +163,19 @@ def validate(cfg: RunConfig) -> None:
     sv = cfg.serve
     _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
     _check(bool(sv.host), "serve.host", "must not be empty")
-    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions")
+    _at_least(cfg, 0, "serve.shutdown_grace_s")
+    for k in ("read_timeout_s", "session_ttl_s"):
+        v = getattr(sv, k)
+        _check(v is None and k == "session_ttl_s" or v is not None and v > 0, f"serve.{k}",
+               f"must be > 0{' or null' if k == 'session_ttl_s' else ''}, got {v}")
     mt = cfg.multi_turn
     _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
               "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",
-              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k")
+              "multi_turn.sandbox_max_procs", "multi_turn.retrieval_top_k", "multi_turn.sandbox_disk_mb",
+              "multi_turn.sandbox_max_files")
+    _check(mt.sandbox_network or "python" not in mt.tools or os.geteuid() == 0, "multi_turn.sandbox_network",
+           "false (a network namespace per python call) needs root; run as root or set it to true")
     for k in ("tool_timeout_s", "sandbox_wall_s"):
         _check(getattr(mt, k) > 0, f"multi_turn.{k}", f"must be > 0, got {getattr(mt, k)}")
     _check(mt.rollout_fn is None or ":" in mt.rollout_fn, "multi_turn.rollout_fn",
@@ -163,11 +183,53 @@ def validate(cfg: RunConfig) -> None:
     _check(bool(mt.tools), "multi_turn.tools", "must name at least one tool")
     _check(cfg.serve.agent is None or ":" in cfg.serve.agent, "serve.agent",
            f"must look like 'module:name' or be null, got {cfg.serve.agent!r}")
+    from mtrain.job_split import check_async
+    check_async(cfg)  # engine.placement / engine.ranks / rollout.async (docs/design-async.md)
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
            "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
            "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
+    _check_distill(cfg)
+    _check_lora(cfg)
+
+
+def _check_distill(cfg: RunConfig) -> None:
+    dc = cfg.algo.distill
+    for key in ("coef", "only"):
+        _check(bool(dc.teacher_path) or getattr(dc, key) is None, f"algo.distill.{key}",
+               "is set but algo.distill.teacher_path is not (distillation needs a teacher model)")
+    _check(dc.coef is None or dc.coef > 0, "algo.distill.coef", f"must be > 0, got {dc.coef}")
+
+
+# The names model.lora.targets may use: the layout tables' keys of each adaptable linear (mtrain/layouts/lora.py
+# maps them onto every architecture's rows).
+LORA_TARGETS = ("qkv", "o_proj", "gate_up", "down", "experts", "shared.gate_up", "shared.down")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """model.lora: its own bounds, and the combinations LoRA does not run with (model-dependent checks, such as
+    targets that match no layer, run where the model's config is read: mtrain.models.lora.check_model)."""
+    lo, e = cfg.model.lora, cfg.engine
+    _check(lo.rank > 0, "model.lora.rank", f"must be > 0, got {lo.rank}")
+    _check(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
+    _check(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+    _check(lo.lr is None or lo.lr > 0, "model.lora.lr", f"must be > 0 or null, got {lo.lr}")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    _check(not bad, "model.lora.targets", f"unknown target(s) {bad}; the layout tables name {', '.join(LORA_TARGETS)}")
+    if not lo.targets:
+        return
+    _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")
+    _check(e.weight_dtype != "fp8", "model.lora.targets", "LoRA with engine.weight_dtype=fp8 is not supported (the "
+           "adapters would be applied on block-quantized base weights the trainer never sees)")
+    _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
+           "(adapters go on the language model only; the vision tower stays frozen)")
+    max_rank = e.server_args.get("max_lora_rank")
+    _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
+           f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
+    _check(e.kind != "sglang" or "experts" not in lo.targets, "model.lora.targets",
+           "experts on SGLang: mtrain's adapter sync fills SGLang's per-linear LoRA buffers (q/k/v/o/gate/up/down) "
+           "and has no path into FusedMoE expert adapters; use engine.kind=reference or drop 'experts'")
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -177,16 +239,53 @@ def check_paths(cfg: RunConfig) -> None:
     _check((hf / "config.json").is_file(), "model.hf_path", f"{hf} is not a HF model dir (no config.json)")
     _check(cfg.model.mcore_ckpt is None or Path(cfg.model.mcore_ckpt).exists(), "model.mcore_ckpt",
            f"{cfg.model.mcore_ckpt} does not exist")
+    if cfg.algo.distill.teacher_path:
+        check_teacher(hf, Path(cfg.algo.distill.teacher_path))
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
-        _check(path is None or Path(path).is_file(), f"data.{key}", f"{path} is not a file")
+        _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
+               f"{path} is not a file or a dataset folder")
 
 
-def check_critic_distill(cfg: RunConfig) -> None:
-    """PPO's critic keys only with algo.name=ppo, which ignores the group-baseline options; distillation keys only
-    with a teacher (docs/design-critic-distill.md)."""
-    from mtrain.config import CriticConfig, DistillConfig
-    a, c, dd = cfg.algo, cfg.critic, cfg.algo.distill
+# files that define a HF tokenizer; a model dir with none of them uses the character tokenizer of its vocab_size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    import json
+    c = json.loads((model_dir / "config.json").read_text())
+    return c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+
+
+def check_teacher(policy: Path, teacher: Path) -> None:
+    """The teacher scores the student's token ids: its vocabulary and tokenizer must be the policy's."""
+    key = "algo.distill.teacher_path"
+    _check((teacher / "config.json").is_file(), key, f"{teacher} is not a HF model dir (no config.json)")
+    pv, tv = _vocab_size(policy), _vocab_size(teacher)
+    _check(pv == tv, key, f"the teacher's vocab_size is {tv}, the policy's ({policy}) is {pv}: distillation "
+           f"compares the two models' logprobs of the same token ids")
+    p_files = sorted(f for f in TOKENIZER_FILES if (policy / f).exists())
+    t_files = sorted(f for f in TOKENIZER_FILES if (teacher / f).exists())
+    _check(bool(p_files) == bool(t_files), key, f"the policy's tokenizer files are {p_files or 'none'}, the "
+           f"teacher's {t_files or 'none'}: the two models must share one tokenizer")
+    if not p_files:
+        return  # both use the character tokenizer of the same vocab_size
+    from transformers import AutoTokenizer
+    pt, tt = AutoTokenizer.from_pretrained(str(policy)), AutoTokenizer.from_pretrained(str(teacher))
+    p_vocab, t_vocab = pt.get_vocab(), tt.get_vocab()
+    diff = sorted(set(p_vocab.items()) ^ set(t_vocab.items()), key=lambda kv: kv[1])
+    _check(not diff, key, f"the teacher's tokenizer differs from the policy's: {len(diff)} (token, id) pairs are in "
+           f"one vocabulary only, e.g. {diff[:1]}")
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        _check(getattr(pt, attr) == getattr(tt, attr), key, f"the teacher's tokenizer has {attr}="
+               f"{getattr(tt, attr)}, the policy's {getattr(pt, attr)}")
+
+
+def check_critic(cfg: RunConfig) -> None:
+    """PPO's critic keys only with algo.name=ppo, which ignores the group-baseline options
+    (docs/design-critic-distill.md)."""
+    from mtrain.config import CriticConfig
+    a, c = cfg.algo, cfg.critic
     if a.name == "ppo":
         _check(a.adv_norm in ("batch_std", "none"), "algo.adv_norm",
                f"algo.name=ppo whitens GAE advantages over the batch (batch_std) or not (none), got {a.adv_norm!r} "
@@ -196,17 +295,10 @@ def check_critic_distill(cfg: RunConfig) -> None:
         _check(cfg.parallel.cp == 1, "parallel.cp", "the critic does not run under context parallelism yet (cp=1)")
         _check(c.lr > 0, "critic.lr", f"must be > 0, got {c.lr}")
         _check(c.warmup_steps >= 0, "critic.warmup_steps", f"must be >= 0, got {c.warmup_steps}")
-        _check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", f"must be > 0 or null, got {c.value_clip}")
+        _check(c.value_clip > 0, "critic.value_clip", f"must be > 0, got {c.value_clip}")
         for k in ("gamma", "lam"):
             _check(0.0 <= getattr(c, k) <= 1.0, f"critic.{k}", f"must be in [0, 1], got {getattr(c, k)}")
     else:
         for k, default in vars(CriticConfig()).items():
             _check(getattr(c, k) == default, f"critic.{k}",
                    f"is set but algo.name={a.name} has no critic (critic.* is read by algo.name=ppo only)")
-    if dd.teacher_path is None:
-        for k, default in vars(DistillConfig()).items():
-            _check(getattr(dd, k) == default, f"algo.distill.{k}", "is set but algo.distill.teacher_path is not")
-    else:
-        _check(dd.coef > 0, "algo.distill.coef", f"must be > 0, got {dd.coef}")
-        _check(dd.with_task_advantage or a.name != "ppo", "algo.distill.with_task_advantage",
-               "false (distillation alone) leaves the critic nothing to learn: use a critic-free algo.name")

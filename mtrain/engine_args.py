@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from mtrain.config_error import ConfigError
+
 # SGLang argument -> the mtrain config key that decides it
 FROM_CONFIG = {
     "model_path": "model.hf_path",
@@ -26,6 +28,9 @@ FROM_CONFIG = {
     "dist_init_addr": "engine.nnodes",
     "base_gpu_id": "engine.tp (each engine takes its group's GPUs)",
     "enable_return_routed_experts": "algo.routing_replay",
+    "disable_cuda_graph": "engine.cuda_graphs",
+    "cuda_graph_max_bs_decode": "engine.cuda_graph_max_bs",
+    "enable_fp32_lm_head": "model.fp32_lm_head",
 }
 # SGLang argument -> why mtrain fixes it
 FIXED = {
@@ -57,6 +62,5 @@ def server_args_problems(server_args: Mapping[str, Any], engine_kind: str) -> li
 def refuse_on_reference_engine(server_args: Mapping[str, Any]) -> None:
     """engine.kind=auto resolved to the CPU reference engine: engine.server_args would be read by nothing."""
     if server_args:
-        from mtrain.config_checks import ConfigError  # here: config_checks imports this module
         raise ConfigError(f"engine.server_args: applies to SGLang engines only, and this machine's engine is the "
                           f"CPU reference engine (got {sorted(server_args)})")

@@ -67,10 +67,13 @@ def _plain(key: str, value: Any) -> Any:
 class MetricsWriter:
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
                  total_steps: int | None = None, tensorboard: bool | None = None, progress: bool = True,
-                 progress_keys: tuple[str, ...] = ("reward/mean", "kl/mean")):
+                 progress_keys: tuple[str, ...] = ("reward/mean", "kl/mean"), sinks: tuple[Any, ...] = ()):
         """resume_step: the last step the resumed checkpoint completed (None = a fresh run: any previous
         metrics file in run_dir is replaced). tensorboard: None = when installed (silently off otherwise),
-        True = wanted (a warning when not installed; `mtrain train` refuses to start then), False = off."""
+        True = wanted (a warning when not installed; `mtrain train` refuses to start then), False = off.
+        sinks: more destinations of every record, with log(step, record), log_table(step, key, rows), close()
+        (mtrain/wandb_log.py)."""
+        self._sinks = tuple(sinks)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -128,6 +131,8 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        for sink in self._sinks:
+            sink.log(step, record)
         if self._bar is not None:
             if step > self.last_step and step > self._bar.n:
                 self._bar.update(step - self._bar.n)
@@ -139,7 +144,15 @@ class MetricsWriter:
         self.last_step = step
         return record
 
+    def log_table(self, step: int, key: str, rows: list[dict[str, Any]]) -> None:
+        """Rows of one table (eval samples) to the sinks that show tables; the jsonl files keep their own."""
+        for sink in self._sinks:
+            sink.log_table(step, key, rows)
+
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = ()
         if not self._file.closed:
             self._file.close()
         if self._tb is not None:

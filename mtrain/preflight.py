@@ -86,7 +86,7 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
                                 f"not fit the model: {e}") from None
     check_moe_tensor_parallel(cfg, hf_config)
     e = cfg.engine
-    if e.kind == "sglang" or (e.kind == "auto" and _cuda()):  # SGLang's own sharding of heads, experts, vocab
+    if _engine_is_sglang(cfg):  # SGLang's own sharding of heads, experts, vocab
         from mtrain.reshard.placement import SGLangLayout
         try:
             build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
@@ -123,6 +123,28 @@ def check_moe_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
+
+
+def _engine_is_sglang(cfg: RunConfig) -> bool:
+    """engine.kind as the run will resolve it (mtrain/trainer/decisions.py): auto is SGLang where a GPU is."""
+    return cfg.engine.kind == "sglang" or (cfg.engine.kind == "auto" and _cuda())
+
+
+def check_sglang_engine(cfg: RunConfig, hf_config: dict) -> None:
+    """What an SGLang engine would die of at start or at its first request, said before any process starts."""
+    if not _engine_is_sglang(cfg):
+        return
+    from mtrain.rollout.sglang_preflight import missing_model_keys
+    for problem in missing_model_keys(hf_config):
+        raise _fail("model.hf_path", f"{cfg.model.hf_path}: {problem}")
+    if cfg.model.dtype == "float32":
+        raise _fail("model.dtype", "float32 with an SGLang engine: SGLang's RMSNorm kernel has no float32 path "
+                                   "(it fails at the first request); use model.dtype=bfloat16 (the optimizer keeps "
+                                   "float32 main weights) and model.fp32_lm_head=true for float32 logits")
+    bs = cfg.engine.cuda_graph_max_bs
+    if bs is not None and bs < 1:
+        raise _fail("engine.cuda_graph_max_bs", f"{bs}: the largest captured decode batch must be at least 1 "
+                                                f"(or null: the rollout's own concurrency)")
 
 
 def check_weights(cfg: RunConfig) -> None:
@@ -169,7 +191,18 @@ def check_data(cfg: RunConfig) -> None:
         raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
 
 
+def check_reward_package(cfg: RunConfig) -> None:
+    """The verifier rewards' optional package, named before start (else the first reward call would fail)."""
+    import importlib.util
+    if cfg.reward.fn.endswith(":math_verify_reward") and importlib.util.find_spec("math_verify") is None:
+        raise _fail("reward.fn", f"{cfg.reward.fn} needs math-verify, which is not installed: pip install 'mtrain[math]'")
+
+
 def check_logging(cfg: RunConfig) -> None:
+    if cfg.train.log_wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise _fail("train.log_wandb", "true, but wandb is not installed: pip install 'mtrain[wandb]'")
     if cfg.train.log_tensorboard:
         import importlib.util
         if importlib.util.find_spec("torch.utils.tensorboard") is None or \
@@ -178,18 +211,28 @@ def check_logging(cfg: RunConfig) -> None:
                                                  "(or leave the key unset: TensorBoard is then used when installed)")
 
 
+def check_lora_model(cfg, hf_config: dict) -> None:
+    from mtrain.lora_checks import check_model as lora_check
+    lora_check(cfg, hf_config)
+
+
 def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     """Run every check; returns the model's config.json. Raises ConfigError (one line) on the first problem."""
     world = world_size() if world is None else world
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
+    from mtrain.job_split import check_placement_runs, split_ranks
+    check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
     from mtrain.preflight_models import check_side_models
-    check_side_models(cfg, hf_config, dp)  # PPO's critic, the distillation teacher
+    check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
+    check_lora_model(cfg, hf_config)
+    check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)
     check_weights(cfg)
     check_data(cfg)
     check_resume(cfg)
     check_logging(cfg)
+    check_reward_package(cfg)
     return hf_config

@@ -1,5 +1,5 @@
 """Preflight of the models beside the policy (before any process group starts): PPO's critic and the
-distillation teacher must fit the run's parallel layout, and the teacher must speak the policy's tokenizer."""
+distillation teacher must fit the run's parallel layout."""
 from __future__ import annotations
 
 import json
@@ -39,27 +39,11 @@ def _fits(key: str, cfg: RunConfig, hf_config: dict, dp: int) -> None:
                           f"(dp={dp}): {e}") from None
 
 
-def _vocab(tokenizer) -> dict:
-    get = getattr(tokenizer, "get_vocab", None)
-    return get() if get is not None else {"<chars>": getattr(tokenizer, "vocab_size", None)}
-
-
 def check_side_models(cfg: RunConfig, hf_config: dict, dp: int) -> None:
+    """The vocabulary and tokenizer of the teacher are config_checks.check_teacher's (with the paths)."""
     if cfg.algo.name == "ppo":
-        path = cfg.critic.hf_path or cfg.model.hf_path
-        _fits("critic.hf_path", cfg, _hf_config("critic.hf_path", path) if cfg.critic.hf_path else hf_config, dp)
-    teacher = cfg.algo.distill.teacher_path
-    if teacher is None:
-        return
-    key = "algo.distill.teacher_path"
-    t_config = _hf_config(key, teacher)
-    _fits(key, cfg, t_config, dp)
-    from mtrain.models.hf_config import map_hf_config
-    vs, vt = map_hf_config(hf_config).vocab_size, map_hf_config(t_config).vocab_size
-    if vs != vt:
-        raise ConfigError(f"{key}: the teacher's vocabulary has {vt} entries, the policy's {vs}: distillation "
-                          f"scores the student's token ids, so both need the same tokenizer")
-    from mtrain.trainer.engines import load_tokenizer
-    if _vocab(load_tokenizer(Path(teacher), t_config)) != _vocab(load_tokenizer(Path(cfg.model.hf_path), hf_config)):
-        raise ConfigError(f"{key}: the teacher's tokenizer maps tokens to other ids than the policy's "
-                          f"({cfg.model.hf_path}): distillation needs the same tokenizer")
+        critic = hf_config if cfg.critic.hf_path is None else _hf_config("critic.hf_path", cfg.critic.hf_path)
+        _fits("critic.hf_path", cfg, critic, dp)
+    if cfg.algo.distill.teacher_path:
+        key = "algo.distill.teacher_path"
+        _fits(key, cfg, _hf_config(key, cfg.algo.distill.teacher_path), dp)

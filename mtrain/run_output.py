@@ -60,6 +60,15 @@ def summary(cfg, hf_config: dict, world: int) -> str:
         f"mtrain: {world} rank(s): tp={p.tp} pp={p.pp} ep={p.ep} cp={p.cp} dp={dp}; engine {engine} "
         f"tp={cfg.engine.tp}",
         f"mtrain: {cfg.algo.name}, {t.steps} steps x {r.prompts_per_step} prompts x {r.samples_per_prompt} samples "
-        f"from {data}, lr {cfg.optim.lr:g}",
+        f"from {data}, lr {cfg.optim.lr:g}" + _lora_text(cfg.model.lora),
         f"mtrain: run dir {t.run_dir} (full config: config.yaml, metrics: metrics.jsonl)",
     ])
+
+
+def _lora_text(lo) -> str:
+    """model.lora in the start-of-run summary: what trains, and at which learning rate."""
+    if not lo.targets:
+        return ""
+    lr = f", adapter lr {lo.lr:g}" if lo.lr is not None else ""
+    return f"; LoRA r={lo.rank} alpha={lo.alpha:g} on {','.join(lo.targets)}{lr} (base frozen)"
+

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5.0
 GPU = __import__("torch").cuda.device_count() >= 2  # the same test on 2 GPUs runs NCCL (init_distributed picks it)
 # NCCL on torch 2.11: the watchdog detects the timeout on time, then takes the process down about 60 s later (2 x H200,
-# docs/results.md section 19); until then rank 0's host has returned from the all-reduce and only its synchronize waits.
+# docs/archive/results-2026-11.md section 19); until then rank 0's host has returned from the all-reduce and only its synchronize waits.
 NCCL_TEARDOWN_S = 70.0
 
 

@@ -14,11 +14,12 @@ BASE = ["model.hf_path=/models/tiny", "data.task=arithmetic"]
 def test_from_yaml_and_command_line_and_round_trip(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text(yaml.safe_dump({"model": {"hf_path": "/m"}, "data": {"task": "arithmetic"},
-                                 "engine": {"server_args": {"disable_cuda_graph": False, "chunked_prefill_size": 4096}}}))
-    cfg = load_config(p, ["engine.server_args.cuda_graph_max_bs=64",
+                                 "engine": {"server_args": {"schedule_conservativeness": 0.5, "chunked_prefill_size": 4096}}}))
+    cfg = load_config(p, ["engine.server_args.cuda_graph_max_bs_prefill=64",
                           "engine.server_args.enforce_disable_flashinfer_allreduce_fusion=false",
                           "engine.server_args.schedule_policy=lpm"])
-    assert cfg.engine.server_args == {"disable_cuda_graph": False, "chunked_prefill_size": 4096, "cuda_graph_max_bs": 64,
+    assert cfg.engine.server_args == {"schedule_conservativeness": 0.5, "chunked_prefill_size": 4096,
+                                      "cuda_graph_max_bs_prefill": 64,
                                       "enforce_disable_flashinfer_allreduce_fusion": False, "schedule_policy": "lpm"}
     assert load_config(cfg.dump_yaml(tmp_path / "out" / "config.yaml")) == cfg  # what the run dir keeps
     # a whole mapping on the command line replaces the file's
@@ -45,14 +46,14 @@ def test_every_refused_name_is_refused_and_nothing_else():
     for name in list(FROM_CONFIG) + list(FIXED):
         with pytest.raises(ConfigError, match=f"engine.server_args: .*'{name}'"):
             load_config(None, BASE + [f"engine.server_args.{name}=1"])
-    load_config(None, BASE + ["engine.server_args.disable_cuda_graph=false"])
+    load_config(None, BASE + ["engine.server_args.schedule_policy=lpm"])
 
 
 def test_nothing_reads_them_on_the_reference_engine():
     from mtrain.trainer.decisions import decide
     with pytest.raises(ConfigError, match="engine.server_args: applies to SGLang engines only"):
-        load_config(None, BASE + ["engine.kind=reference", "engine.server_args.disable_cuda_graph=false"])
-    cfg = load_config(None, BASE + ["engine.server_args.disable_cuda_graph=false"])  # kind=auto
+        load_config(None, BASE + ["engine.kind=reference", "engine.server_args.schedule_policy=lpm"])
+    cfg = load_config(None, BASE + ["engine.server_args.schedule_policy=lpm"])  # kind=auto
     with pytest.raises(ConfigError, match="engine.server_args: applies to SGLang engines only.*CPU reference"):
         decide(cfg, world_size=1, local_world_size=1, cuda=False, te=False)
     assert decide(cfg, world_size=1, local_world_size=1, cuda=True, te=False).engine_kind == "sglang"
@@ -93,7 +94,18 @@ def test_the_trainer_passes_them_after_its_own(monkeypatch):
             seen.update(kw)
 
     monkeypatch.setattr(se, "SGLangEngine", Recording)
-    cfg = load_config(None, BASE + ["engine.server_args.disable_cuda_graph=false", "model.dtype=bfloat16"])
+    cfg = load_config(None, BASE + ["engine.server_args.schedule_policy=lpm", "model.dtype=bfloat16"])
     d = decide(cfg, world_size=1, local_world_size=1, cuda=True, te=False)
     make_engine(cfg, __import__("pathlib").Path("/m"), {"architectures": ["LlamaForCausalLM"]}, d, 0)
-    assert seen["server_args"]["dtype"] == "bfloat16" and seen["server_args"]["disable_cuda_graph"] is False
+    assert seen["server_args"]["dtype"] == "bfloat16" and seen["server_args"]["schedule_policy"] == "lpm"
+    # production defaults: decode graphs on, captured up to the requests one engine runs at once (8 prompts x 4
+    # samples by default), Triton attention where sgl_kernel has no FA3 (none here)
+    assert seen["server_args"]["disable_cuda_graph"] is False
+    assert seen["server_args"]["cuda_graph_max_bs_decode"] == 32
+    assert seen["server_args"]["attention_backend"] == "triton"
+    assert "enable_fp32_lm_head" not in seen["server_args"]
+    seen.clear()
+    cfg = load_config(None, BASE + ["engine.cuda_graphs=false", "model.dtype=bfloat16", "model.fp32_lm_head=true"])
+    make_engine(cfg, __import__("pathlib").Path("/m"), {"architectures": ["LlamaForCausalLM"]}, d, 0)
+    assert seen["server_args"]["disable_cuda_graph"] is True and "cuda_graph_max_bs_decode" not in seen["server_args"]
+    assert seen["server_args"]["enable_fp32_lm_head"] is True

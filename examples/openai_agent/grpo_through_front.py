@@ -66,7 +66,7 @@ def run(steps: int = 12, groups: int = 4, n: int = 8, lr: float = 1e-2, seed: in
     from mtrain.algorithms.objective import compute_advantages, policy_loss
     from mtrain.config import load_config
     from mtrain.rollout import ReferenceEngine
-    from mtrain.rollout.agents.openai_agent import agent_group_fn
+    from mtrain.serve.openai_agent import agent_group_fn
     from mtrain.rollout.client import LocalClient
     from mtrain.rollout.reference_engine import as_hf_config, hf_disk_views
     from mtrain.rollout.trajectory import to_batch

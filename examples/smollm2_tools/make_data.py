@@ -1,7 +1,7 @@
 """Write the calculator task as prompt files for `mtrain train` (data.train_path / data.eval_path of config.yaml):
 one JSON record per line, {"prompt": [chat messages: the worked example, then the question], "answer": "product",
 "pair": [a, b]}. The committed examples/smollm2_tools/data/*.jsonl are this script's output with the defaults
-(the same 48 training and 32 held-out problems as train_tool_use.py's run in docs/results.md section 16).
+(the same 48 training and 32 held-out problems as train_tool_use.py's run in docs/archive/results-2026-11.md section 16).
 
     python examples/smollm2_tools/make_data.py [--train 48] [--eval 32] [--out examples/smollm2_tools/data]
 """

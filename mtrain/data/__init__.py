@@ -37,7 +37,8 @@ def load_datasets(cfg) -> tuple[list[PromptSample], list[PromptSample]]:
                                     max_count=t.max_count)
     from mtrain.data.vision import pixel_budget
     budget = pixel_budget(cfg)
-    train = load_prompts(d.train_path, d.prompt_key, d.answer_key, image_key=d.image_key, max_pixels=budget)
+    train = load_prompts(d.train_path, d.prompt_key, d.answer_key, image_key=d.image_key, max_pixels=budget,
+                         split=d.train_split)
     evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key, image_key=d.image_key,
-                         max_pixels=budget) if d.eval_path else []
+                         max_pixels=budget, split=d.eval_split) if d.eval_path else []
     return train, evals

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from mtrain.data.datasets import PromptSample
+from mtrain.data.records import PromptSample
 
 log = logging.getLogger(__name__)
 

@@ -11,25 +11,10 @@ run before any work, with its file and line named.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-
-class DatasetError(ValueError):
-    """A prompt file that cannot be read; the message names the file and the line/row."""
-
-
-@dataclass(frozen=True)
-class PromptSample:
-    index: int  # position in its dataset: the id used in logs and reward errors
-    prompt: str | list[dict[str, str]]  # text, or chat messages
-    answer: Any
-    metadata: dict[str, Any] = field(default_factory=dict)  # the rest of the record, for reward functions
-    # Images in prompt order, one per `<image>` in the prompt: file paths, PIL images or generated pictures
-    # (anything with `size` and `to_pil()`); mtrain/data/vision.py renders them.
-    images: tuple[Any, ...] = ()
-
+from mtrain.data.records import DatasetError, PromptSample
 
 _MISSING = object()
 
@@ -115,16 +100,32 @@ def _check_images(rec: dict, prompt: Any, path: Path, where: str, key: str, max_
     return images
 
 
+def _prompt_and_answer(prompt: Any, answer: Any, same_column: bool) -> tuple[Any, Any]:
+    """A chat prompt that ends with the assistant's turn (an SFT-style `messages` column): the model writes that turn,
+    so it leaves the prompt; when answer_key names the same column, its text is the answer (the reward extracts the
+    final answer from it, e.g. the last \\boxed{})."""
+    if isinstance(prompt, list) and len(prompt) > 1 and prompt[-1]["role"] == "assistant":
+        return prompt[:-1], (prompt[-1]["content"] if same_column else answer)
+    return prompt, answer
+
+
 def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
                  limit: int | None = None, image_key: str | None = None,
-                 max_pixels: int | None = None) -> list[PromptSample]:
+                 max_pixels: int | None = None, split: str = "train") -> list[PromptSample]:
     """Read every record of `path` into PromptSamples (index = position in the file). image_key: the records'
-    image list (checked here: files present and within max_pixels pixels, one `<image>` placeholder each)."""
+    image list (checked here: files present and within max_pixels pixels, one `<image>` placeholder each).
+    A folder is a HF dataset (mtrain/data/hf_datasets.py); `split` chooses its split."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DatasetError(f"prompt file not found: {path}")
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
+    if path.is_dir():
+        from mtrain.data.hf_datasets import HFDatasetError, folder_records
+        try:
+            records = list(folder_records(path, split, (prompt_key, answer_key)))
+        except HFDatasetError as e:
+            raise DatasetError(str(e)) from None
+    elif suffix == ".jsonl":
         records = _records_jsonl(path)
     elif suffix == ".json":
         records = _records_json(path)
@@ -146,6 +147,7 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
                 raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})")
             values.append(v)
         prompt = _check_prompt(values[0], where, prompt_key)
+        prompt, values[1] = _prompt_and_answer(prompt, values[1], prompt_key == answer_key)
         top = {prompt_key.split(".")[0], answer_key.split(".")[0]}
         images: tuple[str, ...] = ()
         if image_key is not None:

@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mtrain.data.boxed import last_boxed
 from mtrain.data.datasets import PromptSample
 
 RewardFn = Callable[..., float]
@@ -31,22 +32,24 @@ class RewardError(RuntimeError):
     """A reward function that cannot be loaded or did not produce a finite number for a sample."""
 
 
+def finite_reward(value: Any, who: str) -> float:
+    """`value` as a finite float, or one RewardError naming `who` (the sample, session or tool it came from).
+    Every reward that enters a batch passes here: a NaN or infinite reward would poison the whole group's
+    advantages; an int too large for a float (10**400) is refused rather than overflowing."""
+    if isinstance(value, (str, bytes)) or value is None or not hasattr(value, "__float__"):
+        raise RewardError(f"{who} returned {value!r} ({type(value).__name__}); expected a finite number")
+    try:
+        score = float(value)
+    except (TypeError, ValueError, OverflowError) as e:  # a tensor with several elements, an int beyond float
+        raise RewardError(f"{who} returned {type(value).__name__} that is not one number (or not finite): {e}") from None
+    if not math.isfinite(score):
+        raise RewardError(f"{who} returned {score}; expected a finite number")
+    return score
+
+
 # ---- answer extraction ------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, j = 1, i
-    while j < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        j += 1
-    return text[i:j - 1] if depth == 0 else None
 
 
 def extract_answer(text: str) -> str | None:
@@ -204,15 +207,7 @@ def safe_reward(fn: RewardFn, response: str, answer: Any, *, prompt: Any = None,
     if error is not None:
         raise RewardError(f"{who} raised {type(error).__name__}: {error} "
                           f"(response starts {response[:120]!r})") from error
-    if isinstance(value, (str, bytes)) or value is None or not hasattr(value, "__float__"):
-        raise RewardError(f"{who} returned {value!r} ({type(value).__name__}); expected a finite number")
-    try:
-        score = float(value)
-    except (TypeError, ValueError) as e:  # e.g. a tensor with several elements
-        raise RewardError(f"{who} returned {type(value).__name__} that is not one number: {e}") from None
-    if not math.isfinite(score):
-        raise RewardError(f"{who} returned {score}; expected a finite number")
-    return score
+    return finite_reward(value, who)
 
 
 def score_responses(fn: RewardFn, samples: Sequence[PromptSample], responses: Sequence[str], *,
@@ -222,3 +217,7 @@ def score_responses(fn: RewardFn, samples: Sequence[PromptSample], responses: Se
         raise RewardError(f"score_responses: {len(samples)} samples but {len(responses)} responses")
     return [safe_reward(fn, r, s.answer, prompt=s.prompt, metadata=s.metadata, timeout_s=timeout_s,
                         sample_id=f"{s.index} (response {i})") for i, (s, r) in enumerate(zip(samples, responses))]
+
+
+# Verifier rewards live in their own module; named here so reward.fn = "mtrain.data.rewards:math_verify_reward" works.
+from mtrain.data.verifiers import code_exec_reward, math_verify_reward  # noqa: E402,F401

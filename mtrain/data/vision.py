@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mtrain.data.datasets import DatasetError
+from mtrain.data.records import DatasetError
 
 IMAGE_PLACEHOLDER = "<image>"
 

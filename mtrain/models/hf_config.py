@@ -81,7 +81,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "qwen2_5_vl")
+# model_type -> the model class config.json's "architectures" names. SGLang 0.5.17 picks its model class by
+# hf_config.architectures[0] and dies at start on a config without the key (a TypeError, nothing more); the
+# converters write it into every config.json they produce (converters/hf_config_file.py).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+
+
+def with_architectures(hf_config: dict) -> dict:
+    """`hf_config` with `architectures` filled in from its model_type where it is missing or empty."""
+    if hf_config.get("architectures") or hf_config.get("model_type") not in ARCHITECTURES:
+        return hf_config
+    return {**hf_config, "architectures": [ARCHITECTURES[hf_config["model_type"]]]}
 
 
 class ModelConfigError(ValueError):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
-from mtrain.rollout.sglang_loader import LoaderError, fp8_spec, synchronize, target_view
+from mtrain.reshard.targets import LoaderError, fp8_spec, synchronize, target_view
 
 PULL_PREFIX = "__mtrain_pull__"
 SOURCE_NAME = "__mtrain_src__"

@@ -13,7 +13,7 @@ replaced by dequant(quant(w)) with the kernels' block math, on the weight's cano
 as SGLang fuses them: q;k;v, gate;up, q_a;kv_a), i.e. exactly SGLang's blocks at engine TP 1 (and at any TP the
 divisibility rules admit, whose blocks coincide). Its logprobs then differ from the trainer's by the weights'
 quantization alone: SGLang also quantizes each linear layer's input per token and 128 channels, which is not
-emulated (on the GPU model of docs/results.md section 40, whose step-1 weights are on the FP8 grid, that part alone
+emulated (on the GPU model of docs/archive/results-2026-11.md section 40, whose step-1 weights are on the FP8 grid, that part alone
 is a 0.06 mean logprob gap). It refuses shapes SGLang's FP8 layers refuse.
 """
 from __future__ import annotations

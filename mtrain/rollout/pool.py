@@ -99,7 +99,7 @@ def default_store():
 
 class RolloutPool:
     def __init__(self, groups: EngineGroups, rank: int, engine: RolloutEngine | None, *, max_groups_in_flight: int,
-                 store=None, namespace: str = "mtrain/pool"):
+                 store=None, namespace: str = "mtrain/pool", process_group=None):
         if groups.is_leader(rank) != (engine is not None):
             raise EngineError(f"rank {rank}: an engine group's leader must hold its engine and no other rank may "
                               f"({'leader' if groups.is_leader(rank) else 'not a leader'}, engine="
@@ -110,6 +110,9 @@ class RolloutPool:
         self.max_in_flight = max_groups_in_flight
         self.store = store if store is not None else default_store()
         self.namespace = namespace
+        # A pool driven from a thread of its own (rollout.async) gathers over its own gloo group, never the one the
+        # training collectives use at the same time (mtrain/trainer/async_step.py).
+        self.pg = process_group
         self.client = LocalClient(engine) if engine is not None else None
         self._calls = 0
 
@@ -127,7 +130,8 @@ class RolloutPool:
         until the queue runs dry (partial rollout passes a reserve of groups beyond what it keeps in flight)."""
         key = f"{self.namespace}/{self._calls}"
         self._calls += 1
-        dist.barrier()  # every engine starts claiming together: the first one ready must not take the whole queue
+        # every engine starts claiming together: the first one ready must not take the whole queue
+        dist.barrier(group=self.pg)
         mine: dict[int, Any] = {}
         error: Exception | _Echo | None = None
         seconds = 0.0
@@ -136,8 +140,14 @@ class RolloutPool:
             t0 = time.perf_counter()
             mine, error, timeline = asyncio.run(self._drive(n, fn, key, rid_prefix, quota, in_flight or n))
             seconds = time.perf_counter() - t0
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline))
+        gathered: list = [None] * dist.get_world_size(self.pg)
+        arrived = f"{key}/arrived/{self.rank}"  # who reached the gather: a rank that never does is named
+        self.store.set(arrived, "1")
+        try:
+            dist.all_gather_object(gathered, (self.rank, mine, error, seconds, timeline), group=self.pg)
+        except Exception as e:  # noqa: BLE001 - a dead or hung rank (the collective's timeout): say which
+            raise EngineError(self._absent(key, rid_prefix, e)) from e
+        self.store.delete_key(arrived)
         if self.rank == 0:
             for suffix in ("next", "error", "done", "quota"):
                 self.store.delete_key(f"{key}/{suffix}")
@@ -167,6 +177,13 @@ class RolloutPool:
         if missing:
             raise EngineError(f"rollout {rid_prefix}: groups {missing[:5]} were claimed by no engine")
         return PoolRun(results, served, seconds, timelines=timelines)
+
+    def _absent(self, key: str, rid_prefix: str, cause: Exception) -> str:
+        ranks = dist.get_process_group_ranks(self.pg) if self.pg is not None else range(dist.get_world_size())
+        missing = [r for r in ranks if not self.store.check([f"{key}/arrived/{r}"])]
+        who = ", ".join(f"rank {r} (engine {self.groups.group_of(r)})" for r in missing) or "no rank missing"
+        return (f"rollout {rid_prefix}: {who} did not reach the end of the rollout (dead or hung; bounded by "
+                f"train.collective_timeout_s): {type(cause).__name__}: {str(cause)[:200]}")
 
     async def _drive(self, n: int, fn: GroupFn, key: str, rid_prefix: str, quota: int | None,
                      in_flight: int) -> tuple[dict[int, Any], Exception | None, EngineTimeline]:

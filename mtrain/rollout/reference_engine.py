@@ -43,6 +43,12 @@ def as_hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
     return AutoConfig.for_model(config["model_type"], **rest)
 
 
+def peft_plain_name(name: str) -> str:
+    """A PEFT-injected module's parameter name as HF/PEFT files spell it: q_proj.base_layer.weight -> q_proj.weight,
+    q_proj.lora_A.default.weight -> q_proj.lora_A.weight (the adapter table's HF names, mtrain/layouts/lora.py)."""
+    return name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
 def hf_disk_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """On-disk (checkpoint) name -> a tensor sharing memory with the live model, for every stored weight.
 
@@ -58,7 +64,7 @@ def hf_disk_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if name in tied or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        state[name] = tensor
+        state[peft_plain_name(name)] = tensor
     views = revert_weight_conversion(model, state)
     live = {t.untyped_storage().data_ptr() for t in state.values()}
     for name, view in views.items():
@@ -114,7 +120,7 @@ class ReferenceEngine(RolloutEngine):
 
     def __init__(self, config: dict[str, Any] | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                  init_seed: int = 0, allow_dtype_cast: bool = False, decode_delay_s: float = 0.0,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, lora: dict | None = None) -> None:
         """decode_delay_s: sleep this long per decoding step (a test hook: a slow engine in a pool).
         record_routing: return every input token's routed experts (`Completion.routed_experts`, routing replay),
         read from the model's own MoE blocks as they run (`mtrain.rollout.routing_capture`)."""
@@ -126,6 +132,13 @@ class ReferenceEngine(RolloutEngine):
             auto = AutoModelForImageTextToText if self._is_vlm(self._config) else AutoModelForCausalLM
             model = auto.from_config(self._config, dtype=dtype, attn_implementation="eager",
                                      experts_implementation="eager")
+        if lora is not None:
+            # Adapters held unmerged, as PEFT LoRA layers on the HF model: a sync writes only A/B (as into SGLang's
+            # LoRA slots) and the engine's LoRA arithmetic is PEFT's, not the trainer's. lora: r, lora_alpha,
+            # target_modules (PEFT's LoraConfig fields)
+            import peft
+            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **lora), model)
+            model = model.to(dtype)
         self._model = model.eval().requires_grad_(False)
         self._views = hf_disk_views(self._model)
         self._allow_dtype_cast = allow_dtype_cast
@@ -216,7 +229,7 @@ class ReferenceEngine(RolloutEngine):
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
         """Pull mode: the same engine-side code SGLang's loader runs (`pull_protocol.run_pull`), on this engine's
         HF-layout parameters, in-process (no IPC). Casts like the kernel does (fp32/bf16/fp16)."""
-        from mtrain.rollout.sglang_loader import LoaderError
+        from mtrain.reshard.targets import LoaderError
         from mtrain.reshard.pull_protocol import PullSender, PullState, run_pull
 
         self._check_alive("pull_weights")

@@ -27,24 +27,22 @@ $MTRAIN_SGLANG_STATUS_DIR, which the engine adapter reads after each call and tu
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import inspect
 import json
 import logging
 import os
-import re
 import tempfile
 import weakref
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
+from mtrain.kernels import PieceTableError, ScatterTable, execute_scatter
 from mtrain.kernels.fp8 import FP8, SRC_DTYPES
-from mtrain.layouts.fp8 import BLOCK, REQUANTIZED_MARK, SCALE_SUFFIX
+from mtrain.layouts.fp8 import BLOCK, SCALE_SUFFIX
+from mtrain.reshard.targets import LoaderError, Target, fp8_spec, synchronize, target_view, unknown_param
 
 LOAD_DIRECT = "mtrain.rollout.sglang_loader.load_direct"
 DUMP_PARAMS = "mtrain.rollout.sglang_loader.dump_params"
@@ -67,7 +65,6 @@ try:
 except Exception:  # noqa: BLE001 -- a debugging aid must never cost the weight sync
     pass
 
-_TARGET_RE = re.compile(r"^(?P<param>[^@]+?)(?:@(?P<start>\d+):(?P<stop>\d+))?$")
 
 # Parameters written since the last FINISH_NAME, per scheduler process (one process = one TP rank).
 _touched_since_finish: set[str] = set()
@@ -77,64 +74,6 @@ _touched_since_finish: set[str] = set()
 _keepalive: list = []
 
 
-class LoaderError(ValueError):
-    """A bucket does not fit the engine's parameters; the message names the parameter."""
-
-
-@dataclass(frozen=True)
-class Target:
-    param: str
-    start: int | None = None  # row range along dim 0; None = the whole parameter
-    stop: int | None = None
-
-    def __str__(self) -> str:
-        return self.param if self.start is None else f"{self.param}@{self.start}:{self.stop}"
-
-
-def parse_target(name: str) -> Target:
-    """'p' -> whole parameter p; 'p@a:b' -> rows [a, b) of p along dim 0."""
-    if not isinstance(name, str):
-        raise LoaderError(f"tensor name must be a str, got {type(name).__name__}: {name!r}")
-    m = _TARGET_RE.match(name)
-    if m is None:
-        raise LoaderError(f"bad tensor name {name!r}: expected '<param>' or '<param>@<start>:<stop>'")
-    if m["start"] is None:
-        return Target(m["param"])
-    start, stop = int(m["start"]), int(m["stop"])
-    if stop <= start:
-        raise LoaderError(f"bad row range in {name!r}: stop {stop} must exceed start {start}")
-    return Target(m["param"], start, stop)
-
-
-def unknown_param(name: str, params: Mapping[str, torch.Tensor]) -> LoaderError:
-    close = difflib.get_close_matches(name, list(params), n=3)
-    hint = f"; closest: {close}" if close else ""
-    return LoaderError(f"engine has no parameter {name!r} ({len(params)} parameters){hint}")
-
-
-def target_view(params: Mapping[str, torch.Tensor], name: str) -> tuple[Target, torch.Tensor, tuple[int, int]]:
-    """The part of a parameter `name` addresses ('p', or rows 'p@a:b'): (target, view, row span).
-    Raises LoaderError for a bad name, an unknown parameter or rows out of range."""
-    target = parse_target(name)
-    param = params.get(target.param)
-    if param is None:
-        raise unknown_param(target.param, params)
-    rows = param.shape[0] if param.dim() > 0 else 1
-    if target.start is None:
-        return target, param.data, (0, rows)
-    if param.dim() == 0:
-        raise LoaderError(f"{name}: row range on a 0-d parameter {target.param}")
-    if target.stop > rows:
-        raise LoaderError(f"{name}: rows [{target.start}, {target.stop}) out of range for "
-                          f"{target.param} with {rows} rows (shape {tuple(param.shape)})")
-    return target, param.data[target.start:target.stop], (target.start, target.stop)
-
-
-def synchronize(tensors: Sequence[torch.Tensor]) -> None:
-    """Wait for the work queued on the GPUs these tensors live on. The loaders' sources are the trainer's memory
-    (CUDA IPC): the trainer may change it as soon as the call returns, so the copies must have run by then."""
-    for d in {t.device for t in tensors if t.device.type == "cuda"}:
-        torch.cuda.synchronize(d)
 
 
 def plan_copies(
@@ -172,34 +111,6 @@ def plan_copies(
     return plan
 
 
-def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, scale_shape: Sequence[int] | None,
-             block: Sequence[int]) -> BlockFp8:
-    """The engine's FP8 parameter `name` and its scale `scale_name`, checked (shape None: the weight's grid)."""
-    target, view, _ = target_view(params, name)
-    if target.start is not None:
-        raise LoaderError(f"{name}: an FP8 target must be a whole parameter")
-    if view.dtype != FP8:
-        raise LoaderError(f"{name}: the trainer quantizes it to FP8 but this engine holds it as {view.dtype}: start "
-                          "the engine with quantization fp8, or set engine.weight_dtype=auto")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise LoaderError(f"{name}: bad FP8 block {block!r}: expected two positive ints")
-    scale = params.get(scale_name)
-    if scale is None:
-        raise LoaderError(f"{name} is float8_e4m3fn but the engine has no parameter {scale_name!r} (a block-FP8 "
-                          "engine has one per FP8 weight; per-channel FP8 from quantization='fp8' on a bf16 "
-                          "checkpoint is not supported)")
-    want = [-(-view.shape[-2] // block[0]), -(-view.shape[-1] // block[1])]
-    want = list(view.shape[:-2]) + want if scale_shape is None else list(scale_shape)
-    if scale.dtype != torch.float32 or list(scale.shape) != want or not scale.is_contiguous():
-        raise LoaderError(f"{scale_name}: expected a contiguous float32 {tuple(want)} scale ({block[0]}x{block[1]} "
-                          f"blocks), the engine has {scale.dtype} {tuple(scale.shape)}")
-    if getattr(scale, REQUANTIZED_MARK, False):
-        raise LoaderError(f"{scale_name}: SGLang requantized this layer's scales to UE8M0 for DeepGEMM after loading "
-                          "(DeepGEMM on Blackwell, or forced); mtrain writes amax/448 float32 scales: run the FP8 "
-                          "engine on Hopper with fp8_gemm_runner_backend=triton (docs/fp8.md)")
-    if not view.is_contiguous():
-        raise LoaderError(f"{name}: the engine's FP8 parameter is not contiguous")
-    return BlockFp8(scale.data.view(-1), tuple(view.shape), (int(block[0]), int(block[1])))
 
 
 # Push buckets repeat every sync: their FP8 tables (and the kernel's per-table caches) are kept by bucket layout.
@@ -311,7 +222,7 @@ def check_graph_kv_scales(layers: Sequence[torch.nn.Module], graphs: bool) -> No
         raise LoaderError(
             f"this FP8 engine captured CUDA graphs with KV scales SGLang derived from its dummy start weights "
             f"(k_scale {float(bad[0].k_scale_float):.3g} in {len(bad)} attention layers), which no sync can change: "
-            "this model's FP8 engine must run without graphs (engine.server_args.disable_cuda_graph=true)")
+            "this model's FP8 engine must run without graphs (engine.cuda_graphs=false)")
 
 
 def run_post_load_hooks(model: Any, touched: Sequence[str]) -> None:
@@ -433,7 +344,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_direct(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]]) -> None:
     """SGLang custom weight loader: copy per-rank shards into the parameters (see the module docstring)."""
     try:
-        from mtrain.reshard import pull_protocol  # imports this module: loaded on first use
+        from mtrain.reshard import pull_protocol
 
         if pull_protocol.is_pull(named_tensors):
             names, finish = pull_protocol.run_pull(_params(model), named_tensors)

@@ -95,6 +95,23 @@ def rope_problem(hf_config: Mapping[str, Any]) -> str | None:
             f"sizes 16 and 32: give the model a head size of 64 or 128")
 
 
+def default_attention_backend(extensions: set[str] | None) -> str:
+    """SGLang's own choice on Hopper ("fa3") where the installed sgl_kernel carries its kernels, else "triton"
+    (the GPU bundle strips flash_ops; flashinfer would build its kernels with nvcc at the first start)."""
+    return "fa3" if extensions is not None and BACKEND_EXTENSIONS["fa3"] in extensions else "triton"
+
+
+def missing_model_keys(hf_config: Mapping[str, Any]) -> list[str]:
+    """config.json keys SGLang 0.5.17 cannot start without: it picks its model class by `architectures[0]`
+    (configs/model_config.py) and dies with "'NoneType' object is not subscriptable" when the key is absent."""
+    archs = hf_config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return []
+    return ["config.json has no 'architectures' list, which SGLang reads to pick its model class (architectures[0]); "
+            "add it (e.g. \"architectures\": [\"LlamaForCausalLM\"]) or write the directory with mtrain-convert, "
+            "which fills it in"]
+
+
 def unknown_server_args(names: Iterable[str], known: Iterable[str]) -> list[str]:
     """One message per name of engine.server_args that SGLang's ServerArgs lacks (sglang.Engine would raise a
     TypeError naming only the first, after mtrain had built the rest of the run); the closest known name when near."""
@@ -112,7 +129,11 @@ def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | N
                        extensions: set[str] | None) -> list[str]:
     """Everything that would make this engine start fail later; [] when none is known."""
     out = missing_kernels(args, extensions)
+    if str(args.get("dtype")) == "float32":
+        out.append("dtype float32: SGLang's RMSNorm kernel has no float32 path (it fails to dispatch Float at the "
+                   "first request): use bfloat16 (model.dtype=bfloat16; the trainer keeps float32 main weights)")
     if hf_config is not None:
+        out += missing_model_keys(hf_config)
         missing = missing_vision_modules(hf_config)
         if missing:
             out.append(f"a vision model needs {', '.join(missing)} (SGLang's Qwen2.5-VL processor and vision tower "

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from mtrain.trainer.batch import RolloutBatch, vision_rows
+from mtrain.rollout.rollout_batch import RolloutBatch, vision_rows
 
 SegmentKind = Literal["prompt", "model", "env"]
 

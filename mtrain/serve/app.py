@@ -18,10 +18,12 @@ next request is served as usual.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
+import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
+from mtrain.data.rewards import RewardError, finite_reward
 from mtrain.rollout.protocol import EngineError
 from mtrain.serve.front import Choice, OpenAIFront, Result
 from mtrain.serve.schemas import ChatRequest, CompletionRequest, FrontError
@@ -41,6 +44,20 @@ log = logging.getLogger(__name__)
 class RewardBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: StrictFloat | StrictInt
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json (any parameters) or a +json type. A missing header is taken as JSON (a client that names
+    no type); text/plain, forms and the rest are refused (415): a body is parsed only as what it says it is."""
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _no_constant(name: str):
+    """NaN, Infinity and -Infinity are not JSON (RFC 8259); Python's parser takes them unless told not to."""
+    raise ValueError(f"{name} is not a JSON value (numbers must be finite)")
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -71,10 +88,29 @@ def _legacy_top_logprobs(front: OpenAIFront, ch: Choice) -> list[dict[str, float
 
 
 def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 4 << 20,
-              max_concurrency: int = 256, base_url: str = "") -> FastAPI:
+              max_concurrency: int = 256, base_url: str = "", read_timeout_s: float = 30.0) -> FastAPI:
     app = FastAPI(title="mtrain OpenAI front", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.running = 0
     app.state.base_url = base_url
+    app.state.stopping = False
+    app.state.streams = weakref.WeakSet()  # open streamed calls (a stream nobody iterates is collected)
+
+    async def drain(grace_s: float) -> int:
+        """Stop taking requests, give running ones `grace_s` to finish, then end every stream still open with an
+        error event. Returns how many streams were interrupted. Runs on the server's loop (FrontServer.stop)."""
+        app.state.stopping = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while (app.state.running or len(app.state.streams)) and loop.time() < end:
+            await asyncio.sleep(0.02)
+        open_calls = list(app.state.streams)
+        for call in open_calls:
+            call.interrupt(f"the server is stopping (its {grace_s:g} s grace period is over)")
+        end = loop.time() + 2.0  # the generators send their error event and end
+        while len(app.state.streams) and loop.time() < end:
+            await asyncio.sleep(0.01)
+        return len(open_calls)
+    app.state.drain = drain
 
     def error(e: FrontError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -116,6 +152,8 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
             return error(FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large"))
+        if app.state.stopping:
+            return error(FrontError(503, "the server is stopping", type="server_error", code="server_shutting_down"))
         if app.state.running >= max_concurrency:
             return error(FrontError(429, f"{max_concurrency} requests are already running; retry later",
                                     type="rate_limit_error", code="too_many_requests"))
@@ -126,11 +164,18 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             app.state.running -= 1
 
     async def body_of(request: Request, model: type[BaseModel]):
-        raw = await request.body()
+        if not _is_json(request.headers.get("content-type")):
+            raise FrontError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                             f"{request.headers.get('content-type')!r}", code="unsupported_media_type")
+        try:
+            raw = await asyncio.wait_for(request.body(), read_timeout_s)
+        except asyncio.TimeoutError:
+            raise FrontError(408, f"the request body did not arrive within {read_timeout_s:g} s",
+                             code="timeout") from None
         if len(raw) > max_body_bytes:  # chunked bodies carry no content-length
             raise FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large")
         try:
-            data = json.loads(raw)
+            data = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
             raise FrontError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}",
                              code="invalid_json") from e
@@ -148,11 +193,21 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         call = StreamedCall(front, job)
         await call.start()
         app.state.running += 1
+        app.state.streams.add(call)
 
         def release(_):
             app.state.running -= 1
         call.task.add_done_callback(release)
         return call
+
+    async def tracked(call: StreamedCall, events):
+        """The stream's events; it counts as open (for `drain`) until its last event is sent."""
+        try:
+            async for e in events:
+                yield e
+        finally:
+            app.state.streams.discard(call)
+            await events.aclose()
 
     def session_of(sid: str | None):
         return front.sessions.get(sid) if sid is not None else None
@@ -180,7 +235,16 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
     @app.post("/sessions/{sid}/reward")
     async def set_reward(sid: str, request: Request):
         s = front.sessions.get(sid)
-        s.reward = float((await body_of(request, RewardBody)).reward)
+        value = (await body_of(request, RewardBody)).reward
+        try:  # before anything is stored: a NaN would break GET /sessions/{id} and poison a batch
+            reward = finite_reward(value, "reward")
+        except RewardError:
+            raise FrontError(400, f"reward: {str(value)[:40]} is not a finite number (a float64)", param="reward",
+                             code="invalid_reward") from None
+        if s.reward is not None:  # one reward per session: a silent replacement would hide a buggy agent
+            raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
+                             param="reward", code="reward_already_set")
+        s.reward = reward
         return {"id": sid, "reward": s.reward}
 
     # -- the OpenAI API ---------------------------------------------------------------------------------------
@@ -195,7 +259,8 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
             call = await streamed(job)
-            return StreamingResponse(chat_events(call, req, cid, created, usage), media_type="text/event-stream")
+            return StreamingResponse(tracked(call, chat_events(call, req, cid, created, usage)),
+                                     media_type="text/event-stream")
         res = await front.run(job)
         choices = []
         for ch in res.choices:
@@ -214,7 +279,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
             call = await streamed(job)
-            return StreamingResponse(completion_events(call, req, cid, created, usage),
+            return StreamingResponse(tracked(call, completion_events(call, req, cid, created, usage)),
                                      media_type="text/event-stream")
         res = await front.run(job)
 
@@ -229,6 +294,13 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
                    for ch in res.choices]
         return {"id": cid, "object": "text_completion", "created": created, "model": front.model_name,
                 "choices": choices, "usage": usage(res)}
+
+    @app.get("/metrics")
+    async def metrics():
+        """Counters for a server left running (`mtrain serve`): open and expired sessions, calls and streams."""
+        return {"sessions_open": len(front.sessions), "sessions_expired": front.sessions.expired,
+                "sessions_max": front.sessions.max_sessions, "sessions_ttl_s": front.sessions.ttl_s,
+                "requests_running": app.state.running, "streams_open": len(app.state.streams)}
 
     @app.get("/v1/models")
     async def _models():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from mtrain.rollout.protocol import MAX_TOP_LOGPROBS
 
@@ -103,16 +103,17 @@ _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "
 class _Sampling(_Strict):
     model: str
     n: StrictInt = Field(1, ge=1, le=64)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # Numbers are JSON numbers: "1.0" is refused like n="2" (OpenAI's API answers 400 for both)
+    temperature: StrictFloat = Field(1.0, ge=0, le=2)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1)
     stop: Union[str, list[str], None] = None
-    seed: StrictInt | None = Field(None, ge=0)
+    seed: StrictInt | None = Field(None, ge=0, le=2 ** 63 - 65)  # an int64, and choice j samples with seed + j
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
 
     @field_validator("stop")
     @classmethod

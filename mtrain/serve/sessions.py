@@ -65,6 +65,7 @@ class Session:
     calls: int = 0
     closed: bool = False
     rid_prefix: str = ""  # the engine rids of this session's calls start with it (the pool aborts by prefix)
+    last_used: float = field(default_factory=time.monotonic)  # for the store's ttl: creation or the latest lookup
 
     def leaves(self) -> list[Branch]:
         return [b for b in self.branches if b.leaf]
@@ -88,15 +89,30 @@ def tools_key(tools: list[dict] | None) -> str:
 class SessionStore:
     """Thread-safe: the HTTP loop records while the trainer's thread creates and takes sessions."""
 
-    def __init__(self, max_sessions: int = 100_000):
+    def __init__(self, max_sessions: int = 100_000, ttl_s: float | None = None):
+        """ttl_s: a session nobody used (created, looked up by a call or a GET) for this long is dropped, counted
+        in `expired` (`mtrain serve`, where no trainer takes them); None = kept until taken."""
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self.max_sessions = max_sessions
+        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+        self.expired = 0
+        self._swept = time.monotonic()
+
+    def _sweep(self, now: float) -> None:  # under the lock
+        if self.ttl_s is None or (now - self._swept < min(1.0, self.ttl_s / 10)
+                                  and len(self._sessions) < self.max_sessions):
+            return
+        self._swept = now
+        old = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+        for sid in old:
+            self._sessions.pop(sid).closed = True
+        self.expired += len(old)
 
     def create(self, rid_prefix: str = "") -> Session:
         """rid_prefix: the engine request ids of the session's calls start with it, so that aborting a rollout by
         its prefix (the pool, on failure or quota) also stops its agents' calls."""
         with self._lock:
+            self._sweep(time.monotonic())
             if len(self._sessions) >= self.max_sessions:
                 raise FrontError(429, f"too many open sessions ({self.max_sessions}); take or delete finished ones",
                                  type="rate_limit_error", code="too_many_sessions")
@@ -105,8 +121,14 @@ class SessionStore:
             return s
 
     def get(self, sid: str) -> Session:
+        now = time.monotonic()
         with self._lock:
             s = self._sessions.get(sid)
+            if s is not None and self.ttl_s is not None and now - s.last_used > self.ttl_s:
+                self._sessions.pop(sid).closed = True
+                self.expired += 1
+            elif s is not None:
+                s.last_used = now
         if s is None or s.closed:
             raise FrontError(404, f"session {sid!r} does not exist (create one with POST /sessions)",
                              param="session_id", code="session_not_found")

@@ -8,7 +8,9 @@ their tokens arrive, each chunk tagged with its choice's index. When the call is
 one a non-streamed call returns and records) gives each choice the rest of its text, its `tool_calls` and its
 finish_reason; `stream_options.include_usage` adds the usage chunk. An engine failure after the first chunk is an
 OpenAI error event (`data: {"error": ...}`, which the openai client raises). A client that goes away cancels the
-generator: the call's task is cancelled, which aborts its engine requests (client.stream).
+generator: the call's task is cancelled, which aborts its engine requests (client.stream). A stream still open when
+the server stops past its grace period is `interrupt`ed: it ends with an error event (code
+`server_shutting_down`), never as a normal end without `[DONE]`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def sse(obj: dict) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+_INTERRUPT = object()  # queued by `interrupt`: the stream stops where it is
 
 
 class StreamedCall:
@@ -38,6 +41,13 @@ class StreamedCall:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: Any = None
         self.task: asyncio.Task | None = None
+        self.interrupted: str | None = None  # why the stream was ended before its call (the server stopping)
+
+    def interrupt(self, reason: str) -> None:
+        """End the stream where it is (on the server's loop): the events end with an error event saying `reason`,
+        never as if the call had finished; the call's engine requests are aborted when the generator ends."""
+        self.interrupted = reason
+        self._queue.put_nowait(_INTERRUPT)
 
     async def start(self) -> None:
         """Run the job and wait for its first token or its end; raises what the call raised if it ended so."""
@@ -59,12 +69,14 @@ class StreamedCall:
     async def deltas(self) -> AsyncIterator[tuple[int, str, int, TokenDelta]]:
         """(choice, final text, tokens taken, its tokens) as they arrive. Deltas already queued when the loop gets
         to them are merged per choice (a busy server sends fewer, larger chunks instead of falling behind)."""
-        if self._first is None:
+        if self._first is None or self.interrupted:
             return
         batch, ended = [self._first], False
         while True:
             while not ended and not self._queue.empty():
                 item = self._queue.get_nowait()
+                if item is _INTERRUPT:
+                    return
                 ended = item is None  # the end marker is the last thing queued
                 if not ended:
                     batch.append(item)
@@ -81,12 +93,17 @@ class StreamedCall:
             if ended:
                 return
             item = await self._queue.get()
-            if item is None:
+            if item is None or item is _INTERRUPT:
                 return
             batch = [item]
 
     def result(self) -> Result:
         return self.task.result()
+
+
+def _interrupted_event(reason: str) -> str:
+    return sse({"error": {"message": f"the stream was ended before its completion: {reason}",
+                          "type": "server_error", "param": None, "code": "server_shutting_down"}})
 
 
 def _error_event(e: BaseException) -> str:
@@ -113,6 +130,9 @@ async def chat_events(call: StreamedCall, req, cid: str, created: int, usage) ->
                                    zip(d.output_ids[:taken], d.logprobs[:taken], tops[:taken])]}
             if piece or lps:
                 yield chunk(j, {"content": piece}, logprobs=lps)
+        if call.interrupted:
+            yield _interrupted_event(call.interrupted)
+            return
         try:
             res = call.result()
         except Exception as e:  # noqa: BLE001 - the status is sent: the error goes out as an event
@@ -150,6 +170,9 @@ async def completion_events(call: StreamedCall, req, cid: str, created: int, usa
                        if d.top_logprobs is not None else None, "text_offset": None}
             if piece or lps:
                 yield chunk(j, piece, logprobs=lps)
+        if call.interrupted:
+            yield _interrupted_event(call.interrupted)
+            return
         try:
             res = call.result()
         except Exception as e:  # noqa: BLE001

@@ -32,7 +32,10 @@ class PythonTool(BaseTool):
             parts.append(r.stdout.rstrip("\n"))
         if r.stderr:
             parts.append(r.stderr.rstrip("\n"))
-        if r.timed_out:
+        if r.over_disk:
+            parts.append(f"Error: the script wrote more than {self.limits.max_disk_mb} MB or "
+                         f"{self.limits.max_files} files and was killed")
+        elif r.timed_out:
             parts.append(f"Error: the script ran past the {self.limits.wall_s:g} s limit and was killed")
         elif r.exit_code is not None and r.exit_code < 0:
             parts.append(f"Error: the script was killed by signal {-r.exit_code} (CPU limit {self.limits.cpu_s} s, "

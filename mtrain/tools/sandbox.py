@@ -1,25 +1,32 @@
 """Run untrusted Python (a model's tool call) in a subprocess with hard limits, and leave nothing behind.
 
 Each call gets:
-- a fresh scratch directory (the working directory and $HOME), deleted afterwards;
-- an environment of PATH/LANG/HOME only: none of the trainer's variables (tokens, keys, cluster settings);
+- a fresh scratch directory (the working directory, $HOME, and $TMPDIR/$TEMP/$TMP/$XDG_* inside it), deleted
+  afterwards (mtrain/tools/sandbox_fs.py);
+- an environment of PATH/LANG/HOME and those directories only: none of the trainer's variables (tokens, keys);
 - `python -I` (isolated mode: no PYTHON* variables, no user site, no script directory on sys.path);
 - rlimits set in the child before exec: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
   (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; and processes (RLIMIT_NPROC);
+- a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
+  /tmp, /dev/shm, ...), counted while it runs; beyond it the call is killed;
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
-  output overflow, the caller cancelled);
+  output overflow, too much written, the caller cancelled);
 - when we run as root: a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
   only this call's processes (a fork bomb hits the cap at once), the code cannot write the trainer's files, and
   after the call every process still owned by that uid is killed, even one that left the process group with
-  setsid(). Without root the sandbox keeps the caller's uid: RLIMIT_NPROC then counts all the user's processes
-  (we set it to the current count + max_procs) and only the process group is killed.
+  setsid(); its files in the shared temporary directories are deleted and the zombies it left that are ours
+  to wait for are reaped (zombies never make a uid look busy). Optionally (network=False, root only) a network
+  namespace of its own: no interface but a loopback that is down. Without root the sandbox keeps the caller's
+  uid: RLIMIT_NPROC then counts all the user's processes (we set it to the current count + max_procs), only the
+  process group is killed, and files it leaves in /tmp outside its scratch directory are not found.
 
-What it does NOT isolate (documented in docs/design-tools.md): the network, reading world-readable files, CPU
-and memory pressure on the host beyond the per-process limits (no cgroups), /tmp outside the scratch directory.
-Put the trainer in a container without network if the model's code must not reach anything.
+What it does NOT isolate (docs/design-tools.md, "What the sandbox does not isolate"): the network unless
+network=False; reading world-readable files, other processes' command lines included (/proc/PID/cmdline:
+never put a secret on a command line); CPU and memory pressure on the host beyond the per-process limits.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import shutil
@@ -32,10 +39,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtrain.tools.sandbox_fs import chown_tree, private_dirs, remove_owned, written
+
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
 _UID_SLOTS = 256
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
+_DISK_POLL_S = 0.05  # how often a running call's written bytes and files are counted
 
 
 @dataclass(frozen=True)
@@ -46,9 +56,15 @@ class SandboxLimits:
     max_procs: int = 16  # processes the call may have at once (RLIMIT_NPROC)
     max_output_chars: int = 4000  # stdout and stderr each, truncated beyond this
     max_file_mb: int = 16  # largest file the code may write
+    max_disk_mb: int = 64  # all it writes at once (scratch dir + its files in /tmp, /dev/shm, ...): killed beyond
+    max_files: int = 1000  # files and folders it may have at once (same places)
+    network: bool = True  # False: a network namespace of its own (no interface but a down loopback); needs root
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "max_output_chars", "max_file_mb"):
+        if not isinstance(self.network, bool):
+            raise ValueError(f"SandboxLimits.network must be true or false, got {self.network!r}")
+        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "max_output_chars", "max_file_mb", "max_disk_mb",
+                     "max_files"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {v!r}")
@@ -62,10 +78,11 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     wall_s: float
+    over_disk: bool = False  # killed for writing more than max_disk_mb / max_files
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        return self.exit_code == 0 and not self.timed_out and not self.over_disk
 
 
 def _count_processes_of(uid: int) -> int:
@@ -140,17 +157,45 @@ def sandbox_python(python: str | None = None) -> tuple[str, bool]:
 
 
 def _acquire_uid(own_uid: bool) -> int | None:
+    """A free sandbox uid: one without any process first; else one whose only processes are zombies (they hold
+    nothing but a pid entry; a parent that never reaps must not use up the uids)."""
     if not own_uid:
         return None
     with _uid_lock:
         # Offset by pid so sandboxes of several trainer processes on one host do not share uids.
         start = (os.getpid() * 7) % _UID_SLOTS
-        for k in range(_UID_SLOTS):
-            uid = _UID_BASE + (start + k) % _UID_SLOTS
-            if uid not in _uids_in_use and not processes_of_uid(uid):
-                _uids_in_use.add(uid)
-                return uid
+        order = [_UID_BASE + (start + k) % _UID_SLOTS for k in range(_UID_SLOTS)]
+        for free in (lambda pids: not pids, lambda pids: not _live(pids)):
+            for uid in order:
+                if uid not in _uids_in_use and free(processes_of_uid(uid)):
+                    _uids_in_use.add(uid)
+                    return uid
     raise RuntimeError(f"sandbox: all {_UID_SLOTS} sandbox uids are busy")
+
+
+def _live(pids: list[int]) -> list[int]:
+    """Without the zombies: a zombie holds no resource of the uid but its pid entry, and is not ours to wait for
+    unless it is our child (`_reap`)."""
+    return [p for p in pids if _state(p) not in ("Z", "X", None)]
+
+
+def _reap(uid: int) -> None:
+    """Wait for the zombies of `uid` whose parent we are. A sandbox process that forks and never waits leaves
+    zombies; once the sandbox is killed they are re-parented to init, or to us when the trainer is PID 1 (a
+    container without an init) or a subreaper. Only pids of the sandbox uid are waited for, never the trainer's
+    own children."""
+    me = os.getpid()
+    for pid in processes_of_uid(uid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def _release_uid(uid: int | None) -> None:
@@ -190,9 +235,20 @@ def _state(pid: int) -> str | None:
         return None
 
 
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def network_isolation_available() -> bool:
+    """A network namespace of its own needs CAP_SYS_ADMIN: root (the sandbox's own uid needs it too)."""
+    return os.geteuid() == 0 and hasattr(_libc, "unshare")
+
+
 def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
     # Runs in the child between fork and exec: only async-signal-safe-ish calls, no Python-level locks.
     os.setsid()
+    if not limits.network and _libc.unshare(_CLONE_NEWNET) != 0:  # before setuid: needs CAP_SYS_ADMIN
+        raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWNET) failed")
     mem = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     cpu = int(limits.cpu_s)
@@ -225,18 +281,22 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
     python, own_uid = sandbox_python(python)
+    if not limits.network and not (own_uid and network_isolation_available()):
+        raise RuntimeError("sandbox: network=False needs root and an interpreter other users may run "
+                           "(a network namespace of its own); run as root, or allow the network")
     uid = _acquire_uid(own_uid)
     scratch = Path(tempfile.mkdtemp(prefix="mtrain-sandbox-"))
     proc = None
     try:
         (scratch / "main.py").write_text(code)
+        tmp_env = private_dirs(scratch)
         if uid is not None:
-            os.chown(scratch, uid, uid)
-            os.chown(scratch / "main.py", uid, uid)
+            chown_tree(scratch, uid)
             nproc = limits.max_procs
         else:
             nproc = _count_processes_of(os.getuid()) + limits.max_procs
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1",
+               **tmp_env}
         start = time.monotonic()
         proc = subprocess.Popen([python, "-I", "main.py"], cwd=scratch, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
@@ -253,11 +313,22 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             proc.stdin.close()
         except BrokenPipeError:
             pass
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        timed_out, over_disk = False, False
+        deadline = start + limits.wall_s
+        max_bytes = int(limits.max_disk_mb) << 20
+        while True:  # wait, watching what the call writes (a file count or /dev/shm has no rlimit)
+            try:
+                proc.wait(timeout=max(0.0, min(_DISK_POLL_S, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            b, n = written(scratch, uid)
+            if b > max_bytes or n > limits.max_files:
+                over_disk = True
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
         _kill_all(proc.pid, uid)  # the group outlives the main process when it forked
         proc.wait()
         for t in readers:
@@ -268,11 +339,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
         mc = int(limits.max_output_chars)
         out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
         truncated = len(out) > mc or len(err) > mc or len(out_b) > cap or len(err_b) > cap
-        return SandboxResult(stdout=out[:mc], stderr=err[:mc], exit_code=None if timed_out else proc.returncode,
-                             timed_out=timed_out, truncated=truncated, wall_s=wall)
+        return SandboxResult(stdout=out[:mc], stderr=err[:mc],
+                             exit_code=None if timed_out or over_disk else proc.returncode,
+                             timed_out=timed_out, truncated=truncated, wall_s=wall, over_disk=over_disk)
     finally:
         if proc is not None and proc.poll() is None:  # an exception between Popen and wait
             _kill_all(proc.pid, uid)
             proc.wait()
+        if uid is not None:  # nothing of the uid runs any more: its files and zombies can go
+            remove_owned(uid)
+            _reap(uid)
         _release_uid(uid)
         shutil.rmtree(scratch, ignore_errors=True)

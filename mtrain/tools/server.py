@@ -148,8 +148,9 @@ class ToolServer:
         return ToolResult(name, True, out)
 
     def calc_reward(self, session: ToolSession) -> dict[str, float]:
-        """Each tool's reward for this session (tool name -> float)."""
-        return {name: float(t.calc_reward(session)) for name, t in self.tools.items()}
+        """Each tool's reward for this session (tool name -> what the tool returned; the rollout checks that it is a
+        finite number, naming the tool: `mtrain.data.rewards.finite_reward`)."""
+        return {name: t.calc_reward(session) for name, t in self.tools.items()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,12 +22,16 @@ from mtrain.algorithms.objective import policy_loss
 from mtrain.compat.no_te import te_installed
 from mtrain.models.cp_comm import gather_cp
 from mtrain.models import build_model, packed_rope
+from mtrain.lora_checks import check_model as lora_check_model
+from mtrain.models.lora import attach_lora, spec_of as lora_spec_of
 from mtrain.models.builder import pipeline_split_overrides
+from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
+from mtrain.trainer.weight_change import WeightChange
 from mtrain.trainer.routing_replay import RouterReplayFeeder
 from mtrain.trainer.train_options import cpu_offload_options, optimizer_config, recompute_overrides
 
@@ -97,6 +101,7 @@ class Actor:
         replays = mode == "rollout" or (mode == "trainer" and trainable)
         if replays:
             split["moe_enable_routing_replay"] = True
+        lora_check_model(cfg, hf_config)
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})},
                                            train_vision=cfg.model.train_vision)
@@ -118,6 +123,11 @@ class Actor:
                              f"with parallel.ep for the experts")
         if load_weights is not None:
             load_weights(chunks)
+        if cfg.model.fp32_lm_head:
+            install_fp32_lm_head(chunks)
+        # model.lora: base frozen, adapters the only trainable parameters (the KL reference keeps the base alone)
+        self.lora_spec = spec = lora_spec_of(cfg) if trainable else None
+        self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed()) if spec else None
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if self.dtype == torch.bfloat16:
@@ -140,20 +150,23 @@ class Actor:
         from megatron.core.distributed import finalize_model_grads
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
+        lr = cfg.model.lora.lr if self.lora is not None and cfg.model.lora.lr is not None else o.lr
         self.optimizer = get_megatron_optimizer(optimizer_config(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            optimizer="adam", lr=lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload)), self.chunks)
         steps = max(cfg.train.steps, 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            self.optimizer, init_lr=0.0 if o.warmup_steps else lr, max_lr=lr, min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(steps, o.warmup_steps + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=steps, wd_incr_style="constant",
             # On resume the schedule's shape comes from this run's config (a relaunch with more train.steps
             # extends the decay); only the position (num_steps) comes from the checkpoint.
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        self.weight_change = (WeightChange([p for c in self.chunks for p in c.parameters()], self.optimizer)
+                              if cfg.train.log_weight_change else None)
 
     # ---------------------------------------------------------------- forward plumbing
     @property
@@ -342,6 +355,8 @@ class Actor:
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""
         outs = self.forward_backward(batch, old_lp, adv, ref_lp, norms)
+        if self.weight_change is not None:
+            self.weight_change.before_step()
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = {}
@@ -351,6 +366,8 @@ class Actor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
+        if self.weight_change is not None:
+            metrics.update(self.weight_change.after_step())
         metrics.update(memory_metrics(self, ps.get_pipeline_model_parallel_rank()))  # after the step: Adam state exists
         return metrics
 

@@ -29,8 +29,8 @@ def load_agent(spec: str, model_name: str):
 
 class AgentRollout:
     def __init__(self, cfg, pool: RolloutPool, tokenizer, *, max_positions: int, model_name: str):
-        from mtrain.rollout.agents.openai_agent import FrontRegistry
-        from mtrain.serve.cli import api_key_of
+        from mtrain.serve.openai_agent import FrontRegistry
+        from mtrain.serve.api_key import api_key_of
         from mtrain.serve.front import OpenAIFront
         from mtrain.serve.server import FrontServer
 
@@ -42,10 +42,10 @@ class AgentRollout:
             OpenAIFront(client, tokenizer, model_name=model_name, max_positions=max_positions,
                         default_max_tokens=s.default_max_tokens, tool_parser=s.tool_parser),
             host=s.host, port=0, api_key=api_key, max_body_bytes=s.max_body_kb << 10,
-            max_concurrency=s.max_concurrency))
+            max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
 
     def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
-        from mtrain.rollout.agents.openai_agent import agent_group_fn
+        from mtrain.serve.openai_agent import agent_group_fn
 
         with_images = [s.index for s in samples if getattr(s, "images", ())]
         if with_images:  # the OpenAI front takes text messages only

@@ -82,6 +82,9 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
         dist_checkpointing.save(_sharded(other, is_loading=False, optimizer_format=fmt), str(part / name))
     torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
+    if rank == 0 and getattr(actor, "lora", None) is not None:  # what export-lora and a resume need to rebuild it
+        from mtrain.layouts.lora import write_meta
+        write_meta(part / "mcore", actor.lora_spec)
     if rank == 0:
         others = {name: {"scheduler": o.scheduler.state_dict(), "adam_steps": _adam_steps(o)}
                   for name, o in (extra or {}).items()}

@@ -48,9 +48,11 @@ class ValueHead(torch.nn.Module):
 
 def critic_config(cfg):
     """The run config the critic is built from: critic.hf_path's weights (default: the policy's), the critic's
-    learning rate, its own routing (the engine's expert choices belong to the policy)."""
+    learning rate, its own routing (the engine's expert choices belong to the policy), all of its weights trained
+    (model.lora adapts the policy only: a new value head on a frozen base would learn little)."""
     c = cfg.critic
     model = cfg.model if c.hf_path is None else dataclasses.replace(cfg.model, hf_path=c.hf_path, mcore_ckpt=None)
+    model = dataclasses.replace(model, lora=type(cfg.model.lora)())
     optim = dataclasses.replace(cfg.optim, lr=c.lr, min_lr=min(cfg.optim.min_lr, c.lr))
     algo = dataclasses.replace(cfg.algo, routing_replay="off")
     return dataclasses.replace(cfg, model=model, optim=optim, algo=algo)
@@ -107,7 +109,8 @@ class Critic(Actor):
         def loss_fn(mb, out):
             v = self._values(mb, out)
             loss, m = clipped_value_loss(v, mb["old_v"].float(), mb["ret"].float(), mb["mask"].bool(),
-                                         clip=c.value_clip, loss_agg="token_mean", num_tokens=norms["num_tokens"])
+                                         cliprange_value=c.value_clip, loss_agg="token_mean",
+                                         num_tokens=norms["num_tokens"])
             return loss * len(micro) * dp, {k: x.detach().float() for k, x in m.items()}
 
         for ch in self.chunks:
@@ -120,8 +123,9 @@ class Critic(Actor):
         metrics = {}
         if outs:  # value_loss: this rank's share of the global loss, summed over its micro-batches below
             metrics["critic/value_loss"] = float(sum(o["critic/value_loss"] for o in outs))
-            for k in ("critic/vf_clipfrac", "critic/vpred_mean"):
-                metrics[k] = float(torch.stack([o[k] for o in outs]).mean())
+            metrics["critic/vpred_mean"] = float(torch.stack([o["critic/vpred_mean"] for o in outs]).mean())
+            # the share of tokens whose value the clip held back (value_loss.py calls it critic/clipfrac)
+            metrics["critic/vf_clipfrac"] = float(torch.stack([o["critic/clipfrac"] for o in outs]).mean())
         metrics["critic/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["critic/update_skipped"] = float(not ok)

@@ -65,5 +65,7 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
         raise ConfigError("parallel.sequence_parallel: true needs parallel.tp > 1")
     return RunDecisions(device="cuda" if cuda else "cpu", engine_kind=kind,
                         engine_layout="hf" if kind == "reference" else "sglang", groups=groups,
-                        colocate=e.colocate, offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
+                        # rollout.async: engines generate while training runs, so they stay resident
+                        colocate=e.colocate and cfg.rollout.async_mode == "off",
+                        offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
                         sync_mode=sync_mode(cfg.sync.mode), engine_fp8=e.weight_dtype == "fp8")

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
+from mtrain.config import ConfigError
+from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
+from mtrain.models.lora import spec_of as lora_spec_of
+from mtrain.trainer.lora_sync import engine_lora_args
 from mtrain.rollout.routing import routing_shape
 
 
@@ -35,8 +39,14 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
-        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
+        lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/lora_sync.py)
+        lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
+        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
+                               lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
+    if lora_spec_of(cfg) is not None:
+        raise ConfigError("model.lora.targets: LoRA on SGLang engines is not wired into the trainer yet "
+                          "(benchmarks/gpu_lora_sync.py drives SGLang's adapter path alone); use engine.kind=reference")
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
     if fp8:
         from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir
@@ -44,8 +54,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         hf_dir = fp8_model_dir(str(hf_dir), hf_config)
     if cfg.engine.ep > 1:
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
-    if cfg.engine.attention_backend:
-        server_args["attention_backend"] = cfg.engine.attention_backend
+    server_args.update(production_server_args(cfg))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     placement = decisions.groups.sglang_placement(rank, local_rank=local_rank,
                                                   dist_init_addr=engine_rendezvous(decisions.groups, rank))
@@ -55,7 +64,10 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     server_args.update(cfg.engine.server_args)  # the run's own additions (mtrain/engine_args.py refuses overlaps)
     # A start takes 40-110 s, more where kernels are built on first use, and the other ranks wait in silence: say so,
     # with the time it took (the H200 DeepSeek-V3 run's 4-minute start showed nothing in its log, results.md 32).
-    print(f"mtrain: rank {rank} starting an SGLang engine (tp={tp}, first GPU {base_gpu_id})",
+    graphs = (f"decode CUDA graphs up to batch {server_args['cuda_graph_max_bs_decode']}"
+              if not server_args.get("disable_cuda_graph") else "no CUDA graphs")
+    print(f"mtrain: rank {rank} starting an SGLang engine (tp={tp}, first GPU {base_gpu_id}, attention "
+          f"{server_args['attention_backend']}, {graphs}{', fp32 lm head' if cfg.model.fp32_lm_head else ''})",
           flush=True)
     t0 = time.perf_counter()
     # Each engine gets its own seed: with one shared seed, unseeded requests would sample alike on every engine.
@@ -63,8 +75,32 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
                           mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
                           random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args,
                           routing=routing_shape(hf_config) if replay else None)
-    print(f"mtrain: rank {rank}'s SGLang engine started in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"mtrain: rank {rank}'s SGLang engine started in {time.perf_counter() - t0:.1f} s; its first requests "
+          f"compile Triton kernels on a fresh machine (about a minute, seen on an H200)", flush=True)
     return engine
+
+
+def engine_concurrency(cfg) -> int:
+    """Requests one engine runs at once in a training step: the groups it holds in flight x the group size."""
+    r = cfg.rollout
+    groups = r.prompts_per_step * (r.over_sample or 1.0) if r.partial else r.prompts_per_step
+    return int(min(groups, r.max_groups_in_flight) + 0.999) * r.samples_per_prompt
+
+
+def production_server_args(cfg) -> dict:
+    """The SGLang arguments the run's config decides for speed: decode CUDA graphs captured up to the batch the
+    rollout runs (SGLang's own default stops at 256 at TP1 whatever the batch), the attention backend (SGLang's
+    FlashAttention-3 where the installed sgl_kernel has it, else Triton: the GPU bundle strips FA3), and the
+    float32 LM head."""
+    from mtrain.rollout.sglang_preflight import default_attention_backend, sgl_kernel_extensions
+    e = cfg.engine
+    out = {"attention_backend": e.attention_backend or default_attention_backend(sgl_kernel_extensions()),
+           "disable_cuda_graph": not e.cuda_graphs}
+    if e.cuda_graphs:
+        out["cuda_graph_max_bs_decode"] = e.cuda_graph_max_bs or -(-engine_concurrency(cfg) // 8) * 8
+    if cfg.model.fp32_lm_head:
+        out["enable_fp32_lm_head"] = True
+    return out
 
 
 def engine_rendezvous(groups, rank: int) -> str | None:

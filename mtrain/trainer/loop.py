@@ -27,6 +27,7 @@ from mtrain.dist import destroy as destroy_distributed, init_distributed
 from mtrain.layouts import model_layout
 from mtrain.layouts.vlm import flat_config
 from mtrain.metrics import MetricsWriter
+from mtrain.wandb_log import wandb_sink
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.actor import Actor
@@ -43,6 +44,9 @@ from mtrain.trainer.partial_step import PartialRollout
 from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer.sync import WeightSync
+from mtrain.trainer.teacher import Distiller, build_teacher
+from mtrain.trainer.lora_sync import AdapterSync
+from mtrain.models.lora import spec_of as lora_spec_of
 
 log = logging.getLogger("mtrain")
 
@@ -97,8 +101,10 @@ class Trainer:
         self.actor = Actor(cfg, self.train_config, load_weights=load, overrides=arch)
         self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False,
                          overrides=arch) if cfg.algo.kl_coef else None
+        teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
+        self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
-        # PPO's critic and the distillation teacher (docs/design-critic-distill.md)
+        # PPO's critic (docs/design-critic-distill.md)
         self.side = SideModels(cfg, self.rank, self.train_config, load, arch, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
         # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)
@@ -118,11 +124,19 @@ class Trainer:
             self.tools, self.rollout_fn = build_tool_server(cfg.multi_turn), load_rollout_fn(cfg.multi_turn.rollout_fn)
             if self.partial is not None:  # aborted trajectories wait in the buffer and resume at the same turn
                 self.partial.use_multi_turn(self.tools, self.rollout_fn, self.max_positions)
-        self.sync = WeightSync(self.layout, self.actor.chunks, self.engine, groups=d.groups,
+        self.async_rollout = None
+        if cfg.rollout.async_mode == "one_step":  # step N+1 generated with weights N while step N trains
+            from mtrain.trainer.async_step import OneStepRollout
+            self.async_rollout = OneStepRollout(self)
+        make_sync = lambda table: WeightSync(table, self.actor.chunks, self.engine, groups=d.groups,  # noqa: E731
                                engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
                                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
                                dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                mode=d.sync_mode, device=d.device, engine_fp8=d.engine_fp8)
+        lora = lora_spec_of(cfg)  # LoRA: the base once, then only the adapters (mtrain/trainer/lora_sync.py)
+        self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora)
+        # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
+        self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0
         resumed = self._resume()
         if self.rank == 0:
@@ -130,9 +144,13 @@ class Trainer:
             cfg.dump_yaml(self.run_dir / "config.yaml")
             print(run_summary(cfg, self.hf_config, dist.get_world_size()), flush=True)  # full: config.yaml
             print(d.summary(), flush=True)
+            from mtrain.job_split import split_ranks
+            print(f"{split_ranks(cfg, dist.get_world_size()).describe()} rollout.async={cfg.rollout.async_mode}",
+                  flush=True)
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
-                                     total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard
+                                     total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard,
+                                     sinks=tuple(s for s in [wandb_sink(cfg, self.run_dir)] if s)
                                      ) if self.rank == 0 else None
         self.sync.sync(version=self.step)
 
@@ -167,7 +185,7 @@ class Trainer:
 
     def _engine_memory(self, op: str, tags: tuple[str, ...]) -> None:
         """Colocated engines give their memory to training and take it back (engine.colocate)."""
-        if self.engine is not None and self.decisions.colocate:
+        if self.engine is not None and self.decisions.colocate and tags:
             getattr(self.engine, op)(tags)
 
     def evaluate(self) -> dict[str, float]:
@@ -185,10 +203,12 @@ class Trainer:
         mean, rows = evaluate_in_chunks(rollout, self.eval_set, n, step=self.step, show=self.rank == 0)
         if self.rank == 0:  # a few answers per eval, so that a score can be checked by reading what was said
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            shown = [{"step": self.step, "index": sample.index, "answer": str(sample.answer), "response": text,
+                      "reward": r} for sample, text, r in rows[:8 * n]]
             with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
-                for sample, text, r in rows[:8 * n]:
-                    f.write(json.dumps({"step": self.step, "index": sample.index, "answer": str(sample.answer),
-                                        "response": text, "reward": r}) + "\n")
+                f.writelines(json.dumps(row) + "\n" for row in shown)
+            if self.metrics is not None:
+                self.metrics.log_table(self.step, "eval/samples", shown)
         out = {"eval/reward_mean": mean}
         # tool-call rate, valid-call rate, drift... of the greedy eval (named as in training: eval/tools/...)
         out.update({f"eval/tools/{k}": v for k, v in tool_metrics(trajectories).items()})
@@ -225,6 +245,8 @@ class Trainer:
         t0 = time.perf_counter()
         if self.partial is not None:
             res = self.partial.step(self.step, version=self.step, base_seed=cfg.train.seed * 1_000_003)
+        elif self.async_rollout is not None:
+            res = self.async_rollout.step(self.step, cfg.train.steps)
         else:
             samples = [self.train_set[i] for i in self.sampler.next_batch()]
             res = self._rollout(samples, n=n, seed=cfg.train.seed * 1_000_003 + self.step * 10_007,
@@ -240,6 +262,9 @@ class Trainer:
             # Tokens generated by older weights than this update starts from leave the loss (and the gradient);
             # with "tis" they stay, weighted by the capped trainer/rollout probability ratio (algo.tis_cap).
             full.response_mask[(full.versions >= 0) & (full.versions < self.step)] = 0.0
+        if self.async_rollout is not None:
+            from mtrain.trainer.async_step import offpolicy_mask
+            offpolicy_mask(full, self.step, cfg.rollout)
         batch, rows, local = full, full.size, {}
         if cfg.algo.filter_uniform_groups:
             batch, rows, local = self._drop_uniform_groups(full, n)
@@ -270,14 +295,16 @@ class Trainer:
                 mb = batch.select(sl)
                 slices.append(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
-                minibatches.append((mb, adv[sl], self.actor.logprobs(mb), self.ref.logprobs(mb) if self.ref else None,
+                lp = self.actor.logprobs(mb)
+                a = self.distill.advantages(mb, adv[sl], lp) if self.distill else adv[sl]
+                minibatches.append((mb, a, lp, self.ref.logprobs(mb) if self.ref else None,
                                     {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
                                      "num_seqs": float(kept)}))
-            minibatches, distill_metrics = self.side.distill(minibatches)  # the teacher's term in the advantages
-            local.update(distill_metrics)
+            if self.distill:
+                local.update(self.distill.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
-            self._engine_memory("release_memory", ("kv_cache", "weights"))
+            self._engine_memory("release_memory", ("kv_cache",) + self.weight_tags)
             offload_metrics.update(self.offload.reload())
             offload_metrics.update(self.side.reload())
             t2 = time.perf_counter()
@@ -292,7 +319,9 @@ class Trainer:
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             offload_metrics.update(self.offload.offload())
             offload_metrics.update(self.side.offload())
-            self._engine_memory("resume_memory", ("weights",))
+            self._engine_memory("resume_memory", self.weight_tags)
+        if self.async_rollout is not None:  # the engines keep weights N until the next step's rollout is done
+            local.update(self.async_rollout.wait())
         self.step += 1
         sync_metrics = self.sync.sync(version=self.step)
         if batch is not None:
@@ -326,7 +355,8 @@ class Trainer:
             if every >= 0 and ((every and self.step % every == 0) or self.step == cfg.train.steps):
                 self.offload.reload()  # the optimizer state must be in place to be saved
                 self.side.reload()
-                state = {"sampler": self.sampler.state_dict()}
+                state = {"sampler": self.sampler.state_dict() if self.async_rollout is None
+                         else self.async_rollout.sampler_state()}  # a pending rollout's prompts are drawn again
                 if self.partial is not None:  # unfinished samples survive a stop: they resume after a restart
                     state["partial"] = self.partial.state_dict()
                 checkpoint.save(self.run_dir, self.step, self.actor, state, extra=self.side.extra_models())

@@ -49,6 +49,10 @@ class TrainOffload:
         self.actor, self.enabled = actor, enabled
         self._held: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (device tensor, host copy, nbytes)
 
+    def storages(self) -> list[torch.Tensor]:
+        """What leaves the device: one tensor per storage (a frozen model's offload moves its parameters)."""
+        return _storages(self.actor)
+
     @property
     def offloaded(self) -> bool:
         return bool(self._held)
@@ -59,7 +63,7 @@ class TrainOffload:
             return {}
         t0, moved, kept = time.perf_counter(), 0, 0
         pin = torch.cuda.is_available()
-        for t in _storages(self.actor):
+        for t in self.storages():
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             if not storage.resizable():  # e.g. memory another library owns: it stays, and the metric says so

@@ -8,7 +8,7 @@ Three pure functions, no model in sight (docs/design-packing.md):
 - `pack(...)` / `unpack(...)`: one micro-batch's rows laid end to end as a [1, S] stream with `cu_seqlens`, and
   any per-token tensor moved between the row layout [n, W, ...] and the packed layout [S, ...].
 
-Per-token tensors come in two widths (mtrain/trainer/batch.py): W = T, one value per *input* token (tokens,
+Per-token tensors come in two widths (mtrain/rollout/rollout_batch.py): W = T, one value per *input* token (tokens,
 per-token weight versions, routed experts for routing replay), and W = T - 1, one value per *predicting*
 position (masks, logprobs, advantages: position t predicts token t + 1). Packed, both live at the position of
 their token in the stream; a W = T - 1 field has no value at the last token of a sequence (it would predict the

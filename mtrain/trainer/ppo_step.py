@@ -1,9 +1,9 @@
-"""The per-step work of PPO with a critic and of on-policy distillation, called from the loop.
+"""The per-step work of PPO with a critic, called from the loop (through side_models.SideModels).
 
     values = every rank's share scored by the critic, summed into the whole batch on every rank
     adv, returns = GAE over the whole batch (whitening needs batch statistics)     -> the policy's update
+                   (with algo.distill the teacher's term is added per minibatch, as for any algorithm)
     per minibatch: the critic's clipped value-loss step on the same rows as the policy's
-    distillation: per minibatch, the teacher scores the rows the policy scored; adv -= coef * (lp_s - lp_t)
 """
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from mtrain.algorithms.distill import distill_advantages
-from mtrain.algorithms.gae import gae_advantages
-from mtrain.algorithms.masked import masked_mean
-from mtrain.algorithms.value_loss import explained_variance
+from mtrain.algorithms.gae import explained_variance, final_token_rewards, gae_advantages_returns, whiten
+from mtrain.algorithms.masked import masked_mean, masked_var
 from mtrain.trainer.batch import RolloutBatch, dp_rows
 
 
@@ -51,11 +49,16 @@ class CriticStep:
         values = world_sum(full)
         mask = batch.response_mask.bool().clone()
         mask[rows:] = False
-        adv, ret, metrics = gae_advantages(batch.rewards.double(), values, mask, gamma=cfg.critic.gamma,
-                                           lam=cfg.critic.lam, eps=cfg.algo.adv_eps,
-                                           whitening="batch" if cfg.algo.adv_norm == "batch_std" else "none")
-        metrics["critic/explained_var"] = explained_variance(values, ret, mask)
-        metrics["critic/values_mean"] = masked_mean(values, mask)
+        adv, ret = gae_advantages_returns(final_token_rewards(batch.rewards.double(), mask), values, mask,
+                                          gamma=cfg.critic.gamma, lam=cfg.critic.lam)
+        if cfg.algo.adv_norm == "batch_std":  # verl's and OpenRLHF's default; the returns stay as they are
+            adv = whiten(adv, mask, eps=cfg.algo.adv_eps)
+        a = adv.float()
+        metrics = {"adv/mean": masked_mean(a, mask), "adv/std": masked_var(a, mask).sqrt(),
+                   "adv/max": a.masked_fill(~mask, float("-inf")).max() if mask.any() else a.new_zeros(()),
+                   "adv/min": a.masked_fill(~mask, float("inf")).min() if mask.any() else a.new_zeros(()),
+                   "critic/explained_var": explained_variance(values, ret, mask),
+                   "critic/values_mean": masked_mean(values, mask), "critic/returns_mean": masked_mean(ret, mask)}
         self.values, self.returns = values, ret
         return adv.float(), metrics
 
@@ -65,17 +68,3 @@ class CriticStep:
                for mb, sl, norms in minibatches]
         return {k: sum(m[k] for m in per) / len(per) for k in per[0]}
 
-
-def distill_minibatch_advantages(cfg, adv: torch.Tensor, student_lp, teacher_lp, mask: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(advantages, sum of the reverse-KL estimate, token count) of one minibatch (this rank's rows); on ranks
-    without logprobs (not the last pipeline stage) the advantages pass through unchanged, the sums are 0."""
-    zero = torch.zeros((), dtype=torch.float64)
-    if student_lp is None:
-        return adv, zero, zero
-    d = cfg.algo.distill
-    m = mask.bool()
-    out, _ = distill_advantages(student_lp, teacher_lp, m, coef=d.coef,
-                                task_advantages=adv if d.with_task_advantage else None)
-    k = (student_lp - teacher_lp).double()
-    return out.to(adv.dtype), k[m].sum(), m.sum().double()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch.distributed as dist
 
 from mtrain.data.chat import PromptError, tokenize_prompts
-from mtrain.data.rewards import score_responses
+from mtrain.data.rewards import finite_reward, score_responses
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.pool import RolloutPool
 from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams
@@ -138,7 +138,8 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
     run = pool.run(len(samples), one_group, rid_prefix=rid_prefix)
     out = RolloutResult([], [], [], run.metrics())
     out.trajectories = [t for trajs in run.results for t in trajs]
-    out.rewards = [float(t.reward) for t in out.trajectories]
+    # A user rollout_fn sets rewards itself: checked here, where they enter the batch.
+    out.rewards = [finite_reward(t.reward, f"rollout_fn for trajectory {t.rid}") for t in out.trajectories]
     out.responses = [t.final_text for t in out.trajectories]
     # Over all trajectories, not a mean of per-group values: the valid-call rate is valid / attempted calls of
     # the whole rollout (a group without calls must not count as a valid rate of 0).

@@ -1,24 +1,19 @@
-"""The models the loop builds beside the policy and the KL reference: PPO's critic and the distillation teacher.
-
-One object so that the loop calls it at fixed places (advantages, each minibatch, after the policy's update,
-offload / reload, checkpoint) and does nothing else for either feature.
-"""
+"""PPO's critic as the loop sees it: one object called at fixed places (advantages, after the policy's update,
+offload / reload, checkpoint), a no-op at each of them for the critic-free algorithms."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-
 from mtrain.layouts import model_layout
 from mtrain.trainer.offload import TrainOffload
-from mtrain.trainer.ppo_step import CriticStep, distill_minibatch_advantages, world_sum
+from mtrain.trainer.ppo_step import CriticStep
 
 
 class SideModels:
     def __init__(self, cfg, rank: int, train_config: dict, policy_loader, overrides: dict, offload: bool):
         self.cfg = cfg
-        self.critic = self.critic_step = self.teacher = None
+        self.critic = self.critic_step = None
         self._critic_offload = None
         if cfg.algo.name == "ppo":
             from mtrain.trainer.critic import Critic, critic_config
@@ -31,14 +26,13 @@ class SideModels:
             self.critic = Critic(cfg, hf_config, load_weights=load, overrides=overrides)
             self.critic_step = CriticStep(cfg, self.critic)
             self._critic_offload = TrainOffload(self.critic, offload)
-        if cfg.algo.distill.teacher_path is not None:
-            from mtrain.trainer.teacher import Teacher
-            self.teacher = Teacher(cfg, rank, overrides=overrides, offload=offload)
 
     @property
     def policy_trains(self) -> bool:
         """False during the critic's warm-up steps (critic.warmup_steps): only the critic is updated."""
         return self.critic is None or self._step >= self.cfg.critic.warmup_steps
+
+    _step = 0
 
     def begin(self, step: int) -> None:
         self._step = step
@@ -48,19 +42,6 @@ class SideModels:
         if self.critic_step is None:
             return compute_task()
         return self.critic_step.advantages(batch, rows)
-
-    def distill(self, minibatches: list) -> tuple[list, dict[str, float]]:
-        """Each (mb, adv, old_lp, ref_lp, norms) with the teacher's term in its advantages."""
-        if self.teacher is None:
-            return minibatches, {}
-        out, k_sum, n = [], torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        for mb, adv, old, ref, norms in minibatches:
-            t_lp = self.teacher.logprobs(mb)
-            a, ks, c = distill_minibatch_advantages(self.cfg, adv, old, t_lp, mb.response_mask)
-            out.append((mb, a, old, ref, norms))
-            k_sum, n = k_sum + ks, n + c
-        tot = world_sum(torch.stack([k_sum, n]))
-        return out, {"distill/reverse_kl": float(tot[0] / tot[1].clamp(min=1)), **self.teacher.take_metrics()}
 
     def update(self, minibatches: list, slices: list) -> dict[str, float]:
         if self.critic_step is None:

@@ -84,8 +84,10 @@ def test_parser_covers_every_subcommand():
     assert (args.first_stage_layers, args.last_stage_layers) == (1, None)
     args = parser.parse_args(["make-fp8", "--config", "c.json", "--out", "o", "--block", "64"])
     assert (args.config, args.hf, args.block, args.seed, args.shard_gb) == ("c.json", None, 64, 0, 1.0)
+    args = parser.parse_args(["export-lora", "--mcore", "m", "--hf", "h", "--out", "o", "--merge"])
+    assert (args.mcore, args.hf, args.out, args.merge, args.force) == ("m", "h", "o", True, False)
     assert set(cli.SUBCOMMANDS) == {"hf-to-mcore", "mcore-to-hf", "gguf-to-hf", "verify", "mcore-to-sglang",
-                                    "make-fp8"}
+                                    "make-fp8", "export-lora"}
 
 
 def test_python_dash_m_entry(tmp_path):

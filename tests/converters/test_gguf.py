@@ -46,6 +46,7 @@ def test_checkpoint_layout(hf_dir):
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("llama", 30, 576)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
     assert config["tie_word_embeddings"] is True and config["dtype"] == "float32"
+    assert config["architectures"] == ["LlamaForCausalLM"]  # SGLang picks its model class by architectures[0]
     assert "lm_head.weight" not in ckpt  # tied: only the embedding is stored
     assert len(ckpt) == 1 + 30 * 9 + 1  # embedding, 9 tensors per layer, final norm
     assert all(ckpt.dtype(n) == torch.float32 for n in ckpt.names())
@@ -215,6 +216,7 @@ def test_tiny_gguf_recovers_hf_weights(tiny_gguf, tmp_path, dtype):
     assert len({str(ckpt.file(n)) for n in ckpt.names()}) > 1  # really sharded
     assert sorted(ckpt.names()) == sorted(state)  # untied: lm_head.weight is written
     assert ckpt.config["tie_word_embeddings"] is False and ckpt.config["dtype"] == str(dtype).split(".")[1]
+    assert ckpt.config["architectures"] == ["LlamaForCausalLM"]
     for name, expected in state.items():
         got = ckpt.get(name)
         assert got.dtype == dtype and torch.equal(got, expected.to(dtype)), name

@@ -3,7 +3,7 @@ the IEEE quotient's quantization bit for bit: every (element mantissa, amax mant
 every exponent step that matters, against the float64 reference (fp8_diagnose.quantize_f64; the weights are built
 by fp8_mantissa_blocks, whose docstring says why the pairs cover every in-range case). The interpreter runs the same
 kernel code (its fma rounds once, as the GPU's). Without the correction step, 408 of these bf16 bytes differ;
-without the sign step, every -0.0 (the H200 found that one: docs/results.md section 36).
+without the sign step, every -0.0 (the H200 found that one: docs/archive/results-2026-11.md section 36).
 """
 from __future__ import annotations
 

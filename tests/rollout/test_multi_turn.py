@@ -199,3 +199,29 @@ def test_abort_mid_turn_then_resume_at_the_same_turn(trained):
         assert [c["output"] for c in t.tool_calls] == ["56088", "81"]  # run once, not replayed twice
     finally:
         slow.shutdown()
+
+
+def test_non_finite_rewards_never_reach_a_trajectory(trained):
+    """A tool's NaN reward, and a reward function's 10**400 (beyond a float), stop the group with one RewardError
+    naming where it came from, instead of a NaN reward (or an OverflowError) in the batch."""
+    engine = trained[0]
+
+    class NanRewardCalculator(CalculatorTool):
+        def calc_reward(self, session):
+            return float("nan")
+    ctx = ctx_for(tools=ToolServer([NanRewardCalculator()]), tool_reward_weight=0.5)
+    with pytest.raises(RewardError, match=r"tool 'calculator' on sample 0 .*returned nan; expected a finite number"):
+        asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx))
+    assert ctx.tools.open_sessions == []
+
+    class HugeRewardCalculator(CalculatorTool):
+        def calc_reward(self, session):
+            return 10 ** 400
+    ctx = ctx_for(tools=ToolServer([HugeRewardCalculator()]), tool_reward_weight=0.5)
+    with pytest.raises(RewardError, match=r"tool 'calculator' on sample 0 .*not one number"):
+        asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx))
+
+    def huge_reward(response, answer):
+        return 10 ** 400
+    with pytest.raises(RewardError, match=r"huge_reward.*sample 0 .*not one number"):
+        asyncio.run(rollout_group(TOOL_SAMPLE, 1, LocalClient(engine), ctx_for(reward_fn=huge_reward)))

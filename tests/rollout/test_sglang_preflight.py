@@ -57,7 +57,8 @@ def test_rope_head_sizes_that_crashed_the_schedulers_are_refused():
     for cfg, size in ((dict(model_type="llama", hidden_size=128, num_attention_heads=4), 32),  # device README
                       (tiny_vlm_config(), 16)):  # the CPU tiny VLM (mtrain/tiny_vlm.py)
         assert f"rotary head size {size} has no fused rope kernel" in rope_problem(cfg)
-    (msg,) = preflight_problems(_args(), dict(model_type="llama", hidden_size=128, num_attention_heads=4), None)
+    (msg,) = preflight_problems(_args(), dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=128,
+                                             num_attention_heads=4), None)
     assert "rotary head size 32" in msg
     # sizes above 64 without the fused kernel never ran on the GPU: not refused on a guess
     assert rope_problem(dict(model_type="llama", hidden_size=3072, num_attention_heads=32)) is None  # head 96

@@ -10,6 +10,7 @@ import torch
 
 from mtrain.rollout.engine_env import engine_environment, torchrun_variables
 from mtrain.rollout.protocol import EngineError, Request, SamplingParams
+from mtrain.reshard import targets as T
 from mtrain.rollout import sglang_loader as L
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
@@ -108,12 +109,12 @@ def _params(model):
 
 
 def test_parse_target_forms_and_errors():
-    assert L.parse_target("model.a.weight") == L.Target("model.a.weight")
-    assert L.parse_target("model.a.w13_weight@2:4") == L.Target("model.a.w13_weight", 2, 4)
+    assert T.parse_target("model.a.weight") == T.Target("model.a.weight")
+    assert T.parse_target("model.a.w13_weight@2:4") == T.Target("model.a.w13_weight", 2, 4)
     for bad, msg in [("p@4:2", "stop 2 must exceed start 4"), ("p@1:", "expected"), ("", "expected"),
                      (3, "must be a str")]:
-        with pytest.raises(L.LoaderError, match=msg):
-            L.parse_target(bad)
+        with pytest.raises(T.LoaderError, match=msg):
+            T.parse_target(bad)
 
 
 def test_load_direct_writes_whole_params_and_expert_rows(status_dir):
@@ -227,7 +228,7 @@ def test_fp8_engine_whose_graphs_captured_dummy_kv_scales_is_refused_at_first_sy
     L.load_direct(m, [(L.FINISH_NAME, torch.empty(0))])
     (err,) = L.collect_errors(status_dir)
     assert "captured CUDA graphs with KV scales" in err and "0.00042 in 1 attention layers" in err
-    assert "disable_cuda_graph=true" in err
+    assert "engine.cuda_graphs=false" in err
     assert m.model.layers[0].self_attn.attn.k_scale_float == 4.2e-4
     ok = TinySGLangLikeModel()
     ok.model.layers[0].self_attn.attn = _Fp8RadixAttention(1.0, 1.0)

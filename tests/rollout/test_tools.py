@@ -47,7 +47,8 @@ def _call_python(code: str, limits=LIMITS):
 def test_sandbox_runs_code_with_a_clean_environment():
     os.environ["MTRAIN_TEST_SECRET"] = "hunter2"
     try:
-        r, _ = _call_python("import os, sys\nprint(sorted(os.environ))\nprint(os.getcwd())\nprint(2**100)")
+        r, _ = _call_python("import os, sys\nprint(sorted(os.environ))\nprint(os.getcwd())\nprint(2**100)",
+                            SandboxLimits(**{**LIMITS.__dict__, "max_output_chars": 2000}))
     finally:
         del os.environ["MTRAIN_TEST_SECRET"]
     assert r.ok, r.content

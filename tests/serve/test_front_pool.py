@@ -13,7 +13,7 @@ def _agent_rollout(rank, world):
     from openai import AsyncOpenAI
 
     from front_fixtures import MODEL, chatml_tokenizer, tiny_config
-    from mtrain.rollout.agents.openai_agent import FrontRegistry, agent_group_fn
+    from mtrain.serve.openai_agent import FrontRegistry, agent_group_fn
     from mtrain.rollout.groups import EngineGroups
     from mtrain.rollout.pool import RolloutPool
     from mtrain.rollout.reference_engine import ReferenceEngine

@@ -64,15 +64,20 @@ def launch_and_kill_after(overrides: list[str], cwd: Path, marker: Path, timeout
                 raise AssertionError(f"{marker} did not appear within {timeout} s")
             time.sleep(0.05)
     finally:
-        # torchrun starts each worker in a session of its own: kill the workers by pid, then torchrun's group.
-        import psutil
-        procs = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
-        for child in procs:
-            child.send_signal(signal.SIGKILL)
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        psutil.wait_procs(procs, timeout=30)
+        kill_job(p)
+
+
+def kill_job(p: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job started with start_new_session=True. torchrun starts each worker in a session of its
+    own: kill the workers by pid, then torchrun's group, and wait for all of them."""
+    import psutil
+    procs = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
+    for child in procs:
+        child.send_signal(signal.SIGKILL)
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    psutil.wait_procs(procs, timeout=30)
 
 
 def metrics(run_dir: Path) -> list[dict]:

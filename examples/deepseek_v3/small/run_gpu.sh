@@ -36,7 +36,7 @@ torchrun --standalone --nproc-per-node "$gpus" -m mtrain train "$repo/examples/d
     train.global_batch_size=64 train.micro_batch_size=8 "$@" 2>&1 | tee "$work/train.log" || train_rc=$?
 step=$(ls -d run/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1)
 if (( ${train_rc:=0} )); then
-    # The eighth session's run aborted in CUDA teardown after its last checkpoint (docs/results.md section 34), which
+    # The 2026-12-01 02:20 UTC run aborted in CUDA teardown after its last checkpoint (docs/archive/results-2026-11.md section 34), which
     # cost the export and verify steps. A checkpoint is renamed into place only when complete (COMPLETE marker), so
     # one of the last logged step can still be exported; the trainer's exit code stays this script's.
     last=$(python -c "from mtrain.metrics import read_metrics; print(max(r.get('step', -1) for r in read_metrics('run')))" \
@@ -53,7 +53,7 @@ fi
 python -m mtrain.converters mcore-to-hf --mcore "$step/mcore" --hf-config release --out export --force
 # Megatron's forward in float32 (the bf16 weights upcast exactly) against transformers' float32: a bf16 forward
 # flips top-k expert choices on this random MoE model and fails the bf16 tolerance with a correct checkpoint
-# (docs/results.md, sections 13 and 40). A failure is reported, the memory step still runs, and the script fails.
+# (docs/archive/results-2026-11.md, sections 13 and 40). A failure is reported, the memory step still runs, and the script fails.
 python -m mtrain.converters verify --hf export --mcore "$step/mcore" "${split[@]}" --dtype float32 || verify_rc=$?
 python "$repo/examples/deepseek_v3/full/memory_math.py" --config config.json --nodes 1 --gpus-per-node "$gpus" \
     "${split[@]}" --ep 1 --dtype bf16 --seq 512 --engine-tp "$gpus" --cpu-offload "${fp8[@]}" \

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mtrain.data.datasets import PromptSample
-from mtrain.data.rewards import safe_reward
+from mtrain.data.rewards import finite_reward, safe_reward
 from mtrain.rollout.agents import tito
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.protocol import Request, SamplingParams
@@ -236,7 +236,8 @@ async def _replay(ctx: RolloutContext, session, calls: list[dict[str, Any]]) -> 
 
 
 async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
-    tool_rewards = ctx.tools.calc_reward(session)
+    tool_rewards = {name: finite_reward(r, f"tool {name!r} on sample {traj.sample.index} ({traj.rid})")
+                    for name, r in ctx.tools.calc_reward(session).items()}  # a NaN would hide inside the sum
     traj.metrics.update({f"tool_reward/{k}": v for k, v in tool_rewards.items()})
     traj.tool_calls = list(session.calls)
     sample = traj.sample
@@ -247,7 +248,7 @@ async def _finish(traj: Trajectory, ctx: RolloutContext, session) -> None:
             metadata=sample.metadata, sample_id=f"{sample.index} ({traj.rid})", timeout_s=ctx.reward_timeout_s,
             trajectory=traj)
     reward += ctx.tool_reward_weight * sum(tool_rewards.values())
-    traj.reward = reward
+    traj.reward = finite_reward(reward, f"the reward of sample {sample.index} ({traj.rid})")
     last_model = next((s for s in reversed(traj.segments) if s.trained), None)
     stop_id = last_model.ids[-1] if last_model and last_model.ids and last_model.ids[-1] in ctx.params.stop_token_ids \
         else None

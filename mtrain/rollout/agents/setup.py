@@ -38,7 +38,8 @@ def build_tool(spec: str, mt) -> BaseTool:
         from mtrain.tools.sandbox import SandboxLimits
         return PythonTool(SandboxLimits(wall_s=mt.sandbox_wall_s, cpu_s=mt.sandbox_cpu_s,
                                         memory_mb=mt.sandbox_memory_mb, max_procs=mt.sandbox_max_procs,
-                                        max_output_chars=mt.tool_output_max_chars))
+                                        max_output_chars=mt.tool_output_max_chars, max_disk_mb=mt.sandbox_disk_mb,
+                                        max_files=mt.sandbox_max_files, network=mt.sandbox_network))
     if spec == "search":
         from mtrain.tools.retrieval import RetrievalTool, load_corpus
         docs = load_corpus(mt.retrieval_corpus) if mt.retrieval_corpus else None

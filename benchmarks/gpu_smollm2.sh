@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The SmolLM2 runs on one GPU machine, from a plain checkout (BUILD.md, "GPU"). The GGUF arrives in two halves
+# (benchmarks/stage_smollm2.py); each call first takes what it carries, so the call that brings the second half can
+# already run. Usage (on the GPU machine, repository root):
+#   bash benchmarks/gpu_smollm2.sh stage                   # set up + take the halves carried in this call
+#   bash benchmarks/gpu_smollm2.sh learn [RUN ...]         # GPU-recipe runs side by side on the one GPU
+#   bash benchmarks/gpu_smollm2.sh parity                  # benchmarks/gpu_engine_parity.py on the SmolLM2 weights
+# RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
+# head). Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_setup.sh || exit 1
+export MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 benchmarks/stage_smollm2.py take; rc=$?
+[ "$1" = stage ] && exit 0
+[ $rc -ne 0 ] && { echo "gpu_smollm2.sh: the GGUF is not in place (stage_smollm2.py exit $rc)" >&2; exit 1; }
+HF_DIR=$(python3 -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" 2>/dev/null | tail -n 1)
+[ -f "$HF_DIR/config.json" ] || { echo "gpu_smollm2.sh: conversion failed" >&2; exit 1; }
+echo "HF_DIR=$HF_DIR"
+case "$1" in
+learn)
+    shift
+    runs=("$@")
+    [ ${#runs[@]} -eq 0 ] && runs=(seed1234:train.seed=1234 seed1235:train.seed=1235 seed1236:train.seed=1236
+                                    lr5e-6:optim.lr=5.0e-6 nofp32head:model.fp32_lm_head=false)
+    port=29600; pids=()
+    for run in "${runs[@]}"; do
+        name=${run%%:*}; IFS=, read -r -a over <<< "${run#*:}"
+        dir=/tmp/smollm2_runs/$name; mkdir -p "$dir"
+        # several runs share the GPU: a smaller engine each, distinct rendezvous ports
+        PET_MASTER_PORT=$port RUN_DIR=$dir HF_DIR=$HF_DIR NPROC=1 timeout ${RUN_LIMIT:-540} \
+            bash examples/smollm2/run.sh engine.mem_fraction_static=0.12 train.log_weight_change=true "${over[@]}" \
+            > "$dir/log" 2>&1 &
+        pids+=($!); port=$((port + 7)); sleep ${STAGGER:-15}
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    for run in "${runs[@]}"; do name=${run%%:*}; echo "== $name: $(tail -n 3 /tmp/smollm2_runs/$name/log | tr '\n' ' ')"; done
+    python3 - <<'PY'
+import json, pathlib
+for d in sorted(pathlib.Path("/tmp/smollm2_runs").iterdir()):
+    f = d / "metrics.jsonl"
+    if not f.exists():
+        print(d.name, "no metrics"); continue
+    recs = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    ev = [(r["step"], round(r["eval/reward_mean"], 3)) for r in recs if "eval/reward_mean" in r]
+    tr = [r for r in recs if "logprob_diff/mean_abs" in r]
+    gap = [r["logprob_diff/mean_abs"] for r in tr]; mx = [r["logprob_diff/max_abs"] for r in tr]
+    w = [(r["step"], round(r.get("weights/changed_frac_total", -1), 3), round(r.get("weights/main_rel_change", -1), 5),
+          round(r.get("weights/model_rel_change", -1), 5)) for r in tr if r["step"] in (1, 14, 28)]
+    st = [r.get("time/step", sum(r.get(k, 0) for k in ("time/rollout", "time/logprobs", "time/train", "time/sync"))) for r in tr]
+    print(d.name, "eval", ev, "gap mean max %.4f mean %.4f" % (max(gap or [0]), sum(gap or [0]) / max(len(gap), 1)),
+          "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0))
+PY
+    tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs ;;
+parity)
+    python3 benchmarks/gpu_engine_parity.py --hf "$HF_DIR" --out "$OUT/parity.json" 2>&1 | tee "$OUT/parity.log" | grep -v "^\[" ;;
+*) echo "gpu_smollm2.sh: unknown action ${1:-}" >&2; exit 2 ;;
+esac

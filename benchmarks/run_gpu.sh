@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and checks of benchmarks/README.md by name, one after the other, each under its own time limit.
+# From the repository root on the GPU machine (.gpu/ carried or already unpacked, see gpu_setup.sh):
+#   bash benchmarks/run_gpu.sh list                      # the names, their GPUs and limits
+#   OUT=/tmp/out bash benchmarks/run_gpu.sh sync kernel front
+#   PACK=1 bash benchmarks/run_gpu.sh ...                # also pack $OUT into $OUT/results.tgz (one file to bring back)
+# Each benchmark's whole log goes to $OUT/log_NAME.txt and its JSON (where it writes one) under $OUT; its exit code,
+# wall time and the log's tail are printed here. REPEATS (default 3) is the number of separate processes for the
+# kernel benchmarks: their figures moved with the allocation pattern of a process, so one process is no spread.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+out=${OUT:-/tmp/mtrain-bench}
+repeats=${REPEATS:-3}
+
+# name|GPUs|limit s|what (the command is in run_one below)
+CATALOG="
+sync|1|420|full-model weight sync, mtrain push vs SGLang's HF-names path (Llama-8B shape)
+sync_tp2|2|420|sync into one TP2 engine from TP2 training: pull vs push vs HF-names
+reshard_nccl|2|300|resharding over NCCL, push and pull, against SGLang's own slicing
+kernel|1|600|resharding kernel vs plain copy on dense/MoE buckets, REPEATS processes
+fp8_kernel|1|600|block-FP8 scatter vs bf16 scatter vs copy (Qwen3-MoE x REPEATS processes, Llama-8B once)
+fp8_sync|1|420|FP8 sync bit-equal to SGLang's own FP8 load, and its time vs bf16 (tiny DeepSeek-V3)
+fp8_sync_llama8b|1|420|the same on the Llama-8B shape
+fp8_sync_qwen3moe|1|420|the same on Qwen3-30B-A3B's layer shape
+fp8_decode|1|300|rollout tokens/s, FP8 engine vs bf16 engine
+fp8_loop|1|300|GRPO with an FP8 engine (tiny DeepSeek-V3)
+rl_loop|1|400|GRPO with SGLang colocated, tiny Llama and tiny DeepSeek-V3
+train|1|400|trainer step tokens/s: padded vs packed vs fixed-length ceiling (Llama-3.2-1B shape)
+packed_attn|1|240|packed attention forward+backward, old per-sequence path vs varlen
+front|1|300|OpenAI front under 64 clients vs direct engine calls
+tool|1|300|multi-turn calculator rollouts on SGLang, token-in-token-out checked
+partial|1|330|synchronous vs partial rollout on the longtail task: trained tokens/s
+partial_learn|1|300|both rollout modes' reward curves, 12 steps
+async|1|590|colocated rollout.async=one_step vs synchronous on the SmolLM2 demo (model staged: gpu_smollm2.sh stage)
+routing_dsv3|1|420|routing replay off vs on: logprob gap, disagreement, overhead (tiny DeepSeek-V3)
+routing_qwen3moe|1|420|the same on a Qwen3-MoE-shaped model
+routing_start|1|300|routed_experts_start_len rows equal the start-0 rows; multi-turn bytes
+timeout|2|240|a stalled and a dead rank end the job within train.collective_timeout_s
+dsv3_small|2|540|the DeepSeek-V3 recipe at reduced size: PP2 training, one TP2xEP2 engine
+pool|2|600|engine pool: one GPU/one engine vs two GPUs/two engines; TP2 pull sync
+kernels_preflight|1|240|SGLang kernels no engine run reached yet, against float64
+smoke|1|300|mtrain's SGLang engine against HF transformers
+vlm|1|400|Qwen2.5-VL: sync bit-equal to a fresh load, then GRPO with images
+vlm_rollout|1|300|image rollouts on SGLang against transformers
+vlm_mt|1|300|multi-turn tool rollouts with an image on SGLang
+"
+
+list() { echo "$CATALOG" | awk -F'|' 'NF==4 {printf "%-18s %s GPU  %4s s  %s\n", $1, $2, $3, $4}'; }
+
+tiny_longtail_llama() {  # the longtail benchmarks' model: a tiny Llama with a vocabulary large enough to rarely stop
+    [ -f /tmp/mtrain-partial-hf/config.json ] || (cd /tmp && python -m mtrain init-tiny --out /tmp/mtrain-partial-hf \
+        --arch llama --set hidden_size=512 head_dim=64 num_attention_heads=8 num_key_value_heads=2 \
+        intermediate_size=1024 vocab_size=4096 max_position_embeddings=2048 >/dev/null)
+}
+
+run_one() {  # name: the command of one benchmark (run from /tmp where it starts mtrain as a user would)
+    local longtail="--prompts 32 --samples 8 model.dtype=bfloat16 engine.kind=sglang train.micro_batch_size=32
+        engine.mem_fraction_static=0.3 rollout.max_new_tokens=1024 data.longtail.median_count=20"
+    case $1 in
+    sync) python benchmarks/bench_sync.py --model llama8b ;;
+    sync_tp2) torchrun --standalone --nproc-per-node 2 benchmarks/bench_sync_tp2.py --model llama8b ;;
+    reshard_nccl) torchrun --standalone --nproc-per-node 2 benchmarks/gpu_reshard_nccl.py ;;
+    kernel) for i in $(seq "$repeats"); do  # separate processes: the spread is between processes
+                mkdir -p "$out/kernel/run$i"
+                OUT=$out/kernel/run$i python benchmarks/bench_kernel.py --gb 2 --no-sweep --scenarios dense,moe || return
+            done ;;
+    fp8_kernel) for i in $(seq "$repeats"); do
+                    mkdir -p "$out/fp8_kernel/run$i"
+                    OUT=$out/fp8_kernel/run$i python benchmarks/bench_fp8_kernel.py --model qwen3moe --layers 2 || return
+                done
+                OUT=$out/fp8_kernel python benchmarks/bench_fp8_kernel.py --model llama8b --layers 4 ;;
+    fp8_sync) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model dsv3tiny --disk --diag-rows 0 ;;
+    fp8_sync_llama8b) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model llama8b --contiguous-params ;;
+    fp8_sync_qwen3moe) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model qwen3moe12l --contiguous-params ;;
+    fp8_decode) python benchmarks/gpu_fp8_decode.py --out "$out/fp8_decode" --model "${FP8_DECODE_MODEL:-qwen3moe12l}" \
+                    --fp8-backends "${FP8_DECODE_BACKENDS:-triton}" ${FP8_DECODE_GRAPHS:+--cuda-graphs} ;;
+    fp8_loop) OUT=$out/fp8_loop STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 bash benchmarks/gpu_rl_loop.sh ;;
+    rl_loop) OUT=$out/rl_loop bash benchmarks/gpu_rl_loop.sh ;;
+    train) python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 2048 --mbs 2 --budget 4096 \
+               --fixed-len 1024 --steps 3 --warmup 1 --out "$out/train_throughput_1b.json" ;;
+    packed_attn) python benchmarks/bench_packed_attention.py --max-len 2048 --budget 4096 --samples 128 \
+                     --out "$out/packed_attn.json" ;;
+    front) (cd /tmp && python "$repo/benchmarks/bench_front.py" --engine sglang --clients 64 --duration 20 \
+               --max-tokens 32 --out "$out/bench_front.json") ;;
+    tool) (cd /tmp && python "$repo/benchmarks/gpu_tool_rollout.py" --engine sglang --out "$out/tool_rollout.json") ;;
+    partial) tiny_longtail_llama && (cd /tmp && python "$repo/benchmarks/bench_partial_rollout.py" \
+                 --hf /tmp/mtrain-partial-hf --repeats 3 --block 3 --over-sample 2,4 $longtail) ;;
+    async) OUT="$out/async" REPEATS=1 STEPS=10 bash "$repo/benchmarks/gpu_async_one_step.sh" ;;
+    partial_learn) tiny_longtail_llama && (cd /tmp && python "$repo/benchmarks/bench_partial_rollout.py" \
+                       --hf /tmp/mtrain-partial-hf --json bench_partial_rollout_learn.json --repeats 0 --learn-steps 12 \
+                       --over-sample 2 $longtail --learn-set optim.lr=3e-4 reward.fn=mtrain.data.rewards:digit_share_reward) ;;
+    routing_dsv3|routing_qwen3moe) python benchmarks/gpu_routing_replay.py --models "${1#routing_}" \
+                                       --out "$out/routing_replay_${1#routing_}.json" ;;
+    routing_start) python benchmarks/gpu_routing_start_len.py --out "$out/routing_start_len.json" ;;
+    timeout) local fault  # each job must fail (non-zero) within ~20 s + NCCL's teardown, never hang to the limit
+             for fault in hang die; do
+                 local t0=$SECONDS rc
+                 timeout 110 torchrun --standalone --nproc-per-node 2 benchmarks/collective_timeout.py --fault $fault \
+                     --timeout-s 20; rc=$?
+                 echo "timeout $fault: exit $rc after $((SECONDS - t0)) s"
+                 if [ $rc -eq 0 ] || [ $rc -eq 124 ]; then return 1; fi  # 0: nothing failed; 124: it hung 110 s
+             done ;;
+    dsv3_small) rm -rf /tmp/mtrain-dsv3-small
+                # a train.log that stops growing gets its processes' stacks in $out/dsv3_stacks.txt
+                HANG_DUMP_IDLE=${DSV3_DUMP_IDLE:-100} bash benchmarks/hang_dump.sh /tmp/mtrain-dsv3-small/train.log \
+                    "$out/dsv3_stacks.txt" $$ > "$out/log_dsv3_hang_dump.txt" 2>&1 &
+                local dump=$!
+                bash examples/deepseek_v3/small/run_gpu.sh ${DSV3_ARGS:-}; local rc=$?
+                kill "$dump" 2>/dev/null; wait "$dump" 2>/dev/null
+                cp /tmp/mtrain-dsv3-small/run/metrics.jsonl "$out/dsv3_small_metrics.jsonl" 2>/dev/null
+                return $rc ;;
+    pool) OUT=$out/pool bash benchmarks/gpu_pool_runs.sh ;;
+    kernels_preflight) python benchmarks/gpu_kernel_preflight.py --out "$out/kernel_preflight.json" ;;
+    smoke) python benchmarks/gpu_sglang_smoke.py ;;
+    vlm) (cd /tmp && python "$repo/benchmarks/gpu_vlm.py" --out "$out/vlm") ;;
+    vlm_rollout) (cd /tmp && python "$repo/benchmarks/gpu_vlm_rollout.py") ;;
+    vlm_mt) (cd /tmp && python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json") ;;
+    *) echo "run_gpu.sh: no benchmark named '$1' (bash benchmarks/run_gpu.sh list)" >&2; return 2 ;;
+    esac
+}
+
+if [ $# -eq 0 ] || [ "$1" = list ]; then list; exit 0; fi
+if [ "$1" = --one ]; then run_one "$2"; exit; fi  # one benchmark, in the environment the loop below set up
+for name in "$@"; do  # every name checked before anything starts
+    echo "$CATALOG" | grep -q "^$name|" || { echo "run_gpu.sh: no benchmark named '$name'" >&2; list >&2; exit 2; }
+done
+mkdir -p "$out"
+source benchmarks/gpu_setup.sh || exit 1
+export OUT=$out NCCL_NVLS_ENABLE=0
+failed=0
+for name in "$@"; do
+    limit=$(echo "$CATALOG" | awk -F'|' -v n="$name" '$1 == n {print $3}')
+    t0=$(date +%s.%N)
+    timeout -k 15 "$limit" bash "$0" --one "$name" > "$out/log_$name.txt" 2>&1  # its own process group's limit
+    rc=$?
+    [ $rc -ne 0 ] && failed=$((failed + 1))
+    echo "== $name: exit $rc$([ $rc = 124 ] && echo " (limit ${limit} s)"), wall $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+    grep -v -i "warn" "$out/log_$name.txt" | tail -n 14
+done
+if [ "${PACK:-0}" = 1 ]; then
+    tar -czf /tmp/mtrain-results.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/mtrain-results.tgz "$out/results.tgz"
+fi
+exit $((failed > 0))

@@ -1,0 +1,113 @@
+"""export-lora: the adapters of a LoRA-trained Megatron dist checkpoint -> a PEFT adapter directory (HF names), or
+with --merge a full HF checkpoint of the base with the adapters merged in.
+
+The checkpoint may have been saved at any TP/PP layout: it is loaded into a TP1/PP1 model carrying the same
+adapters (Megatron reshards on load), then the planner maps the adapter rows of the layout table
+(mtrain/layouts/lora.py) to PEFT's names: one lora_A/lora_B per HF linear (q/k/v, gate/up split back apart).
+The adapter's rank, alpha and targets come from the checkpoint's lora.json (written with every LoRA checkpoint).
+--merge uses PEFT's own merge (PeftModel.merge_and_unload) on the HF base read from --hf.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .mcore_io import check_dist_checkpoint, rank_error, run_ranks
+from .output_dir import check_output_dir
+
+PEFT_PREFIX = "base_model.model."  # PEFT's adapter files name tensors from the PeftModel wrapper down
+
+
+@rank_error
+def adapter_rank(rank: int, world: int, job: dict) -> int:
+    """Load at TP1 and collect every adapter tensor by its HF name; writes adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from mtrain.dist import init_distributed
+    from mtrain.layouts.lora import LoraSpec
+    from mtrain.models import build_model, load_model_checkpoint
+    from mtrain.models.lora import attach_lora
+    from mtrain.reshard.executor import Executor
+    from mtrain.reshard.megatron_side import tensor_lookup
+    from mtrain.reshard.placement import HFLayout, MegatronLayout
+    from mtrain.reshard.planner import build_plan
+
+    init_distributed()
+    cfg = job["cfg"]
+    spec = LoraSpec(job["rank"], job["alpha"], tuple(job["targets"]))
+    chunks, _ = build_model(cfg, params_dtype=torch.float32)
+    table = attach_lora(chunks, cfg, spec)
+    load_model_checkpoint(chunks, job["mcore"])
+    plan = build_plan(table, MegatronLayout(), HFLayout())
+    src = tensor_lookup(chunks)
+    out = {}
+    with torch.no_grad():
+        for bucket in Executor(plan, 0, lambda ref: src(ref).detach(), dtype=torch.float32,
+                               backend="torch").stream():
+            for name, tensor in bucket.get(0, []):
+                out[PEFT_PREFIX + name] = tensor.to("cpu", copy=True).contiguous()
+    save_file(out, str(Path(job["out"]) / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return len(out)
+
+
+def write_adapter(mcore: Path, hf: Path, out: Path) -> int:
+    """adapter_config.json + adapter_model.safetensors into `out` (an existing directory); returns the tensor count."""
+    from peft import LoraConfig
+
+    from mtrain.layouts import model_layout
+    from mtrain.layouts.lora import lora_layout, peft_target_modules, read_meta
+
+    spec = read_meta(mcore)
+    if spec is None:
+        raise CheckpointError(f"{mcore}: no lora.json: not a checkpoint of a LoRA run (model.lora.targets)")
+    try:
+        cfg = json.loads((hf / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{hf / 'config.json'}: unreadable: {e}") from e
+    cfg = dict(cfg, num_nextn_predict_layers=0)
+    table = lora_layout(model_layout(cfg, mtp=False), spec)
+    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=peft_target_modules(table), lora_dropout=0.0,
+               task_type="CAUSAL_LM", base_model_name_or_path=str(hf)).save_pretrained(str(out))
+    job = dict(cfg=cfg, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets), mcore=str(mcore), out=str(out))
+    return run_ranks(adapter_rank, 1, job)[0]
+
+
+def merge(adapter_dir: Path, hf: Path, out: Path) -> None:
+    """PEFT's merge of the adapter into the HF base, saved as a HF checkpoint (with the base's tokenizer files)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(hf), dtype="auto")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out))
+    for f in hf.iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
+                                                                           "merges.txt", "chat_template.jinja")):
+            shutil.copy2(f, out / f.name)
+
+
+def export_lora(mcore, hf, out, *, merged: bool = False, overwrite: bool = False) -> Path:
+    mcore, hf = Path(mcore), Path(hf)
+    out = check_output_dir(out, overwrite)
+    check_dist_checkpoint(mcore, need_config=False)
+    if not merged:
+        out.mkdir(parents=True, exist_ok=True)
+        write_adapter(mcore, hf, out)
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        write_adapter(mcore, hf, Path(tmp))
+        out.mkdir(parents=True, exist_ok=True)
+        merge(Path(tmp), hf, out)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_lora(args.mcore, args.hf, args.out, merged=args.merge, overwrite=args.force)
+    print(f"wrote {'merged HF checkpoint' if args.merge else 'PEFT adapter'} {out}")
+    return 0

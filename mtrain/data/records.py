@@ -1,0 +1,24 @@
+"""A prompt sample as every data module sees it, and the error of a prompt file that cannot be read.
+
+Apart from the readers (datasets.py), the image checks (vision.py) and the chat rendering (chat.py), which all
+use them, so that none of those needs another just for its types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """A prompt file that cannot be read; the message names the file and the line/row."""
+
+
+@dataclass(frozen=True)
+class PromptSample:
+    index: int  # position in its dataset: the id used in logs and reward errors
+    prompt: str | list[dict[str, str]]  # text, or chat messages
+    answer: Any
+    metadata: dict[str, Any] = field(default_factory=dict)  # the rest of the record, for reward functions
+    # Images in prompt order, one per `<image>` in the prompt: file paths, PIL images or generated pictures
+    # (anything with `size` and `to_pil()`); mtrain/data/vision.py renders them.
+    images: tuple[Any, ...] = ()

@@ -1,0 +1,44 @@
+"""examples/math_fractions: the generated folder loads with the example config's keys and splits, every reference
+answer verifies against itself and against an unreduced equal fraction, and train and test share no problem."""
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets")
+pytest.importorskip("math_verify")
+
+from mtrain.config import load_config  # noqa: E402
+from mtrain.data import load_datasets  # noqa: E402
+from mtrain.data.rewards import math_verify_reward  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "math_fractions"
+
+
+def test_generated_folder_trains_with_the_example_config(tmp_path):
+    out = tmp_path / "data"
+    subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), str(out), "--train", "40", "--test", "8"],
+                   check=True, capture_output=True, timeout=120)
+    cfg = load_config(EXAMPLE / "grpo_fractions.yaml", [f"data.train_path={out}", f"data.eval_path={out}",
+                                                        "model.hf_path=/run.sh/fills/it"])
+    train, evals = load_datasets(cfg)
+    assert (len(train), len(evals)) == (40, 8)
+    assert not {s.prompt[0]["content"] for s in train} & {s.prompt[0]["content"] for s in evals}
+    for s in evals:
+        assert s.prompt[0]["role"] == "user" and "\\boxed{}" in s.prompt[0]["content"]
+        gold = s.answer
+        assert math_verify_reward(f"So the result is \\boxed{{{gold}}}.", gold) == 1.0
+        # the value in the question, computed here independently, as an unreduced fraction with another denominator
+        q = sum_of(s.prompt[0]["content"])
+        assert math_verify_reward(f"\\boxed{{\\frac{{{q.numerator * 3}}}{{{q.denominator * 3}}}}}", gold) == 1.0
+        assert math_verify_reward(f"\\boxed{{{q.numerator + 1}/{q.denominator}}}", gold) == 0.0
+
+
+def sum_of(text: str) -> Fraction:
+    import re
+    expr = text.split("$")[1]
+    expr = re.sub(r"\\frac\{(\d+)\}\{(\d+)\}", r"Fraction(\1, \2)", expr)
+    return Fraction(eval(expr, {"Fraction": Fraction}))  # noqa: S307 - our own generated text

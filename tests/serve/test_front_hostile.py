@@ -1,0 +1,157 @@
+"""Hostile input to the OpenAI front over real HTTP on 127.0.0.1 (real reference engine, real `openai` client):
+non-finite and repeated rewards, numbers given as strings, bodies that are not declared JSON. Each is refused with
+an OpenAI-shaped 4xx before anything is stored, and the next request is served."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from front_fixtures import MODEL
+from mtrain.data.rewards import RewardError
+from mtrain.serve.openai_agent import session_trajectory
+
+
+def _auth(server):
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
+def _new_session(server) -> str:
+    r = httpx.post(f"{server.url}/sessions", headers=_auth(server))
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+@pytest.mark.parametrize("raw", ['{"reward": NaN}', '{"reward": Infinity}', '{"reward": -Infinity}',
+                                 '{"reward": 1e999}', '{"reward": ' + str(10 ** 400) + '}'])
+def test_non_finite_reward_is_a_400_and_nothing_is_stored(server, raw):
+    sid = _new_session(server)
+    headers = dict(_auth(server), **{"Content-Type": "application/json"})
+    r = httpx.post(f"{server.url}/sessions/{sid}/reward", content=raw, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    got = httpx.get(f"{server.url}/sessions/{sid}", headers=_auth(server))
+    assert got.status_code == 200 and got.json()["reward"] is None  # nothing kept: the summary still serializes
+    r = httpx.post(f"{server.url}/sessions/{sid}/reward", json={"reward": 0.5}, headers=_auth(server))
+    assert r.status_code == 200 and r.json()["reward"] == 0.5
+
+
+def test_a_second_reward_is_refused_and_the_first_counts(server):
+    sid = _new_session(server)
+    assert httpx.post(f"{server.url}/sessions/{sid}/reward", json={"reward": 1},
+                      headers=_auth(server)).status_code == 200
+    r = httpx.post(f"{server.url}/sessions/{sid}/reward", json={"reward": 0.0}, headers=_auth(server))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "reward_already_set"
+    assert httpx.get(f"{server.url}/sessions/{sid}", headers=_auth(server)).json()["reward"] == 1.0
+
+
+def test_an_agents_non_finite_returned_reward_names_the_session(server):
+    c = OpenAI(base_url=f"{server.url}/sessions/{_new_session(server)}/v1", api_key=server.api_key)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    sid = c.base_url.path.split("/")[2]
+    with pytest.raises(RewardError, match=f"session {sid}: the agent returned nan; expected a finite number"):
+        session_trajectory(server.front.sessions, sid, float("nan"))
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "1.0"), ("top_p", "0.5"), ("n", "2"), ("max_tokens", "3"),
+                                         ("temperature", True), ("frequency_penalty", "0"), ("seed", "1")])
+def test_numbers_given_as_strings_are_refused_alike(server, field, value):
+    """One rule for every numeric field, as OpenAI's API has it: a JSON number, never a string (or a boolean)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=_auth(server))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    body[field] = {"temperature": 1.0, "top_p": 0.5, "n": 2, "max_tokens": 3, "frequency_penalty": 0,
+                   "seed": 1}[field]
+    assert httpx.post(f"{server.base_url}/chat/completions", json=body, headers=_auth(server)).status_code == 200
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "text/plain; charset=utf-8",
+                                   "multipart/form-data; boundary=x"])
+def test_bodies_not_declared_json_are_415(server, ctype):
+    import json
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(f"{server.base_url}/chat/completions", content=body,
+                   headers=dict(_auth(server), **{"Content-Type": ctype}))
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    for ok in ("application/json", "application/json; charset=utf-8"):
+        r = httpx.post(f"{server.base_url}/chat/completions", content=body,
+                       headers=dict(_auth(server), **{"Content-Type": ok}))
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def short_server(engine, tokenizer):
+    """A second front on the same engine, with short read and session timeouts."""
+    from mtrain.serve.front import OpenAIFront
+    from mtrain.serve.server import FrontServer
+    from mtrain.serve.sessions import SessionStore
+    front = OpenAIFront(__import__("mtrain.rollout.client", fromlist=["LocalClient"]).LocalClient(engine), tokenizer,
+                        model_name=MODEL, max_positions=512, default_max_tokens=8)
+    front.sessions = SessionStore(max_sessions=3, ttl_s=2.0)
+    srv = FrontServer(front, read_timeout_s=0.5)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _closed_within(sock, seconds: float) -> bool:
+    import time
+    sock.settimeout(seconds)
+    t = time.monotonic()
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return time.monotonic() - t < seconds
+    except (TimeoutError, OSError):
+        return False
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+                                  b"GET /v1/mod"])
+def test_half_open_connections_are_closed(short_server, sent):
+    import socket
+    host, port = short_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(sent)
+        assert _closed_within(s, 3.0), "the server kept a connection that never completed a request"
+    c = OpenAI(base_url=short_server.base_url, api_key=short_server.api_key, max_retries=0)
+    assert [m.id for m in c.models.list().data] == [MODEL]  # and it still serves
+
+
+def test_a_body_that_never_arrives_is_a_408(short_server):
+    import socket
+    host, port = short_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {short_server.api_key}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"model\"".encode())
+        s.settimeout(5)
+        assert s.recv(65536).startswith(b"HTTP/1.1 408")
+
+
+def test_sessions_expire_and_are_counted(short_server):
+    import time
+    h = _auth(short_server)
+    sids = [httpx.post(f"{short_server.url}/sessions", headers=h).json()["id"] for _ in range(3)]
+    r = httpx.post(f"{short_server.url}/sessions", headers=h)
+    assert r.status_code == 429  # the count bound
+    assert httpx.get(f"{short_server.url}/sessions/{sids[0]}", headers=h).status_code == 200
+    time.sleep(2.3)
+    assert httpx.get(f"{short_server.url}/sessions/{sids[0]}", headers=h).status_code == 404  # the age bound
+    assert httpx.post(f"{short_server.url}/sessions", headers=h).status_code == 200  # room again
+    m = httpx.get(f"{short_server.url}/metrics", headers=h).json()
+    assert m["sessions_expired"] == 3 and m["sessions_open"] == 1 and m["sessions_ttl_s"] == 2.0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 10 ** 30}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 63 - 1, "n": 2}),
+    ("completions", {"prompt": "hi", "seed": 2 ** 64}),
+])
+def test_a_seed_beyond_int64_is_a_400_not_an_engine_failure(server, route, body):
+    r = httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body}, headers=_auth(server))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    body["seed"] = 2 ** 63 - 65  # the largest seed whose choices' seeds (seed + j) stay int64
+    assert httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body},
+                      headers=_auth(server)).status_code == 200

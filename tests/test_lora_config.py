@@ -1,0 +1,73 @@
+"""model.lora bad input: one ConfigError line naming the key, before anything is built."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtrain.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.lora.targets=qkv", "model.lora.rank=0"], "model.lora.rank: must be > 0, got 0"),
+    (["model.lora.targets=qkv", "model.lora.rank=-4"], "model.lora.rank: must be > 0, got -4"),
+    (["model.lora.targets=qkv,attn"], "model.lora.targets: unknown target(s) ['attn']"),
+    (["model.lora.targets=qkv,qkv"], "model.lora.targets: names a target twice"),
+    (["model.lora.targets=qkv", "model.lora.dropout=1.0"], "model.lora.dropout: must be in [0, 1)"),
+    (["model.lora.targets=qkv", "model.lora.lr=0"], "model.lora.lr: must be > 0 or null"),
+    (["model.lora.targets=qkv", "engine.weight_dtype=fp8"], "model.lora.targets: LoRA with engine.weight_dtype=fp8"),
+    (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
+    (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
+     "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
+    (["model.lora.targets=experts", "engine.kind=sglang"], "model.lora.targets: experts on SGLang"),
+])
+def test_bad_lora_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["model.hf_path=x", *overrides])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_defaults_are_full_fine_tuning():
+    cfg = load_config(CONFIG, ["model.hf_path=x"])
+    assert cfg.model.lora.targets == []
+    load_config(CONFIG, ["model.hf_path=x", "model.lora.targets=qkv,o_proj,gate_up,down", "model.lora.rank=32",
+                         "engine.server_args.max_lora_rank=32"])
+
+
+@pytest.mark.parametrize("model_type,overrides,message", [
+    ("llama", ["model.lora.targets=experts"], "LoRA target(s) ['experts'] match no layer of this llama model"),
+    ("llama", ["model.lora.targets=shared.down"], "match no layer of this llama model"),
+    ("qwen3_moe", ["model.lora.targets=experts", "parallel.tp=2"], "experts need expert tensor parallelism 1"),
+])
+def test_targets_checked_against_the_model(model_type, overrides, message):
+    from mtrain.lora_checks import check_model
+    from mtrain.tiny_configs import tiny_config
+    cfg = load_config(CONFIG, ["model.hf_path=x", *overrides])
+    with pytest.raises(ConfigError) as e:
+        check_model(cfg, tiny_config(model_type))
+    assert str(e.value).startswith("model.lora.targets: ") and message in str(e.value)
+
+
+def test_vision_language_model_refused():
+    from mtrain.lora_checks import check_model
+    cfg = load_config(CONFIG, ["model.hf_path=x", "model.lora.targets=qkv"])
+    with pytest.raises(ConfigError, match="LoRA on a vision-language model"):
+        check_model(cfg, {"model_type": "qwen2_5_vl", "vision_config": {}})
+
+
+def test_cli_prints_one_line_before_work(tmp_path):
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0)
+    p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), f"model.hf_path={hf}",
+                        f"train.run_dir={tmp_path / 'run'}", "model.lora.targets=experts"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == ("mtrain: error: ConfigError: model.lora.targets: LoRA target(s) "
+                                                 "['experts'] match no layer of this llama model"), p.stderr
+    assert not (tmp_path / "run").exists()
