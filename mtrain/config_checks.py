@@ -293,6 +293,8 @@ def check_critic(cfg: RunConfig) -> None:
         _check(not a.filter_uniform_groups, "algo.filter_uniform_groups",
                "algo.name=ppo has a critic, not a group baseline: uniform groups still train it; set it false")
         _check(cfg.parallel.cp == 1, "parallel.cp", "the critic does not run under context parallelism yet (cp=1)")
+        _check(not a.distill.only, "algo.distill.only", "with algo.name=ppo the distillation term is added to the "
+               "critic's GAE advantage; distillation alone needs no critic: use a critic-free algo.name")
         _check(c.lr > 0, "critic.lr", f"must be > 0, got {c.lr}")
         _check(c.warmup_steps >= 0, "critic.warmup_steps", f"must be >= 0, got {c.warmup_steps}")
         _check(c.value_clip > 0, "critic.value_clip", f"must be > 0, got {c.value_clip}")

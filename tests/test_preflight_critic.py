@@ -48,6 +48,7 @@ def test_critic_or_teacher_that_does_not_fit_the_layout(models, tmp_path):
     (["algo.name=ppo", "algo.adv_norm=group_std"], r"^algo\.adv_norm: algo\.name=ppo whitens"),
     (["algo.name=ppo", "algo.filter_uniform_groups=true"], r"^algo\.filter_uniform_groups: algo\.name=ppo"),
     (["algo.name=ppo", "parallel.cp=2"], r"^parallel\.cp: the critic"),
+    (["algo.name=ppo", "algo.distill.teacher_path=/x", "algo.distill.only=true"], r"^algo\.distill\.only: with algo"),
     (["algo.name=ppo", "critic.value_clip=0"], r"^critic\.value_clip: must be > 0"),
     (["algo.name=ppo", "critic.lam=1.5"], r"^critic\.lam: must be in \[0, 1\]"),
     (["critic.lr=1e-4"], r"^critic\.lr: is set but algo\.name=grpo has no critic"),
