@@ -57,6 +57,7 @@ def test_ppo_resume_restores_the_critic_exactly(ppo_run, tiny, tmp_path):
         assert without_time(got[step]) == without_time(ref[step]), step
 
 
+@pytest.mark.slow  # ~20 s
 def test_ppo_value_loss_falls_dp2(tiny, tmp_path):
     run = tmp_path / "run"
     launch(base_overrides(tiny[0], run, **{"algo.name": "ppo", "critic.lr": 3e-4, "critic.warmup_steps": 6,
@@ -69,6 +70,7 @@ def test_ppo_value_loss_falls_dp2(tiny, tmp_path):
 
 
 
+@pytest.mark.slow  # ~20 s
 def test_ppo_with_distillation_and_offload(tiny, tmp_path):
     run = tmp_path / "run"
     launch(base_overrides(tiny[0], run, **{"algo.name": "ppo", "critic.lr": 1e-3, "algo.distill.teacher_path": tiny[1],
