@@ -121,8 +121,9 @@ class Critic(Actor):
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = {}
-        if outs:  # value_loss: this rank's share of the global loss, summed over its micro-batches below
-            metrics["critic/value_loss"] = float(sum(o["critic/value_loss"] for o in outs))
+        if outs:  # each micro-batch's loss is its share of the minibatch's (global token count): their sum is this
+            # DP rank's share; x dp, so that the loop's mean over ranks is the minibatch's whole loss
+            metrics["critic/value_loss"] = float(sum(o["critic/value_loss"] for o in outs)) * dp
             metrics["critic/vpred_mean"] = float(torch.stack([o["critic/vpred_mean"] for o in outs]).mean())
             # the share of tokens whose value the clip held back (value_loss.py calls it critic/clipfrac)
             metrics["critic/vf_clipfrac"] = float(torch.stack([o["critic/clipfrac"] for o in outs]).mean())
