@@ -72,7 +72,8 @@ def main() -> None:
         base.update({k: v.to(torch.bfloat16).cuda() for k, v in load_file(f).items()})
     engine = sglang.Engine(model_path=str(model_dir), dtype="bfloat16", enable_lora=True, max_lora_rank=args.rank,
                            lora_target_modules=config["target_modules"], max_loras_per_batch=2,
-                           mem_fraction_static=0.5, disable_cuda_graph=True)
+                           mem_fraction_static=0.5, disable_cuda_graph=True, attention_backend="triton",
+                           sampling_backend="pytorch")  # the GPU bundle has no FA3 (sglang_preflight.py)
     try:
         full_bytes = sum(t.numel() * t.element_size() for t in base.values())
         lora_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,6 +1,7 @@
 """What the loop needs from outside the trainer: the tokenizer, the rollout engine, the initial weights."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def engine_concurrency(cfg) -> int:
     """Requests one engine runs at once in a training step: the groups it holds in flight x the group size."""
     r = cfg.rollout
     groups = r.prompts_per_step * (r.over_sample or 1.0) if r.partial else r.prompts_per_step
-    return int(min(groups, r.max_groups_in_flight) + 0.999) * r.samples_per_prompt
+    return math.ceil(min(groups, r.max_groups_in_flight)) * r.samples_per_prompt
 
 
 def production_server_args(cfg) -> dict:
