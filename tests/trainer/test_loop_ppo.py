@@ -81,3 +81,17 @@ def test_ppo_with_distillation_and_offload(tiny, tmp_path):
         # reloaded: the gradient buffers (and Adam's state after step 1); offloaded after the update: both
         assert 0 < r["critic/reload/bytes"] <= r["critic/offload/bytes"], step
         assert r["grad_norm"] > 0 and r["critic/grad_norm"] > 0
+
+
+@pytest.mark.slow  # ~25 s
+def test_ppo_pp2_two_minibatches_scores_as_tp2(ppo_run, tiny, tmp_path):
+    """PP2, two PPO minibatches per rollout: the critic's first values (before any update) of the same rollouts are
+    those of the TP2 run, and both minibatches update policy and critic."""
+    run = tmp_path / "run"
+    launch(base_overrides(tiny[0], run, **{**PPO, "critic.warmup_steps": 0, "train.micro_batch_size": 4,
+                                           "parallel.tp": 1, "parallel.pp": 2, "train.global_batch_size": 8,
+                                           "train.steps": 1, "train.save_interval": -1}), cwd=tmp_path)
+    got, ref = train_records(run)[1], train_records(ppo_run)[1]
+    for k in ("critic/values_mean", "critic/explained_var", "critic/returns_mean", "reward/mean"):
+        assert abs(got[k] - ref[k]) < 1e-5, (k, got[k], ref[k])
+    assert got["ppo/updates"] == 2.0 and got["critic/grad_norm"] > 0
