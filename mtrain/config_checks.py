@@ -284,7 +284,7 @@ def check_teacher(policy: Path, teacher: Path) -> None:
 def check_critic(cfg: RunConfig) -> None:
     """PPO's critic keys only with algo.name=ppo, which ignores the group-baseline options
     (docs/design-critic-distill.md)."""
-    from mtrain.config import CriticConfig
+    import dataclasses
     a, c = cfg.algo, cfg.critic
     if a.name == "ppo":
         _check(a.adv_norm in ("batch_std", "none"), "algo.adv_norm",
@@ -301,6 +301,7 @@ def check_critic(cfg: RunConfig) -> None:
         for k in ("gamma", "lam"):
             _check(0.0 <= getattr(c, k) <= 1.0, f"critic.{k}", f"must be in [0, 1], got {getattr(c, k)}")
     else:
-        for k, default in vars(CriticConfig()).items():
-            _check(getattr(c, k) == default, f"critic.{k}",
+        for f in dataclasses.fields(c):
+            k = f.name
+            _check(getattr(c, k) == f.default, f"critic.{k}",
                    f"is set but algo.name={a.name} has no critic (critic.* is read by algo.name=ppo only)")
