@@ -63,7 +63,10 @@ def attach_value_heads(chunks, tconfig) -> None:
     for c in chunks:
         c.share_embeddings_and_output_weights = False
         if getattr(c, "post_process", False):
-            c.output_layer = ValueHead(tconfig.hidden_size, tconfig.sequence_parallel, tconfig.params_dtype)
+            device = c.output_layer.weight.device if c.output_layer.weight is not None else \
+                next(c.parameters()).device  # the model's device (a GPU under CUDA)
+            c.output_layer = ValueHead(tconfig.hidden_size, tconfig.sequence_parallel,
+                                       tconfig.params_dtype).to(device)
 
 
 class Critic(Actor):
