@@ -153,6 +153,9 @@ ALGO_PRESETS: dict[str, dict[str, Any]] = {
     # REINFORCE++-baseline: group-mean baseline, then whitening over the whole batch; k2 KL in the loss.
     "reinforce_pp": dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.001, kl_estimator="k2",
                          adv_norm="batch_std", loss_agg="token_mean", filter_uniform_groups=False),
+    # PPO with a value model (critic.*): GAE advantages whitened over the batch (adv_norm=batch_std; none: raw).
+    "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                adv_norm="batch_std", loss_agg="token_mean", filter_uniform_groups=False),
 }
 
 
@@ -165,8 +168,20 @@ class DistillConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's value model (algo.name=ppo; docs/design-critic-distill.md): the policy's architecture with a scalar
+    head, on the policy's parallel layout, its own Adam (optim.* but for the learning rate)."""
+    hf_path: str | None = None  # weights to start from; null = the policy's model.hf_path
+    lr: float = 1e-5
+    warmup_steps: int = 0  # the first N steps update the critic only (the policy waits for a useful baseline)
+    value_clip: float = 0.5  # PPO value clipping around the rollout's values (verl's cliprange_value)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda
+
+
+@dataclass
 class AlgoConfig:
-    name: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp", "ppo"] = "grpo"
     # None = take the value from ALGO_PRESETS[name]
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
@@ -387,6 +402,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     @property
     def rollout_batch_size(self) -> int:

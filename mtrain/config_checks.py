@@ -48,6 +48,7 @@ def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
     p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
+    check_critic(cfg)
     _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
     _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
               "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
@@ -278,3 +279,29 @@ def check_teacher(policy: Path, teacher: Path) -> None:
     for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
         _check(getattr(pt, attr) == getattr(tt, attr), key, f"the teacher's tokenizer has {attr}="
                f"{getattr(tt, attr)}, the policy's {getattr(pt, attr)}")
+
+
+def check_critic(cfg: RunConfig) -> None:
+    """PPO's critic keys only with algo.name=ppo, which ignores the group-baseline options
+    (docs/design-critic-distill.md)."""
+    import dataclasses
+    a, c = cfg.algo, cfg.critic
+    if a.name == "ppo":
+        _check(a.adv_norm in ("batch_std", "none"), "algo.adv_norm",
+               f"algo.name=ppo whitens GAE advantages over the batch (batch_std) or not (none), got {a.adv_norm!r} "
+               "(a group baseline is GRPO's)")
+        _check(not a.filter_uniform_groups, "algo.filter_uniform_groups",
+               "algo.name=ppo has a critic, not a group baseline: uniform groups still train it; set it false")
+        _check(cfg.parallel.cp == 1, "parallel.cp", "the critic does not run under context parallelism yet (cp=1)")
+        _check(not a.distill.only, "algo.distill.only", "with algo.name=ppo the distillation term is added to the "
+               "critic's GAE advantage; distillation alone needs no critic: use a critic-free algo.name")
+        _check(c.lr > 0, "critic.lr", f"must be > 0, got {c.lr}")
+        _check(c.warmup_steps >= 0, "critic.warmup_steps", f"must be >= 0, got {c.warmup_steps}")
+        _check(c.value_clip > 0, "critic.value_clip", f"must be > 0, got {c.value_clip}")
+        for k in ("gamma", "lam"):
+            _check(0.0 <= getattr(c, k) <= 1.0, f"critic.{k}", f"must be in [0, 1], got {getattr(c, k)}")
+    else:
+        for f in dataclasses.fields(c):
+            k = f.name
+            _check(getattr(c, k) == f.default, f"critic.{k}",
+                   f"is set but algo.name={a.name} has no critic (critic.* is read by algo.name=ppo only)")

@@ -1,7 +1,8 @@
 """`mtrain plot RUN_DIR`: the curves an RL run is judged by, from RUN_DIR/metrics.jsonl, into a PNG.
 
 reward/mean (with eval/reward_mean on the same axes when logged), kl/mean (policy vs reference) and
-logprob_diff/max_abs (engine vs trainer logprobs: a growing value means the weight sync is off).
+logprob_diff/max_abs (engine vs trainer logprobs: a growing value means the weight sync is off); with PPO's critic or
+distillation also critic/value_loss, critic/explained_var, critic/vpred_mean, distill/reverse_kl.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from mtrain.fileperm import chmod_umask
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
+# PPO's critic and on-policy distillation: panels added to the default ones when the run logged them (a PPO run
+# without a KL reference, algo.kl_coef=0, then has no kl/mean panel)
+ALGO_KEYS = ("critic/value_loss", "critic/explained_var", "critic/vpred_mean", "distill/reverse_kl")
 OVERLAYS = {"reward/mean": "eval/reward_mean"}
 WIDTH_IN, ROW_HEIGHT_IN, DPI = 8.0, 2.6, 100  # the PNG is 800 x (260 * rows) pixels
 
@@ -44,6 +48,10 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
         raise PlotError(f"{e}{hint}") from None
     if not records:
         raise PlotError(f"{run_dir / METRICS_FILE} has no records yet")
+    if tuple(keys) == DEFAULT_KEYS:
+        extra = [k for k in ALGO_KEYS if _series(records, k)[0]]
+        if extra:
+            keys = [k for k in DEFAULT_KEYS if k != "kl/mean" or _series(records, k)[0]] + extra
     series = {k: _series(records, k) for k in keys}
     missing = [k for k, (steps, _) in series.items() if not steps]
     if missing:

@@ -226,6 +226,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, world)
     check_model(cfg, hf_config, dp)
+    from mtrain.preflight_models import check_side_models
+    check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
     check_lora_model(cfg, hf_config)
     check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)

@@ -53,7 +53,7 @@ def test_overrides_are_coerced_to_field_types():
     ("rollout.max_new_tokens=abc", "rollout.max_new_tokens: expected int, got 'abc'"),
     ("engine.colocate=maybe", "engine.colocate: expected bool"),
     ("rollout.stop_token_ids=[1, x]", "rollout.stop_token_ids[1]: expected int"),
-    ("algo.name=ppo", "algo.name: 'ppo' is not one of 'grpo', 'dr_grpo', 'dapo', 'gspo', 'reinforce_pp'"),
+    ("algo.name=a2c", "algo.name: 'a2c' is not one of 'grpo', 'dr_grpo', 'dapo', 'gspo', 'reinforce_pp', 'ppo'"),
     ("algo.kl_estimator=k4", "algo.kl_estimator: 'k4' is not one of 'k1', 'k2', 'k3'"),
     ("algo=grpo", "'algo' is a section"),
     ("train.steps", "must look like section.key=value"),

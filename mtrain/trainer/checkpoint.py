@@ -58,9 +58,10 @@ def _sharded(actor, is_loading: bool, optimizer_format: str) -> dict:
     return {**model_sd, "optimizer": opt}
 
 
-def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
+def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict | None = None) -> Path:
     """Write into `.partial_step_{N}`, then rename to `step_{N}` once every file and COMPLETE are there:
-    a crash at any point leaves no step directory that looks like a checkpoint."""
+    a crash at any point leaves no step directory that looks like a checkpoint. extra: further trained models by
+    name (PPO's critic), each saved like the policy into `{name}/` with its schedule and Adam steps."""
     from megatron.core import dist_checkpointing
     root = Path(run_dir) / "checkpoints"
     final, part = root / f"step_{step}", root / f".partial_step_{step}"
@@ -71,16 +72,25 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict) -> Path:
         (part / "mcore").mkdir(parents=True)
     dist.barrier()
     fmt = actor.cfg.train.optimizer_checkpoint
+    _allocate_optimizer_state(actor, for_save=True)  # the policy waits through critic.warmup_steps
     dist_checkpointing.save(_sharded(actor, is_loading=False, optimizer_format=fmt), str(part / "mcore"))
+    for name, other in (extra or {}).items():
+        _allocate_optimizer_state(other, for_save=True)  # zeros at step 0 = a fresh Adam, for a model not stepped yet
+        if rank == 0:
+            (part / name).mkdir()
+        dist.barrier()
+        dist_checkpointing.save(_sharded(other, is_loading=False, optimizer_format=fmt), str(part / name))
     torch.save(_rng_state(), part / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0 and getattr(actor, "lora", None) is not None:  # what export-lora and a resume need to rebuild it
         from mtrain.layouts.lora import write_meta
         write_meta(part / "mcore", actor.lora_spec)
     if rank == 0:
+        others = {name: {"scheduler": o.scheduler.state_dict(), "adam_steps": _adam_steps(o)}
+                  for name, o in (extra or {}).items()}
         torch.save({**trainer_state, "scheduler": actor.scheduler.state_dict(), "step": step,
-                    "adam_steps": _adam_steps(actor), "layout": current_layout(), "optimizer_format": fmt},
-                   part / "trainer_state.pt")
+                    "adam_steps": _adam_steps(actor), "layout": current_layout(), "optimizer_format": fmt,
+                    **({"extra_models": others} if others else {})}, part / "trainer_state.pt")
         (part / "COMPLETE").write_text(str(step))
         if final.exists():  # an older save of this step (a run resumed from before it): replace it
             shutil.rmtree(final)
@@ -172,7 +182,7 @@ def _optimizer_classes(actor) -> list:
     return out
 
 
-def _allocate_optimizer_state(actor) -> None:
+def _allocate_optimizer_state(actor, for_save: bool = False) -> None:
     """Give every parameter Adam state (zeros, step 0) before a load, as a first optimizer step would.
 
     Megatron's distributed optimizer reads the inner torch Adam's `step` to build the state dict it loads
@@ -188,6 +198,9 @@ def _allocate_optimizer_state(actor) -> None:
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     for opt in _inner_optimizers(actor.optimizer):
         if isinstance(opt, HybridDeviceOptimizer):
+            if not opt.state and for_save:  # dummy_step would change the weights being saved
+                raise CheckpointError("a save before the model's first optimizer step (critic.warmup_steps) is not "
+                                      "supported with optim.cpu_offload: save after the warm-up")
             if not opt.state:
                 for group in opt.param_groups:
                     for p in group["params"]:
@@ -241,10 +254,9 @@ def _refuse_partial_optimizer(actor) -> None:
 
 
 @torch.no_grad()  # optimizer state is copied into main params that are views of trainable leaves
-def load(path: str | Path, actor) -> dict:
-    """Restore model, optimizer, scheduler and RNG from a complete checkpoint; return the trainer state."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.utils import unwrap_model
+def load(path: str | Path, actor, extra: dict | None = None) -> dict:
+    """Restore model, optimizer, scheduler and RNG from a complete checkpoint; return the trainer state.
+    extra: the further trained models saved with it (save's extra), restored the same way."""
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
@@ -263,17 +275,15 @@ def load(path: str | Path, actor) -> dict:
             f"{path}: optimizer state saved for {n_saved} optimizer(s) at {_layout_text(saved or {})} but this run "
             f"builds {n_now} at {_layout_text(now)} (not supported yet): resume with that layout, or start from its "
             f"weights with model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
-    _allocate_optimizer_state(actor)
-    # optim.cpu_offload: the hybrid optimizer's param groups carry its sub-optimizer classes (cpu_optimizer_cls,
-    # gpu_optimizer_cls), which megatron saves in common.pt; its load_common is torch.load with weights_only (torch's
-    # default) and refuses them. Allowed here: exactly the classes this run's own optimizers use.
-    with torch.serialization.safe_globals(_optimizer_classes(actor)):
-        state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(path / "mcore"))
-    for i, c in enumerate(unwrap_model(actor.chunks)):
-        c.load_state_dict(state[f"model{i}"])
-    _load_optimizer(_checkpointed_optimizer(actor.optimizer), state["optimizer"])
-    actor.scheduler.load_state_dict(trainer.pop("scheduler"))
-    _set_adam_steps(actor, trainer.pop("adam_steps"))
+    saved_extra = trainer.pop("extra_models", {})
+    for name in extra or {}:
+        if name not in saved_extra:
+            raise CheckpointError(f"{path} holds no {name} (written by a run without it): resume with the same "
+                                  f"algorithm, or start a new train.run_dir")
+    _load_model_and_optimizer(path / "mcore", actor, fmt, trainer.pop("scheduler"), trainer.pop("adam_steps"))
+    for name, other in (extra or {}).items():
+        _load_model_and_optimizer(path / name, other, fmt, saved_extra[name]["scheduler"],
+                                  saved_extra[name]["adam_steps"])
     if saved is None or saved == now:
         _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     elif dist.get_rank() == 0:
@@ -283,6 +293,22 @@ def load(path: str | Path, actor) -> dict:
         print(f"resume: checkpoint written at another parallel layout ({change}): model and optimizer state "
               "resharded; RNG streams restart from train.seed", flush=True)
     return trainer
+
+
+def _load_model_and_optimizer(mcore: Path, actor, fmt: str, scheduler: dict, adam_steps: list) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+    _allocate_optimizer_state(actor)
+    # optim.cpu_offload: the hybrid optimizer's param groups carry its sub-optimizer classes (cpu_optimizer_cls,
+    # gpu_optimizer_cls), which megatron saves in common.pt; its load_common is torch.load with weights_only (torch's
+    # default) and refuses them. Allowed here: exactly the classes this run's own optimizers use.
+    with torch.serialization.safe_globals(_optimizer_classes(actor)):
+        state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(mcore))
+    for i, c in enumerate(unwrap_model(actor.chunks)):
+        c.load_state_dict(state[f"model{i}"])
+    _load_optimizer(_checkpointed_optimizer(actor.optimizer), state["optimizer"])
+    actor.scheduler.load_state_dict(scheduler)
+    _set_adam_steps(actor, adam_steps)
 
 
 def _layout_text(layout: dict) -> str:

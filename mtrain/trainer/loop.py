@@ -39,6 +39,7 @@ from mtrain.trainer.evaluation import evaluate_in_chunks
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
 from mtrain.trainer.routing_replay import routing_metrics
 from mtrain.trainer.offload import TrainOffload
+from mtrain.trainer.side_models import SideModels
 from mtrain.trainer.partial_step import PartialRollout
 from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
@@ -103,6 +104,8 @@ class Trainer:
         teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
         self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
+        # PPO's critic (docs/design-critic-distill.md)
+        self.side = SideModels(cfg, self.rank, self.train_config, load, arch, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
         # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)
         self.engine_part = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if (
@@ -157,7 +160,7 @@ class Trainer:
         path = None if r == "never" else (checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r))
         if path is None:
             return False
-        state = checkpoint.load(path, self.actor)
+        state = checkpoint.load(path, self.actor, extra=self.side.extra_models())
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         if self.partial is not None:
@@ -237,6 +240,8 @@ class Trainer:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         from megatron.core import parallel_state as ps
         offload_metrics = self.offload.offload()  # no-op unless engine.offload_train (and already done after a step)
+        offload_metrics.update(self.side.offload())
+        self.side.begin(self.step)
         t0 = time.perf_counter()
         if self.partial is not None:
             res = self.partial.step(self.step, version=self.step, base_seed=cfg.train.seed * 1_000_003)
@@ -268,7 +273,9 @@ class Trainer:
         if batch is not None:
             # Advantages of the kept groups only (batch-level whitening must not see the dropped ones);
             # filler rows (past `rows`) belong to uniform groups, whose advantage is 0.
-            adv, adv_metrics = compute_advantages(cfg.algo, batch.rewards[:rows], n, batch.response_mask[:rows])
+            adv, adv_metrics = self.side.advantages(batch, rows, lambda: compute_advantages(
+                cfg.algo, batch.rewards[:rows], n, batch.response_mask[:rows]))
+            adv = adv[:rows]
             adv = torch.cat([adv, adv.new_zeros((batch.size - rows, adv.shape[1]))])
             local.update({k: float(v) for k, v in adv_metrics.items()})
             # PPO minibatches: train.global_batch_size samples per optimizer step (default: the whole batch, one
@@ -280,12 +287,13 @@ class Trainer:
                 raise ConfigError(f"train.global_batch_size: {gbs} does not divide the {batch.size} rows trained "
                                   f"this step")
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-            minibatches = []
+            minibatches, slices = [], []
             for start in range(0, batch.size, gbs):
                 sl = dp_rows(batch.seq_lens[start:start + gbs], dp_rank, dp_size,
                              by_tokens=cfg.train.max_tokens_per_micro_batch is not None)
                 sl = slice(start + sl.start, start + sl.stop) if isinstance(sl, slice) else start + sl
                 mb = batch.select(sl)
+                slices.append(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
                 lp = self.actor.logprobs(mb)
                 a = self.distill.advantages(mb, adv[sl], lp) if self.distill else adv[sl]
@@ -298,14 +306,19 @@ class Trainer:
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
             self._engine_memory("release_memory", ("kv_cache",) + self.weight_tags)
             offload_metrics.update(self.offload.reload())
+            offload_metrics.update(self.side.reload())
             t2 = time.perf_counter()
-            per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches]
-            train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
+            per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches
+                          ] if self.side.policy_trains else []  # the critic's warm-up: the policy waits
+            train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]} \
+                if per_update else {}
             train_metrics["ppo/updates"] = float(len(per_update))
+            train_metrics.update(self.side.update(minibatches, slices))
             t3 = time.perf_counter()
             mine = RolloutBatch.concat([m[0] for m in minibatches])
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             offload_metrics.update(self.offload.offload())
+            offload_metrics.update(self.side.offload())
             self._engine_memory("resume_memory", self.weight_tags)
         if self.async_rollout is not None:  # the engines keep weights N until the next step's rollout is done
             local.update(self.async_rollout.wait())
@@ -341,11 +354,12 @@ class Trainer:
             every = cfg.train.save_interval
             if every >= 0 and ((every and self.step % every == 0) or self.step == cfg.train.steps):
                 self.offload.reload()  # the optimizer state must be in place to be saved
+                self.side.reload()
                 state = {"sampler": self.sampler.state_dict() if self.async_rollout is None
                          else self.async_rollout.sampler_state()}  # a pending rollout's prompts are drawn again
                 if self.partial is not None:  # unfinished samples survive a stop: they resume after a restart
                     state["partial"] = self.partial.state_dict()
-                checkpoint.save(self.run_dir, self.step, self.actor, state)
+                checkpoint.save(self.run_dir, self.step, self.actor, state, extra=self.side.extra_models())
 
     def close(self) -> None:
         if self.metrics:
