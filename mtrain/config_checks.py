@@ -227,9 +227,6 @@ def _check_lora(cfg: RunConfig) -> None:
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
-    _check(e.kind != "sglang" or "experts" not in lo.targets, "model.lora.targets",
-           "experts on SGLang: mtrain's adapter sync fills SGLang's per-linear LoRA buffers (q/k/v/o/gate/up/down) "
-           "and has no path into FusedMoE expert adapters; use engine.kind=reference or drop 'experts'")
 
 
 def check_paths(cfg: RunConfig) -> None:

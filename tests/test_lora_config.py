@@ -24,7 +24,6 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
-    (["model.lora.targets=experts", "engine.kind=sglang"], "model.lora.targets: experts on SGLang"),
 ])
 def test_bad_lora_settings_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
