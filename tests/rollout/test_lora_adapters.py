@@ -18,7 +18,7 @@ from mtrain.rollout.protocol import EngineError, Request, SamplingParams
 RANK, ALPHA, TARGETS = 4, 8.0, ("qkv", "o_proj", "gate_up", "down")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
     from mtrain.tiny_hf import write_tiny_hf
     return write_tiny_hf(request.param, tmp_path_factory.mktemp("hf") / request.param, seed=0)
