@@ -19,6 +19,7 @@ import glob
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -245,8 +246,10 @@ class ReferenceEngine(RolloutEngine):
         with self._model_lock:
             if any(name in m.lora_A for m in self._model.modules() if isinstance(m, LoraLayer)):
                 raise EngineError(f"load_lora_adapter: adapter {name!r} is already loaded")
-            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
-                                         adapter_name=name)
+            with warnings.catch_warnings():  # "multiple adapters in the model": one per version, on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
+                                             adapter_name=name)
             slots = self._adapter_params(name)
             try:
                 extra = sorted(set(tensors) - set(slots))
@@ -296,9 +299,11 @@ class ReferenceEngine(RolloutEngine):
 
     def _delete_adapter(self, name: str) -> None:
         from peft.tuners.lora import LoraLayer
-        for m in self._model.modules():
-            if isinstance(m, LoraLayer) and name in m.lora_A:
-                m.delete_adapter(name)
+        with warnings.catch_warnings():  # "was active, now deleted": generate sets the adapter it uses each call
+            warnings.simplefilter("ignore", UserWarning)
+            for m in self._model.modules():
+                if isinstance(m, LoraLayer) and name in m.lora_A:
+                    m.delete_adapter(name)
 
     def _use_adapter(self, name: str | None) -> None:
         """PEFT layers compute with adapter `name` (None: the base alone). Called under the model lock."""

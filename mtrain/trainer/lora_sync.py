@@ -32,7 +32,6 @@ class AdapterTarget:
     def __init__(self, engine, lora: dict):
         self.engine, self.lora = engine, lora
         self.tensors: dict = {}
-        self.loaded_bytes = 0
 
     def update_weights(self, rank_tensors) -> None:
         # the executor reuses its bucket buffers: keep copies (adapters are small)
@@ -44,7 +43,6 @@ class AdapterTarget:
         tensors, self.tensors = self.tensors, {}
         switch_adapter(self.engine, version, tensors, self.lora)
         self.engine.finish_weight_update(version)
-        self.loaded_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class AdapterSync:
