@@ -76,3 +76,18 @@ def test_cli_prints_one_line_before_work(tmp_path):
     assert p.stderr.strip().splitlines()[-1] == ("mtrain: error: ConfigError: model.lora.targets: LoRA target(s) "
                                                  "['experts'] match no layer of this llama model"), p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sglang_engine_lora_arguments_come_from_model_lora():
+    """What make_engine starts SGLang with under model.lora: LoRA on, the run's rank, the adapter table's PEFT names
+    (those SGLang normalizes to its qkv_proj / gate_up_proj / o_proj / down_proj pool buffers), two pool slots."""
+    from mtrain.tiny_configs import tiny_config
+    from mtrain.trainer.engines import sglang_lora_args
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=qkv,o_proj,gate_up,down",
+                               "model.lora.rank=24"])
+    assert sglang_lora_args(cfg, tiny_config("llama")) == {
+        "enable_lora": True, "max_lora_rank": 24, "max_loras_per_batch": 2,
+        "lora_target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]}
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=o_proj"])
+    assert sglang_lora_args(cfg, tiny_config("llama"))["lora_target_modules"] == ["o_proj"]
+    assert sglang_lora_args(load_config(CONFIG, ["model.hf_path=x"]), tiny_config("llama")) == {}
