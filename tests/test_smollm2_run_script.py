@@ -54,6 +54,7 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
     assert digest(TRACKED) == before
 
 
+@pytest.mark.slow  # a second torchrun of the script (~60 s); the LoRA loop itself is in tests/trainer/test_loop_lora.py
 def test_lora_overrides_file_runs_the_demo_with_adapters(tmp_path):
     """OVERRIDES=examples/smollm2/lora.overrides: the same script trains rank-32 adapters (base frozen) and syncs
     them by name; a missing file is one error line before anything runs."""
