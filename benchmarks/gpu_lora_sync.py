@@ -98,10 +98,12 @@ def main() -> None:
                                           n and engine.unload_lora_adapter(previous))))
         # direct: one pinned adapter, resident after a request names it, overwritten in place each repeat; the
         # last write is `tensors`, which the fresh load below reads from disk
-        engine.loop.run_until_complete(engine.tokenizer_manager.load_lora_adapter_from_tensors(
+        res = engine.loop.run_until_complete(engine.tokenizer_manager.load_lora_adapter_from_tensors(
             LoadLoRAAdapterFromTensorsReqInput(lora_name="direct", config_dict=config, pinned=True,
                                                serialized_named_tensors=[MultiprocessingSerializer.serialize(other)]),
             None))
+        if not res.success:
+            raise SystemExit(f"FAIL: the pinned adapter did not load: {res.error_message}")
         engine.generate(["warm up"], {"temperature": 0.0, "max_new_tokens": 1}, lora_path=["direct"])
         on_gpu = [{k: v.cuda() for k, v in t.items()} for t in (other, tensors)]
         # one untimed write: the loader finds SGLang's LoRA manager once per scheduler process (a scan of the live
