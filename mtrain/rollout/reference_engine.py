@@ -142,6 +142,7 @@ class ReferenceEngine(RolloutEngine):
         self._lora = lora
         self._dtype = dtype
         self.adapters = AdapterVersions()
+        self._slot_of: dict[str, str] = {}  # loaded adapter name -> its PEFT adapter slot
         self._allow_dtype_cast = allow_dtype_cast
         storages = {}
         for t in self._model.state_dict(keep_vars=True).values():
@@ -228,13 +229,12 @@ class ReferenceEngine(RolloutEngine):
             self._sync_open = True
 
     # ---------------------------------------------------------------- LoRA adapters
+    # Adapters live in PEFT adapter slots ("slot0", "slot1", ...: injected once each, reused), as SGLang's live in its
+    # LoRA memory pool: a load writes a free slot in place (a copy of A/B, no module construction), an unload frees it.
     def load_lora_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
         """Add adapter `name`: tensors by the adapter table's HF names (q_proj.lora_A.weight, full shapes), config
-        PEFT's adapter_config (r, lora_alpha, target_modules as this engine was built with). Nothing is added
+        PEFT's adapter_config (r, lora_alpha, target_modules as this engine was built with). Nothing is written
         unless every adapter weight is given once with the right shape."""
-        import peft
-        from peft.tuners.lora import LoraLayer
-
         self._check_alive("load_lora_adapter")
         if self._lora is None:
             raise EngineError("load_lora_adapter: this engine was built without LoRA (lora=None)")
@@ -244,66 +244,65 @@ class ReferenceEngine(RolloutEngine):
         if {**want, "lora_alpha": float(want["lora_alpha"] or 0)} != have:
             raise EngineError(f"load_lora_adapter({name!r}): config {want} differs from the engine's {have}")
         with self._model_lock:
-            if any(name in m.lora_A for m in self._model.modules() if isinstance(m, LoraLayer)):
+            if name in self._slot_of:
                 raise EngineError(f"load_lora_adapter: adapter {name!r} is already loaded")
-            with warnings.catch_warnings():  # "multiple adapters in the model": one per version, on purpose
-                warnings.simplefilter("ignore", UserWarning)
-                peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
-                                             adapter_name=name)
-            slots = self._adapter_params(name)
-            try:
-                extra = sorted(set(tensors) - set(slots))
-                missing = sorted(set(slots) - set(tensors))
-                if extra or missing:
-                    raise EngineError(f"load_lora_adapter({name!r}): unknown {extra[:3]}, missing {missing[:3]} "
-                                      f"(of {len(slots)} adapter weights)")
+            slot = self._free_slot()
+            params = self._slot_params(slot)
+            extra, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
+            if extra or missing:
+                raise EngineError(f"load_lora_adapter({name!r}): unknown {extra[:3]}, missing {missing[:3]} "
+                                  f"(of {len(params)} adapter weights)")
+            for k, t in tensors.items():
+                if tuple(t.shape) != tuple(params[k].shape):
+                    raise EngineError(f"load_lora_adapter({name!r}): {k!r} has shape {tuple(t.shape)}, "
+                                      f"the adapter holds {tuple(params[k].shape)}")
+            with torch.no_grad():
                 for k, t in tensors.items():
-                    if tuple(t.shape) != tuple(slots[k].shape):
-                        raise EngineError(f"load_lora_adapter({name!r}): {k!r} has shape {tuple(t.shape)}, "
-                                          f"the adapter holds {tuple(slots[k].shape)}")
-                with torch.no_grad():
-                    for k, t in tensors.items():
-                        slots[k].data = t.detach().to(device=slots[k].device, dtype=self._dtype).clone()
-            except BaseException:
-                self._delete_adapter(name)
-                raise
-            self._model.requires_grad_(False)
+                    params[k].copy_(t)
+            self._slot_of[name] = slot
 
     def unload_lora_adapter(self, name: str) -> None:
         self._check_alive("unload_lora_adapter")
         with self._model_lock:
             if name == self.adapters.active:
                 raise EngineError(f"unload_lora_adapter: {name!r} is the active adapter")
-            if name not in self._adapter_names():
+            if name not in self._slot_of:
                 raise EngineError(f"unload_lora_adapter: no adapter {name!r} (loaded: {self._adapter_names()})")
-            self._delete_adapter(name)
+            del self._slot_of[name]
 
     def adapter_state(self, name: str | None = None) -> dict[str, torch.Tensor]:
         """HF name -> tensor of adapter `name` (default: the active one), as the engine holds it."""
         name = name or self.adapters.active
-        return {k: v.detach() for k, v in self._adapter_params(name).items()} if name else {}
+        return {k: v.detach() for k, v in self._slot_params(self._slot_of[name]).items()} if name else {}
 
     def _adapter_names(self) -> list[str]:
-        from peft.tuners.lora import LoraLayer
-        return sorted({a for m in self._model.modules() if isinstance(m, LoraLayer) for a in m.lora_A})
+        return sorted(self._slot_of)
 
-    def _adapter_params(self, name: str) -> dict[str, torch.nn.Parameter]:
-        """The HF name (the adapter table's) -> PEFT parameter of adapter `name`."""
+    def _free_slot(self) -> str:
+        """A PEFT adapter slot no loaded adapter holds; a new one is injected when all are taken."""
+        from peft.tuners.lora import LoraLayer
+        import peft
+        injected = sorted({a for m in self._model.modules() if isinstance(m, LoraLayer) for a in m.lora_A})
+        free = [s for s in injected if s not in self._slot_of.values()]
+        if free:
+            return free[0]
+        slot = f"slot{len(injected)}"
+        with warnings.catch_warnings():  # "multiple adapters in the model": one slot per live version, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
+                                         adapter_name=slot)
+        self._model.to(self._dtype).requires_grad_(False)
+        return slot
+
+    def _slot_params(self, slot: str) -> dict[str, torch.nn.Parameter]:
+        """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot`."""
         out = {}
         for pname, p in self._model.named_parameters():
             for ab in ("lora_A", "lora_B"):
-                tag = f".{ab}.{name}."
+                tag = f".{ab}.{slot}."
                 if tag in pname:
                     out[pname.replace(".base_layer.", ".").replace(tag, f".{ab}.")] = p
         return out
-
-    def _delete_adapter(self, name: str) -> None:
-        from peft.tuners.lora import LoraLayer
-        with warnings.catch_warnings():  # "was active, now deleted": generate sets the adapter it uses each call
-            warnings.simplefilter("ignore", UserWarning)
-            for m in self._model.modules():
-                if isinstance(m, LoraLayer) and name in m.lora_A:
-                    m.delete_adapter(name)
 
     def _use_adapter(self, name: str | None) -> None:
         """PEFT layers compute with adapter `name` (None: the base alone). Called under the model lock."""
@@ -314,7 +313,7 @@ class ReferenceEngine(RolloutEngine):
                     m.enable_adapters(False)
                 else:
                     m.enable_adapters(True)
-                    m.set_adapter(name)
+                    m.set_adapter(self._slot_of[name])
         self._model.requires_grad_(False)  # set_adapter marks the adapter trainable
 
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
