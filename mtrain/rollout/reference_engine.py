@@ -143,6 +143,7 @@ class ReferenceEngine(RolloutEngine):
         self._dtype = dtype
         self.adapters = AdapterVersions()
         self._slot_of: dict[str, str] = {}  # loaded adapter name -> its PEFT adapter slot
+        self._slot_cache: dict[str, dict] = {}  # every injected slot -> {HF name: its parameter}
         self._allow_dtype_cast = allow_dtype_cast
         storages = {}
         for t in self._model.state_dict(keep_vars=True).values():
@@ -280,23 +281,24 @@ class ReferenceEngine(RolloutEngine):
 
     def _free_slot(self) -> str:
         """A PEFT adapter slot no loaded adapter holds; a new one is injected when all are taken."""
-        from peft.tuners.lora import LoraLayer
         import peft
-        injected = sorted({a for m in self._model.modules() if isinstance(m, LoraLayer) for a in m.lora_A})
-        free = [s for s in injected if s not in self._slot_of.values()]
+        free = [s for s in self._slot_cache if s not in self._slot_of.values()]
         if free:
             return free[0]
-        slot = f"slot{len(injected)}"
+        slot = f"slot{len(self._slot_cache)}"
         with warnings.catch_warnings():  # "multiple adapters in the model": one slot per live version, on purpose
             warnings.simplefilter("ignore", UserWarning)
             peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
                                          adapter_name=slot)
         self._model.to(self._dtype).requires_grad_(False)
+        self._slot_params(slot)  # every injected slot is in _slot_cache from here on
         return slot
 
     def _slot_params(self, slot: str) -> dict[str, torch.nn.Parameter]:
-        """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot`."""
-        out = {}
+        """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot` (built once per slot)."""
+        if slot in self._slot_cache:
+            return self._slot_cache[slot]
+        out = self._slot_cache[slot] = {}
         for pname, p in self._model.named_parameters():
             for ab in ("lora_A", "lora_B"):
                 tag = f".{ab}.{slot}."
