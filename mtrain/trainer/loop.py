@@ -104,6 +104,11 @@ class Trainer:
         teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
         self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
+        if cfg.rollout.async_mode != "off" and cfg.engine.placement == "colocated":  # engine + trainer resident
+            from mtrain.trainer.memory_fit import check_colocated_fit
+            fit = check_colocated_fit(cfg, self.actor, d.device)  # ConfigError when it cannot fit
+            if self.rank == 0:
+                print(fit, flush=True)
         # PPO's critic (docs/design-critic-distill.md)
         self.side = SideModels(cfg, self.rank, self.train_config, load, arch, d.offload_train)
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None

@@ -38,6 +38,7 @@ def test_stream_torchrun(tiny_hf, tmp_path, staleness):
                                                 "rollout.max_staleness": staleness, "reward.fn": SIGNAL_REWARD,
                                                 "rollout.max_new_tokens": 24}), tmp_path)
     assert "rollout.async=stream" in p.stdout
+    assert "rollout.async=stream: engine and trainer share host memory on CPU; no device-memory fit check" in p.stdout
     recs = train_records(run)
     assert sorted(recs) == list(range(1, steps + 1))
     for s in range(1, steps + 1):
