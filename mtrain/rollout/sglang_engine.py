@@ -322,12 +322,7 @@ class SGLangEngine(RolloutEngine):
         c = completion_from_output(req, out, self._weight_version, routing=self._routing)
         self._aborts += c.finish_reason == "abort"
         if marks:  # an update in place fell inside this request: its earlier tokens carry the older versions
-            versions, start = [], 0
-            for upto, version in marks:
-                upto = min(upto, len(c.output_ids))
-                versions += [version] * max(0, upto - start)
-                start = max(start, upto)
-            c.token_versions = versions + [c.weight_version] * (len(c.output_ids) - start)
+            c.token_versions = versions_from_marks(marks, len(c.output_ids), c.weight_version)
         return c
 
     @property
@@ -566,6 +561,16 @@ class SGLangEngine(RolloutEngine):
 
 
 _LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
+
+
+def versions_from_marks(marks: Sequence[tuple[int, int]], n: int, final: int) -> list[int]:
+    """Per-token versions of an n-token output from the updates in place that fell inside it: marks[i] = (tokens the
+    request had at update i, capped at n; the version they came from), in update order; the rest are `final`."""
+    versions: list[int] = []
+    for upto, version in marks:
+        upto = min(upto, n)
+        versions += [version] * max(0, upto - len(versions))
+    return versions + [final] * (n - len(versions))
 
 
 def _server_arg_names() -> list[str]:

@@ -155,3 +155,13 @@ def test_shutdown_while_paused_ends_the_parked_generation(models):
     engine.shutdown()
     thread.join(timeout=30)
     assert not thread.is_alive() and "shut down" in str(box["error"])
+
+
+def test_sglang_versions_from_marks():
+    """SGLang's side: the tokens a paused request had at each update in place carry the version before it."""
+    from mtrain.rollout.sglang_engine import versions_from_marks
+    assert versions_from_marks([(3, 0)], 5, 1) == [0, 0, 0, 1, 1]
+    assert versions_from_marks([(2, 4), (4, 5)], 6, 6) == [4, 4, 5, 5, 6, 6]
+    # a non-streamed request's mark is rounded up (up to 49 tokens): capped at the output, never newer than true
+    assert versions_from_marks([(52, 0)], 10, 1) == [0] * 10
+    assert versions_from_marks([(2, 0), (2, 1)], 3, 2) == [0, 0, 2]  # no token between two updates
