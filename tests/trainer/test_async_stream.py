@@ -30,7 +30,7 @@ def tiny_hf(tmp_path_factory):
     return write_tiny_hf("llama", tmp_path_factory.mktemp("hf") / "llama", seed=0)
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_stream_torchrun(tiny_hf, tmp_path, staleness):
     run = tmp_path / "run"
     steps = 4
