@@ -189,6 +189,11 @@ class Trainer:
         are summed per step into the metrics time/release_memory and time/resume_memory."""
         if self.engine is not None and self.decisions.colocate and tags:
             t = time.perf_counter()
+            if op == "resume_memory" and torch.cuda.is_initialized():
+                # The caching allocator keeps the training step's activation blocks reserved: handed back first, or
+                # the engine's weights and KV cache cannot come back (a Qwen3-4B shape on one H200 died here in
+                # torch_memory_saver's resume, 2026-12-02)
+                torch.cuda.empty_cache()
             getattr(self.engine, op)(tags)
             key = f"time/{op}"
             self._memory_s[key] = self._memory_s.get(key, 0.0) + time.perf_counter() - t
