@@ -500,6 +500,21 @@ class ReferenceEngine(RolloutEngine):
             raise EngineError("generate: a weight sync is in progress (update_weights without "
                               "finish_weight_update); the engine's weights are partial")
 
+    @torch.no_grad()
+    def probe_activations(self, token_ids: list[int]) -> dict[str, Any]:
+        """One forward of `token_ids` with taps (mtrain.models.taps): {"taps": {point: [tokens, hidden]},
+        "logprobs": float32 [len - 1], log p(token_ids[t + 1] | token_ids[:t + 1]) at temperature 1}.
+        For the logprob-gap diagnostic (mtrain/gap_probe.py); runs between requests, like a weight update."""
+        from mtrain.models.taps import Taps, hf_style_points
+
+        with self._model_lock:
+            self._check_ready()
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            with Taps(hf_style_points(self._model)) as taps:
+                logits = self._model(input_ids=ids, use_cache=False).logits[0]
+        logp = torch.log_softmax(logits[:-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        return {"taps": taps.captures, "logprobs": logp.gather(1, ids[0, 1:, None])[:, 0]}
+
     def _is_aborted(self, rid: str) -> bool:
         with self._abort_lock:
             return rid in self._aborted

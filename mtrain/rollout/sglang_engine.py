@@ -476,6 +476,32 @@ class SGLangEngine(RolloutEngine):
         ext = "json" if what == "sha256" else "pt"
         return [os.path.join(os.path.abspath(out_dir), f"rank{r}.{ext}") for r in range(self.tp_size)]
 
+    def probe_activations(self, token_ids: list[int]) -> dict[str, Any]:
+        """One prefill of `token_ids` with taps in the scheduler (mtrain/rollout/sglang_taps.py):
+        {"taps": {point: [tokens, hidden] float32}, "logprobs": float32 [len - 1], SGLang's own input-token
+        logprobs at temperature 1}. The cache is flushed first so every position is computed; the sequence
+        must fit one prefill chunk (chunked_prefill_size) for the taps to hold all of it."""
+        from mtrain.rollout.sglang_taps import TAP_ACTIVATIONS, tap_spec
+
+        def control(spec: str) -> None:
+            marker = serialize_bucket([(spec, _marker_tensor())])
+            self._send_weights([marker] * self.tp_size, TAP_ACTIVATIONS, flush_cache=False, weight_version=None,
+                               what="probe_activations")
+
+        self.flush_cache()
+        out_dir = tempfile.mkdtemp(prefix="mtrain-taps-")
+        try:
+            control(tap_spec("arm"))
+            out = self._run(self._engine.async_generate(
+                input_ids=list(token_ids), sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+                return_logprob=True, logprob_start_len=0, rid=uuid.uuid4().hex), "probe_activations")
+            control(tap_spec("dump", out_dir))
+            taps = torch.load(os.path.join(out_dir, "rank0.pt"))
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        entries = out["meta_info"]["input_token_logprobs"][1:]  # the first position has no logprob
+        return {"taps": taps, "logprobs": torch.tensor([e[0] for e in entries], dtype=torch.float32)}
+
     def weight_checksums(self) -> list[dict]:
         """SGLang's own per-parameter checksums, one dict per TP rank (CheckWeightsReqInput, 0.5.17)."""
         obj = self._io.CheckWeightsReqInput(action="checksum")

@@ -146,6 +146,7 @@ class Trainer:
         # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
         self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0
+        self._memory_s: dict[str, float] = {}  # time/release_memory, time/resume_memory of the step running
         resumed = self._resume()
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -192,9 +193,18 @@ class Trainer:
                            max_new_tokens=max_new_tokens)
 
     def _engine_memory(self, op: str, tags: tuple[str, ...]) -> None:
-        """Colocated engines give their memory to training and take it back (engine.colocate)."""
+        """Colocated engines give their memory to training and take it back (engine.colocate); the seconds it takes
+        are summed per step into the metrics time/release_memory and time/resume_memory."""
         if self.engine is not None and self.decisions.colocate and tags:
+            t = time.perf_counter()
+            if op == "resume_memory" and torch.cuda.is_initialized():
+                # The caching allocator keeps the training step's activation blocks reserved: handed back first, or
+                # the engine's weights and KV cache cannot come back (a Qwen3-4B shape on one H200 died here in
+                # torch_memory_saver's resume, 2026-12-02)
+                torch.cuda.empty_cache()
             getattr(self.engine, op)(tags)
+            key = f"time/{op}"
+            self._memory_s[key] = self._memory_s.get(key, 0.0) + time.perf_counter() - t
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_set:
@@ -343,7 +353,7 @@ class Trainer:
         if batch is None:
             out["update_skipped"] = 1.0  # every group was uniform: nothing to learn from this rollout
         out.update({"reward/mean": float(full.rewards.mean()), "response_len/mean": float(full.response_lens
-                    .float().mean()), "weight_version": self.step, "time/rollout": t1 - t0,
+                    .float().mean()), "prompt_len/mean": float((full.seq_lens - full.response_lens).float().mean()), "weight_version": self.step, "time/rollout": t1 - t0,
                     "time/logprobs": t2 - t1, "time/train": t3 - t2, **sync_metrics, **res.metrics})
         return out
 
@@ -356,7 +366,9 @@ class Trainer:
             if cfg.train.val_only:
                 return
         while self.step < cfg.train.steps:
+            t, self._memory_s = time.perf_counter(), {}
             m = self.train_step()
+            m.update({"time/step": time.perf_counter() - t, **self._memory_s})  # the leader's own; eval not counted
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 m.update(self.evaluate())
             if self.metrics:
