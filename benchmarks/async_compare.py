@@ -2,8 +2,8 @@
 
     python benchmarks/async_compare.py --off RUN_DIR [...] --one-step RUN_DIR [...] [--stream RUN_DIR ...] [--skip 1]
 
-Prints, per mode (mean and spread over the given runs, e.g. seeds): the step time (time/step, the loop's wall time
-of the step; in older runs time/rollout + time/logprobs + time/train + time/sync + perf/train_wait_s), trained tokens/s
+Prints, per mode (mean and spread over the given runs, e.g. seeds): the step time (time/rollout + time/logprobs +
+time/train + time/sync + perf/train_wait_s, the trainer's wait for the background rollout), trained tokens/s
 (response tokens of a step / its step time), the overlap metrics, and the reward curve (per step, mean over runs),
 then the ratio one_step / off (and stream / off) of step time and tokens/s. --skip leaves out the first records (warm-up) from the timing.
 """
@@ -27,8 +27,6 @@ def step_seconds(r: dict) -> float:
     generated ahead, and perf/train_wait_s is the trainer's wait for the background rollout before the sync). In
     stream mode (records with rollout/pause_s) perf/train_wait_s is the wait for a finished batch, inside
     time/rollout, and the in-place update is inside time/sync."""
-    if "time/step" in r:  # the loop's own wall time of the step (rank 0), when the run records it
-        return r["time/step"]
     wait = 0.0 if "rollout/pause_s" in r else r.get("perf/train_wait_s", 0.0)
     return sum(r.get(k, 0.0) for k in PHASES) + wait
 
