@@ -147,10 +147,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16384, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--steps", type=int, default=4, help="training steps; the first is the warm-up")
-    ap.add_argument("--mem-fraction", type=float, default=0.6,
+    ap.add_argument("--mem-fraction", type=float, default=0.5,
                     help="engine.mem_fraction_static: SGLang's share of the whole GPU, the trainer's memory included")
     ap.add_argument("--floor-repeats", type=int, default=3)
     ap.add_argument("--skip-train", action="store_true", help="reuse the metrics of a previous run in --work")
+    ap.add_argument("--train-only", action="store_true", help="stop after the run (the floors in a later call)")
     ap.add_argument("--out", default=None)
     ap.add_argument("extra", nargs="*", help="further a.b.c=value overrides for the run (and the train floor)")
     args = ap.parse_args()
@@ -166,6 +167,8 @@ def main() -> None:
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_training(args, hf, run_dir)
+        if args.train_only:
+            return
     steps = [m for m in metrics if "time/step" in m][1:]  # the first step is the warm-up
     n = args.prompts * args.samples
     res = {"config": vars(args), "steps": steps}
