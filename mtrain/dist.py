@@ -182,6 +182,9 @@ def init_distributed(
             timeout=timedelta(minutes=timeout_minutes),
             device_id=torch.device("cuda", local_rank) if on_gpu else None,
         )
+    global _TRAIN_GROUP
+    _TRAIN_GROUP = None if train_world is None else dist.new_group(
+        list(range(train_world)), backend="gloo", timeout=timedelta(minutes=timeout_minutes))
     ps.destroy_model_parallel()
     with _megatron_world(train_world):
         ps.initialize_model_parallel(
@@ -200,6 +203,15 @@ def init_distributed(
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
     return current_parallel_info()
+
+
+_TRAIN_GROUP = None
+
+
+def train_group():
+    """The group of the training ranks for collectives only they take part in (None = the default group, every
+    rank: colocated placement, where every rank trains). Set by init_distributed."""
+    return _TRAIN_GROUP
 
 
 @contextmanager
