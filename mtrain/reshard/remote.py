@@ -131,4 +131,5 @@ class RemoteSync:
             side = "training rank" if self.where is None else "engine rank"
             raise RemoteSyncError(f"weight transfer between the training ranks and {self.engines.describe(g)} "
                                   f"failed on {side} {self.rank} (a peer died or hung past "
-                                  f"train.collective_timeout_s): {type(e).__name__}: {str(e)[:300]}") from e
+                                  f"train.collective_timeout_s; {'; '.join(getattr(e, '__notes__', []))}): "
+                                  f"{type(e).__name__}: {str(e)[:300]}") from e
