@@ -17,6 +17,7 @@ docs/design-async.md, "Separate placement".
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from mtrain.dist import init_distributed
 from mtrain.layouts import model_layout
 from mtrain.layouts.vlm import flat_config
 from mtrain.reshard.placement import MegatronLayout
-from mtrain.reshard.remote import EngineRanks, RemoteSync, engine_plans
+from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer import checkpoint
@@ -81,7 +82,7 @@ class SeparateSync:
             error, out = e, {}
         # A transfer error (dead or hung peer) is raised where it happened: the peers' own transfers fail on their
         # own, and a gather with a dead rank would only add a second timeout.
-        if error is not None and "RemoteSyncError" in type(error).__name__:
+        if isinstance(error, RemoteSyncError):
             raise error
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
@@ -104,7 +105,6 @@ class EngineRankTrainer(Trainer):
                          etp=cfg.parallel.etp, cp=cfg.parallel.cp, seed=cfg.train.seed,
                          timeout_s=cfg.train.collective_timeout_s, train_world=dist_world() - cfg.engine.ranks)
         self.cfg, self.rank = cfg, dist.get_rank()
-        import os
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
         self.run_dir = Path(cfg.train.run_dir)
@@ -182,11 +182,9 @@ class _Nothing:
 
 
 def dist_world() -> int:
-    import os
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_engine_rank(cfg) -> bool:
     """Separate placement: this process (torchrun's RANK) is one of the last engine.ranks ranks."""
-    import os
     return cfg.engine.placement == "separate" and int(os.environ.get("RANK", "0")) >= dist_world() - cfg.engine.ranks
