@@ -27,8 +27,6 @@ def check_async(cfg) -> None:
         if e.ranks < e.tp or e.ranks % e.tp:
             raise _fail("engine.ranks", f"{e.ranks} is not a positive multiple of engine.tp={e.tp} (each engine "
                                         "spans engine.tp ranks)")
-    if mode == "stream":
-        raise _fail("rollout.async", "stream is not available in this build; use one_step (or off)")
     if mode == "off":
         return
     if r.partial:
@@ -37,6 +35,9 @@ def check_async(cfg) -> None:
         raise _fail("rollout.async", f"{mode} with serve.agent is not available (agents drive the pool themselves)")
     if r.offpolicy == "tis" and cfg.algo.tis_cap is None:
         raise _fail("rollout.offpolicy", "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
+    if mode == "stream" and cfg.multi_turn.rollout_fn is not None:
+        raise _fail("rollout.async", "stream with multi_turn.rollout_fn is not available (tool calls would be paused "
+                                     "mid-turn by updates in place); use one_step")
     if r.max_staleness is not None and r.max_staleness < 1:
         raise _fail("rollout.max_staleness", f"{r.max_staleness} with rollout.async={mode} leaves nothing to train "
                                              "on (every token is one version old); use >= 1 or null")
@@ -91,7 +92,7 @@ def check_placement_runs(split: JobSplit, cfg=None) -> None:
     if cfg.train.save_interval != -1:
         raise _fail("train.save_interval", "engine.placement=separate does not write checkpoints in this build; "
                                            "set train.save_interval=-1")
-    refused = [("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
+    refused = [("rollout.async", cfg.rollout.async_mode == "stream"), ("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
                ("algo.name", cfg.algo.name == "ppo"), ("algo.distill.teacher_path", bool(cfg.algo.distill.teacher_path)),
                ("algo.routing_replay", cfg.algo.routing_replay != "off"), ("model.lora.targets", bool(cfg.model.lora.targets))]
     for key, on in refused:

@@ -40,11 +40,13 @@ ONE_STEP_STALENESS = 1
 LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
 
 
-def rollout_for_step(trainer, pool: RolloutPool, step: int) -> RolloutResult:
-    """Step `step`'s prompts (the sampler's next batch), seeds and request ids exactly as the synchronous loop's,
-    run on `pool`: a one_step run differs from a synchronous one only in the weights that generated."""
+def rollout_for_step(trainer, pool: RolloutPool, step: int, samples=None) -> RolloutResult:
+    """Step `step`'s prompts (the sampler's next batch, or `samples` already drawn), seeds and request ids exactly as
+    the synchronous loop's, run on `pool`: an async run differs from a synchronous one only in the weights that
+    generated."""
     cfg = trainer.cfg
-    samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
+    if samples is None:
+        samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
     ahead = getattr(trainer, "async_rollout", None)
     if ahead is not None:  # the ledger of trained prompts (LEDGER)
         ahead.drawn[step] = [s.index for s in samples]
@@ -73,12 +75,17 @@ def lag_metrics(res: RolloutResult, step: int) -> dict[str, float]:
     return out
 
 
-def offpolicy_mask(batch, step: int, rollout_cfg) -> None:
-    """rollout.offpolicy=mask under asynchrony: tokens more than max_staleness versions old leave the loss."""
+def offpolicy_mask(batch, step: int, rollout_cfg, group_size: int = 1) -> dict[str, float]:
+    """rollout.offpolicy=mask under asynchrony: tokens more than max_staleness versions old leave the loss. stream:
+    whole groups with such a token leave it (returns the count); its generator never starts one that could."""
+    if rollout_cfg.async_mode == "stream":
+        from mtrain.trainer.stream_step import drop_stale_groups
+        return drop_stale_groups(batch, step, rollout_cfg, group_size)
     if rollout_cfg.offpolicy != "mask":
-        return
+        return {}
     allowed = rollout_cfg.max_staleness if rollout_cfg.max_staleness is not None else ONE_STEP_STALENESS
     batch.response_mask[(batch.versions >= 0) & (batch.versions < step - allowed)] = 0.0
+    return {}
 
 
 def _ledger_step(line: str) -> float:
