@@ -11,6 +11,9 @@ import random
 from fractions import Fraction
 
 INSTRUCTION = "Put the final answer, as a reduced fraction, in \\boxed{}."
+BOXED = "Put the final answer in \\boxed{}."
+# A short-answer reply keeps CPU rollouts short (max_new_tokens 24 in grpo_fractions.yaml).
+SYSTEM_PROMPT = "You are a calculator. Reply with only the final answer in \\boxed{}."
 
 
 def latex(q: Fraction) -> str:
@@ -20,12 +23,42 @@ def latex(q: Fraction) -> str:
     return f"{sign}\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
 
 
-def problem(rng: random.Random) -> tuple[str, Fraction]:
+def frac_pm(rng: random.Random) -> tuple[str, Fraction]:
+    """a/b +- c/d with numerators 1-5, denominators 2-6 (about 640 distinct problems)."""
     a, b = Fraction(rng.randint(1, 5), rng.randint(2, 6)), Fraction(rng.randint(1, 5), rng.randint(2, 6))
     op = rng.choice("+-")
     value = a + b if op == "+" else a - b
     text = f"What is ${latex(a) if a.denominator > 1 else a}{op}{latex(b) if b.denominator > 1 else b}$?"
-    return text, value
+    return f"{text} {INSTRUCTION}", value
+
+
+def frac_same_den(rng: random.Random) -> tuple[str, Fraction]:
+    """a/n + b/n: add the numerators (the value is what math-verify compares, so 4/6 and 2/3 both score)."""
+    n = rng.randint(3, 12)
+    a, b = rng.randint(1, n - 1), rng.randint(1, n - 1)
+    return f"What is $\\frac{{{a}}}{{{n}}}+\\frac{{{b}}}{{{n}}}$? {BOXED}", Fraction(a + b, n)
+
+
+def dec_add(rng: random.Random) -> tuple[str, Fraction]:
+    """x.y + z.w with one decimal digit (answers like 7.3 or 12)."""
+    a, b = rng.randint(1, 99), rng.randint(1, 99)
+    return f"What is ${a / 10:g}+{b / 10:g}$? {BOXED}", Fraction(a + b, 10)
+
+
+def frac_of_int(rng: random.Random) -> tuple[str, Fraction]:
+    """1/k of a multiple of k (an integer answer)."""
+    k = rng.randint(2, 9)
+    m = k * rng.randint(2, 12)
+    return f"What is $\\frac{{1}}{{{k}}}\\times {m}$? {BOXED}", Fraction(m, k)
+
+
+TASKS = {"frac_pm": frac_pm, "frac_same_den": frac_same_den, "dec_add": dec_add, "frac_of_int": frac_of_int}
+
+
+def answer_latex(q: Fraction, task: str) -> str:
+    if task == "dec_add":
+        return f"{float(q):g}"
+    return latex(q)
 
 
 def records(n: int, rng: random.Random, seen: set[str]) -> list[dict]:
