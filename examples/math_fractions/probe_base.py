@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_data import SYSTEM_PROMPT, TASKS, answer_latex  # noqa: E402
+from make_data import TASKS, messages  # noqa: E402
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=48)
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--no-system", action="store_true", help="probe without the system prompt")
+    ap.add_argument("--shots", type=int, default=3, help="solved examples in each prompt (make_data.py --shots)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,9 +39,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
     for name in args.tasks.split(","):
         rng = random.Random(0)
-        probs = [(t, answer_latex(v, name)) for t, v in (TASKS[name](rng) for _ in range(args.n))]
-        msgs = [([] if args.no_system else [{"role": "system", "content": SYSTEM_PROMPT}])
-                + [{"role": "user", "content": text}] for text, _ in probs]
+        probs = [TASKS[name](rng) for _ in range(args.n)]
+        msgs = [messages(text, name, args.shots) for text, _ in probs]
         texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
         outs = []
         for i in range(0, len(texts), 16):

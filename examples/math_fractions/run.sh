@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # GRPO on fraction arithmetic (LaTeX answers, math-verify reward, a HF dataset folder) with SmolLM2-135M-Instruct.
 #   bash examples/math_fractions/run.sh [extra a.b.c=value overrides]   (env: NPROC, RUN_DIR, HF_DIR, DATA_DIR, N_TEST)
-# CPU by default (2 data-parallel ranks, reference engine); the GPU command is in README.md.
+# CPU by default (one rank, reference engine); the GPU command is in README.md.
 # Needs the extras: pip install -e '.[math,datasets]'
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-NPROC=${NPROC:-2}
+NPROC=${NPROC:-1}
 RUN_DIR=${RUN_DIR:-runs/math_fractions}
 DATA_DIR=${DATA_DIR:-$RUN_DIR/data}
 HF_DIR=${HF_DIR:-$(python -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" | tail -n 1)}
-[ -d "$DATA_DIR" ] || python examples/math_fractions/make_data.py "$DATA_DIR" --test "${N_TEST:-16}"
+[ -d "$DATA_DIR" ] || python examples/math_fractions/make_data.py "$DATA_DIR" --test "${N_TEST:-48}"
 CMD=(torchrun --nproc-per-node "$NPROC" -m mtrain train examples/math_fractions/grpo_fractions.yaml
      "model.hf_path=$HF_DIR" "train.run_dir=$RUN_DIR" "data.train_path=$DATA_DIR" "data.eval_path=$DATA_DIR" "$@")
 echo "${CMD[*]}"
