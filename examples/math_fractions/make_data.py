@@ -6,11 +6,14 @@ frac_of_int (\\frac{1}{8}\\times 64). math_verify_reward compares by value, so \
 score where exact string match would not. Train + test must stay below the family's distinct problems (~500 for
 frac_same_den, ~640 for frac_pm). probe_base.py measures a model's accuracy on each family.
     python examples/math_fractions/make_data.py OUT_DIR [--task T] [--shots K] [--train N] [--test N] [--seed S]
+                                                [--format datasets|jsonl]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from pathlib import Path
 from fractions import Fraction
 
 INSTRUCTION = "Put the final answer, as a reduced fraction, in \\boxed{}."
@@ -93,15 +96,22 @@ def main() -> None:
     ap.add_argument("--test", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK)
+    ap.add_argument("--format", choices=["datasets", "jsonl"], default="datasets",
+                    help="datasets: a save_to_disk folder; jsonl: OUT_DIR/train.jsonl and test.jsonl (no `datasets` needed)")
     ap.add_argument("--shots", type=int, default=3, help="solved examples in each prompt (0: system line only)")
     args = ap.parse_args()
-    import datasets
-
     rng, seen = random.Random(args.seed), set()
     test = records(args.test, rng, seen, args.task, args.shots)  # drawn first: no test problem is in train
     train = records(args.train, rng, seen, args.task, args.shots)
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
-                          "test": datasets.Dataset.from_list(test)}).save_to_disk(args.out)
+    if args.format == "jsonl":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, recs in (("train", train), ("test", test)):
+            (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    else:
+        import datasets
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                              "test": datasets.Dataset.from_list(test)}).save_to_disk(args.out)
     print(f"{args.out}: {len(train)} train, {len(test)} test; e.g. {train[0]['prompt'][-1]['content']!r} -> "
           f"{train[0]['reward_model']['ground_truth']!r}")
 

@@ -22,11 +22,13 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "math_fractions"
 
 
-def test_generated_folder_trains_with_the_example_config(tmp_path):
+@pytest.mark.parametrize("fmt", ["datasets", "jsonl"])  # run.sh's CPU and GPU recipes
+def test_generated_folder_trains_with_the_example_config(tmp_path, fmt):
     out = tmp_path / "data"
-    subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), str(out), "--train", "40", "--test", "8"],
-                   check=True, capture_output=True, timeout=120)
-    cfg = load_config(EXAMPLE / "grpo_fractions.yaml", [f"data.train_path={out}", f"data.eval_path={out}",
+    subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), str(out), "--train", "40", "--test", "8",
+                    "--format", fmt], check=True, capture_output=True, timeout=120)
+    paths = [str(out)] * 2 if fmt == "datasets" else [str(out / "train.jsonl"), str(out / "test.jsonl")]
+    cfg = load_config(EXAMPLE / "grpo_fractions.yaml", [f"data.train_path={paths[0]}", f"data.eval_path={paths[1]}",
                                                         "model.hf_path=/run.sh/fills/it"])
     train, evals = load_datasets(cfg)
     assert (len(train), len(evals)) == (40, 8)
