@@ -13,7 +13,7 @@
 # split (rollout / logprobs / train / sync).
 #   bash benchmarks/gpu_ppo_distill.sh stage      # as gpu_smollm2.sh stage: set up, take the GGUF halves
 #   bash benchmarks/gpu_ppo_distill.sh run        # the runs above; results in $OUT/ppo_distill_runs.tgz
-# env: STEPS (28), EVAL (7), MEM (0.12), TEACHER_LIMIT (240 s), RUN_LIMIT (300 s)
+# env: STEPS (28), EVAL (7), MEM (0.12), TEACHER_LIMIT (210 s), RUN_LIMIT (270 s): setup + both stay under 10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_setup.sh || exit 1
@@ -35,7 +35,8 @@ launch() {  # name, port, limit, overrides...: one GPU-recipe run in the backgro
 }
 report() { echo "== $1: exit $2, $(( $(date +%s) - t0 )) s: $(tail -n 2 "$ROOT/$1.log" | tr '\n' ' ')"; }
 t0=$(date +%s)
-launch teacher 29600 "${TEACHER_LIMIT:-240}" train.save_interval=0
+# a checkpoint at the middle step too: if the limit cuts the run, the teacher is the latest one
+launch teacher 29600 "${TEACHER_LIMIT:-210}" train.save_interval=$(( ${STEPS:-28} / 2 ))
 wait "$last"; report teacher $?
 ckpt=$ROOT/teacher/checkpoints/$(cat "$ROOT/teacher/checkpoints/latest" 2>/dev/null)/mcore
 python3 -m mtrain.converters mcore-to-hf --mcore "$ckpt" --out "$ROOT/teacher_hf" --hf-config "$HF_DIR" --force \
@@ -50,9 +51,9 @@ for name in "${runs[@]}"; do
         distill_grpo) over=("algo.distill.teacher_path=$ROOT/teacher_hf") ;;
         ppo) over=(algo.name=ppo critic.lr=1.0e-5) ;;
     esac
-    launch "$name" $port "${RUN_LIMIT:-300}" engine.mem_fraction_static=${MEM:-0.12} train.save_interval=-1 "${over[@]}"
+    launch "$name" $port "${RUN_LIMIT:-270}" engine.mem_fraction_static=${MEM:-0.12} train.save_interval=-1 "${over[@]}"
     pids+=("$last")
-    port=$((port + 7)); sleep 10
+    port=$((port + 7)); sleep 5
 done
 for i in "${!runs[@]}"; do wait "${pids[$i]}"; report "${runs[$i]}" $?; done
 args=()
