@@ -44,6 +44,18 @@ def test_curves_target_step_kl_and_split(tmp_path):
     assert len(p.stdout.strip().splitlines()) == 4  # a line per run and the files written
 
 
+def test_base_run_gives_step_0_to_runs_without_it(tmp_path):
+    base = write_run(tmp_path / "b", {0: 0.33}, [{}])
+    t = write_run(tmp_path / "t", {2: 0.6}, [{}, {}])
+    p = subprocess.run([sys.executable, str(SCRIPT), f"t={t}", f"b={base}", "--base", str(base), "--out",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr
+    runs = json.loads((tmp_path / "o" / "summary.json").read_text())["runs"]
+    assert runs[0]["eval_curve"] == [{"step": 0, "accuracy": 0.33, "from_base_run": str(base)}, {"step": 2, "accuracy": 0.6}]
+    assert runs[1]["eval_curve"] == [{"step": 0, "accuracy": 0.33}]  # its own step 0 stays as logged
+
+
 def test_a_run_without_metrics_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), f"x={tmp_path}"], capture_output=True, text=True, timeout=60,
                        cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})

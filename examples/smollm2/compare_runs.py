@@ -1,7 +1,7 @@
 """Side-by-side learning curves of several runs of the SmolLM2 addition task (GRPO teacher, distillation student,
 PPO, ...): held-out accuracy per eval step, distill/reverse_kl per step, the median step-time split, and the first
 eval step at which each run reaches a target accuracy (by default the first run's final eval, the teacher's).
-    python examples/smollm2/compare_runs.py NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC] [--out DIR]
+    python examples/smollm2/compare_runs.py NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC] [--base RUN_DIR] [--out DIR]
 Prints one JSON line per run; with --out also writes DIR/summary.json and DIR/curves.png (matplotlib).
 """
 from __future__ import annotations
@@ -17,9 +17,11 @@ from mtrain.metrics import read_metrics
 SPLIT = ("rollout", "logprobs", "train", "sync")
 
 
-def run_summary(name: str, run_dir: str, target: float | None) -> dict:
+def run_summary(name: str, run_dir: str, target: float | None, base: dict | None = None) -> dict:
     recs = read_metrics(run_dir)
     evals = [{"step": r["step"], "accuracy": r["eval/reward_mean"]} for r in recs if "eval/reward_mean" in r]
+    if base is not None and not any(e["step"] == 0 for e in evals):  # a run that skipped val_before_train
+        evals.insert(0, base)
     steps = [r for r in recs if "weight_version" in r]  # one record per training step
     out = {"name": name, "run_dir": str(run_dir), "eval_curve": evals,
            "train_reward_per_step": [r.get("reward/mean") for r in steps],
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", help="NAME=RUN_DIR; the first is the reference (teacher) run")
     ap.add_argument("--target", type=float, default=None, help="accuracy to reach (default: first run's final eval)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--base", default=None, help="RUN_DIR of a run of the same base model and eval set whose step-0 "
+                    "eval is prepended (marked from_base_run) to runs that skipped val_before_train")
     args = ap.parse_args(argv)
     pairs = []
     for spec in args.runs:
@@ -88,7 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     if target is None:
         first = [r["eval/reward_mean"] for r in read_metrics(pairs[0][1]) if "eval/reward_mean" in r]
         target = first[-1] if first else None
-    runs = [run_summary(n, p, target) for n, p in pairs]
+    base = None
+    if args.base:
+        base = next(({"step": 0, "accuracy": r["eval/reward_mean"], "from_base_run": args.base}
+                     for r in read_metrics(args.base) if r.get("step") == 0 and "eval/reward_mean" in r), None)
+        if base is None:
+            sys.exit(f"compare_runs: error: --base {args.base}: no eval at step 0 in its metrics.jsonl")
+    runs = [run_summary(n, p, target, base) for n, p in pairs]
     for r in runs:
         brief = {k: v for k, v in r.items() if k not in ("config", "train_reward_per_step", "command")}
         print(json.dumps(_rounded(brief)))
