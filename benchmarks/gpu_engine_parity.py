@@ -46,11 +46,11 @@ def _rate(rounds: list[float], tokens: int) -> dict:
             "rounds_s": rounds}
 
 
-def _timed_rounds(one_round, batches: list[int], new: int, repeats: int, vocab: int) -> dict:
+def _timed_rounds(one_round, batches: list[int], new: int, repeats: int, vocab: int, prompt_len: int = 64) -> dict:
     """For each batch size: one warm-up round, then `repeats` timed ones; every request must generate `new` tokens."""
     out = {}
     for b in batches:
-        prompts = _prompts(b, vocab)
+        prompts = _prompts(b, vocab, prompt_len)
         rounds = []
         for r in range(repeats + 1):
             t = time.perf_counter()
@@ -81,13 +81,14 @@ def run_inprocess(hf: str, extra: dict, batches: list[int], new: int, repeats: i
     return out
 
 
-def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: int, vocab: int) -> dict:
+def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: int, vocab: int, *,
+                   mem_fraction: float = 0.5, prompt_len: int = 64) -> dict:
     import sglang
 
     from mtrain.rollout.engine_env import engine_environment
     from mtrain.rollout.sglang_wire import engine_server_args, to_sglang_sampling
     from mtrain.rollout.protocol import SamplingParams
-    kwargs = engine_server_args(hf, tp_size=1, mem_fraction_static=0.5, base_gpu_id=0, load_format="auto",
+    kwargs = engine_server_args(hf, tp_size=1, mem_fraction_static=mem_fraction, base_gpu_id=0, load_format="auto",
                                 random_seed=0, extra=extra)
     t0 = time.perf_counter()
     with engine_environment():
@@ -100,7 +101,7 @@ def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: 
         sp = [to_sglang_sampling(params, seeds.getrandbits(62)) for _ in prompts]
         return [len(d["output_ids"]) for d in eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)]
     try:
-        out.update(_timed_rounds(one_round, batches, new, repeats, vocab))
+        out.update(_timed_rounds(one_round, batches, new, repeats, vocab, prompt_len))
     finally:
         eng.shutdown()
     return out

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_smollm2.sh parity                  # benchmarks/gpu_engine_parity.py on the SmolLM2 weights
 #   bash benchmarks/gpu_smollm2.sh math [override ...]     # examples/math_fractions RECIPE=gpu (math-verify reward;
 #                                                          # its wheels in .gpu-extra/, BUILD.md "GPU"), 128 eval problems
+#   bash benchmarks/gpu_smollm2.sh probe [RUN ...]         # `mtrain gap-probe` with the GPU recipe, one after another
 # RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
 # head). Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
 set -uo pipefail
@@ -63,6 +64,22 @@ math)
     echo "== math_fractions: exit $? $(tail -n 1 "$dir/log")"
     python3 -m mtrain plot "$dir/run" --out "$dir/run/curves.png" > /dev/null 2>&1 || true
     tar --exclude='checkpoints' --exclude='data' -czf "$OUT/math_fractions_gpu.tgz" -C /tmp math_fractions_gpu ;;
+probe)
+    shift
+    runs=("$@")
+    [ ${#runs[@]} -eq 0 ] && runs=(recipe: on_policy:engine.server_args.rl_on_policy_target=fsdp
+                                    nofp32head:model.fp32_lm_head=false)
+    mapfile -t recipe < <(grep -v '^[[:space:]]*\(#\|$\)' examples/smollm2/gpu.overrides)
+    for run in "${runs[@]}"; do
+        name=${run%%:*}; IFS=, read -r -a over <<< "${run#*:}"
+        for rec in ${PROBE_RECORDS:-0}; do
+            echo "== probe $name record $rec"
+            timeout ${RUN_LIMIT:-300} python3 -m mtrain gap-probe examples/smollm2/grpo_addition.yaml "${recipe[@]}" \
+                model.hf_path="$HF_DIR" engine.cuda_graphs=false "${over[@]}" --record "$rec" --new-tokens 64 --out "$OUT/probe_${name}_$rec.json" \
+                > "$OUT/probe_${name}_$rec.log" 2>&1
+            echo "exit $?"; grep -A 200 "^point" "$OUT/probe_${name}_$rec.log" | grep -v "^L[0-9]*\.norm"
+        done
+    done ;;
 parity)
     python3 benchmarks/gpu_engine_parity.py --hf "$HF_DIR" --out "$OUT/parity.json" 2>&1 | tee "$OUT/parity.log" | grep -v "^\[" ;;
 *) echo "gpu_smollm2.sh: unknown action ${1:-}" >&2; exit 2 ;;

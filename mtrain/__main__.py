@@ -3,6 +3,7 @@
     mtrain train CONFIG.yaml [a.b.c=value ...]     # under torchrun for several ranks
     mtrain serve CONFIG.yaml [a.b.c=value ...]     # the OpenAI front on the configured model, no training
     mtrain plot RUN_DIR [--out PNG]
+    mtrain gap-probe CONFIG.yaml [a.b.c=value ...] # where the engine-vs-trainer logprob gap comes from, layer by layer
     mtrain init-tiny --arch llama --out DIR        # a tiny random HF model for CPU runs and tests
 """
 from __future__ import annotations
@@ -62,6 +63,13 @@ def _plot(args) -> int:
     return 0
 
 
+def _gap_probe(args) -> int:
+    from mtrain.run_output import quiet_known_warnings
+    quiet_known_warnings()
+    from mtrain.gap_probe import main as gap_probe_main
+    return gap_probe_main(args)
+
+
 def _init_tiny(args) -> int:
     from mtrain.tiny_hf import write_tiny_hf
     if not args.arch and not args.config:
@@ -87,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_plot)
+    gp = sub.add_parser("gap-probe", help="compare the trainer's and the engine's activations and logprobs on one "
+                        "sequence, layer by layer, against a float64 HF reference")
+    gp.add_argument("config", nargs="?", default=None)
+    gp.add_argument("overrides", nargs="*")
+    gp.add_argument("--record", type=int, default=0, help="which eval (else train) record's prompt to use")
+    gp.add_argument("--new-tokens", type=int, default=32, help="tokens the engine samples after the prompt")
+    gp.add_argument("--reference-dtype", default="float64", choices=("float64", "float32"))
+    gp.add_argument("--out", default=None, help="write the full report as JSON here")
+    gp.set_defaults(fn=_gap_probe)
     it = sub.add_parser("init-tiny", help="write a tiny random HF model (config.json + safetensors)")
     it.add_argument("--arch", help="one of mtrain.tiny_configs.TINY, or qwen2_5_vl / qwen2_5_vl_gpu (with a processor)")
     it.add_argument("--config", help="a full HF config.json to instantiate with random weights instead")

@@ -122,7 +122,9 @@ class RolloutConfig:
     # the engines run at most max_groups_in_flight groups each)
     over_sample: float | None = None
     offpolicy: Literal["mask", "tis"] = "mask"  # tokens of older versions: out of the loss, or TIS (algo.tis_cap)
-    max_staleness: int | None = None  # drop buffered groups with tokens more than this many versions old
+    # partial: drop buffered groups with tokens more than this many versions old; rollout.async: the most versions
+    # a trained token may lag (one_step with offpolicy=mask; stream: its generator waits to keep it; null = 1)
+    max_staleness: int | None = None
     max_new_tokens_start: int | None = None  # growing length budget: start here, reach max_new_tokens ...
     max_new_tokens_ramp_steps: int = 0  # ... linearly over this many steps (0 = no ramp)
     # Asynchronous RL (docs/design-async.md): off | one_step (step N+1's groups generated with weights N while step

@@ -27,8 +27,6 @@ def check_async(cfg) -> None:
         if e.ranks < e.tp or e.ranks % e.tp:
             raise _fail("engine.ranks", f"{e.ranks} is not a positive multiple of engine.tp={e.tp} (each engine "
                                         "spans engine.tp ranks)")
-    if mode == "stream":
-        raise _fail("rollout.async", "stream is not available in this build; use one_step (or off)")
     if mode == "off":
         return
     if r.partial:
@@ -37,6 +35,9 @@ def check_async(cfg) -> None:
         raise _fail("rollout.async", f"{mode} with serve.agent is not available (agents drive the pool themselves)")
     if r.offpolicy == "tis" and cfg.algo.tis_cap is None:
         raise _fail("rollout.offpolicy", "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
+    if mode == "stream" and cfg.multi_turn.rollout_fn is not None:
+        raise _fail("rollout.async", "stream with multi_turn.rollout_fn is not available (tool calls would be paused "
+                                     "mid-turn by updates in place); use one_step")
     if r.max_staleness is not None and r.max_staleness < 1:
         raise _fail("rollout.max_staleness", f"{r.max_staleness} with rollout.async={mode} leaves nothing to train "
                                              "on (every token is one version old); use >= 1 or null")

@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"rollout"},                                    # engines, the pool, trajectories, agents
     {"serve"},                                      # the OpenAI front
     {"trainer"},                                    # the RL loop
-    {"__main__", "preflight", "preflight_models", "serve_command"},     # commands: parse, check, start
+    {"__main__", "preflight", "preflight_models", "serve_command", "gap_probe"},     # commands: parse, check, start
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -39,18 +39,22 @@ class Batcher:
             self._cv.notify()
         return fut
 
-    def abort_queued(self, rid_prefix: str | None) -> None:
-        """Queued (not yet running) requests matching the prefix finish now with no tokens, "abort"."""
+    def abort_queued(self, rid_prefix: str | None) -> int:
+        """Queued (not yet running) requests matching the prefix finish now with no tokens, "abort"; returns how
+        many did."""
         with self._cv:
             keep, gone = [], []
             for req, fut in self._queue:
                 (gone if rid_prefix is None or req.rid.startswith(rid_prefix) else keep).append((req, fut))
             self._queue = keep
+        count = 0
         for req, fut in gone:
             if fut.cancelled():
                 continue
             fut.set_result(Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
                                       finish_reason="abort", weight_version=-1, vision=req.vision))
+            count += 1
+        return count
 
     def pause(self) -> None:
         with self._cv:

@@ -243,6 +243,22 @@ class RolloutEngine(abc.ABC):
     def resume(self) -> None:
         """Let held requests run again."""
 
+    def pause_in_place(self) -> None:
+        """Stop generating between two decoding steps, keeping every running request and its KV cache (SGLang's
+        pause_generation(mode="in_place")). Returns once nothing decodes. While paused a weight sync may run (its
+        finish keeps the KV of the paused requests); continue_generation() then goes on with the same requests,
+        whose further tokens carry the new weight_version (Completion.token_versions)."""
+        raise EngineError(f"{type(self).__name__} cannot pause in place")
+
+    def continue_generation(self) -> None:
+        """End pause_in_place: the paused requests decode on, under whatever weights the engine now holds."""
+        raise EngineError(f"{type(self).__name__} cannot pause in place")
+
+    @property
+    def aborted_requests(self) -> int:
+        """How many requests this engine has ended with finish_reason "abort" since it started (any cause)."""
+        raise EngineError(f"{type(self).__name__} does not count aborted requests")
+
     @abc.abstractmethod
     def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
         """Write one bucket of a weight sync.

@@ -159,6 +159,10 @@ class ReferenceEngine(RolloutEngine):
         self._abort_lock = threading.Lock()
         self._progress: dict[str, int] = {}  # in-flight rid -> tokens generated so far
         self._aborted: set[str] = set()
+        self._aborts = 0  # requests ended "abort" (aborted_requests)
+        # pause_in_place: generation parks at a gate between decoding steps, giving the model lock to a weight sync
+        self._pause_cv = threading.Condition()
+        self._paused_in_place = False
         self._batcher: Batcher | None = None  # started by the first submit()
         self._routing = None
         if record_routing:
@@ -338,6 +342,9 @@ class ReferenceEngine(RolloutEngine):
         if self._batcher is not None:
             self._batcher.close("the engine was shut down")
         self.abort(None)
+        with self._pause_cv:  # a generation parked at the gate wakes up and ends with "shut down"
+            self._paused_in_place = False
+            self._pause_cv.notify_all()
         with self._model_lock:
             self._shut = True
             self._model = None
@@ -351,7 +358,9 @@ class ReferenceEngine(RolloutEngine):
     # ---------------------------------------------------------------- generation
     def abort(self, rid_prefix: str | None = None) -> None:
         if self._batcher is not None:
-            self._batcher.abort_queued(rid_prefix)
+            queued = self._batcher.abort_queued(rid_prefix)
+            with self._abort_lock:
+                self._aborts += queued
         with self._abort_lock:
             self._aborted.update(r for r in self._progress if rid_prefix is None or r.startswith(rid_prefix))
 
@@ -381,6 +390,45 @@ class ReferenceEngine(RolloutEngine):
         if self._batcher is not None:
             self._batcher.resume()
 
+    @property
+    def aborted_requests(self) -> int:
+        with self._abort_lock:
+            return self._aborts
+
+    def pause_in_place(self) -> None:
+        """Close the gate between decoding steps and wait until no generation holds the model: a running batch parks
+        at the gate with its KV cache (SGLang's in_place pause), a queued one parks before its prefill."""
+        self._check_alive("pause_in_place")
+        with self._pause_cv:
+            if self._paused_in_place:
+                raise EngineError("pause_in_place: already paused")
+            self._paused_in_place = True
+        with self._model_lock:  # held by a decoding loop until it reaches the gate
+            pass
+
+    def continue_generation(self) -> None:
+        with self._pause_cv:
+            if not self._paused_in_place:
+                raise EngineError("continue_generation: not paused (pause_in_place first)")
+            self._paused_in_place = False
+            self._pause_cv.notify_all()
+
+    def _gate(self) -> None:
+        """Called with the model lock held, between decoding steps: while paused in place, give the lock up (a weight
+        sync takes it), wait for continue_generation, take it back. The weights found then must be complete."""
+        with self._pause_cv:
+            if not self._paused_in_place:
+                return
+        self._model_lock.release()
+        try:
+            with self._pause_cv:
+                while self._paused_in_place and not self._shut:
+                    self._pause_cv.wait()
+        finally:
+            self._model_lock.acquire()
+        self._check_alive("generate")
+        self._check_ready()  # continued before the sync's finish_weight_update: refused, not decoded on half weights
+
     def active_requests(self) -> dict[str, int]:
         """In-flight rid -> tokens generated so far (queued requests show 0)."""
         with self._abort_lock:
@@ -402,6 +450,7 @@ class ReferenceEngine(RolloutEngine):
         try:
             with self._model_lock:
                 self._check_alive("generate")  # shutdown may have happened while this call waited
+                self._gate()  # a batch taken while paused in place waits before its prefill
                 self._check_ready()
                 results: list[Completion | None] = [None] * len(requests)
                 groups: dict[int, list[int]] = {}
@@ -410,6 +459,8 @@ class ReferenceEngine(RolloutEngine):
                 for idx in groups.values():
                     for i, completion in zip(idx, self._generate_group([requests[i] for i in idx])):
                         results[i] = completion
+                with self._abort_lock:
+                    self._aborts += sum(c.finish_reason == "abort" for c in results)  # type: ignore[union-attr]
                 return results  # type: ignore[return-value]
         finally:
             with self._abort_lock:
@@ -449,6 +500,21 @@ class ReferenceEngine(RolloutEngine):
             raise EngineError("generate: a weight sync is in progress (update_weights without "
                               "finish_weight_update); the engine's weights are partial")
 
+    @torch.no_grad()
+    def probe_activations(self, token_ids: list[int]) -> dict[str, Any]:
+        """One forward of `token_ids` with taps (mtrain.models.taps): {"taps": {point: [tokens, hidden]},
+        "logprobs": float32 [len - 1], log p(token_ids[t + 1] | token_ids[:t + 1]) at temperature 1}.
+        For the logprob-gap diagnostic (mtrain/gap_probe.py); runs between requests, like a weight update."""
+        from mtrain.models.taps import Taps, hf_style_points
+
+        with self._model_lock:
+            self._check_ready()
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            with Taps(hf_style_points(self._model)) as taps:
+                logits = self._model(input_ids=ids, use_cache=False).logits[0]
+        logp = torch.log_softmax(logits[:-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        return {"taps": taps.captures, "logprobs": logp.gather(1, ids[0, 1:, None])[:, 0]}
+
     def _is_aborted(self, rid: str) -> bool:
         with self._abort_lock:
             return rid in self._aborted
@@ -458,6 +524,7 @@ class ReferenceEngine(RolloutEngine):
         """Decode requests that share one prompt length, in lock step, with one KV cache."""
         outputs: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[float]] = [[] for _ in reqs]
+        versions: list[list[int]] = [[] for _ in reqs]  # per token: the weights that produced it (pause_in_place)
         tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
         finish: list[str | None] = [None] * len(reqs)
         gens = []
@@ -472,6 +539,7 @@ class ReferenceEngine(RolloutEngine):
         vision_kwargs, deltas = {}, None
         routed: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: [tokens, L, k] per forward
         while True:
+            self._gate()  # a pause in place stops here; the KV cache of every row is kept across it
             # abort is checked between decoding steps (and before the prefill of a queued group)
             for i in alive:  # a request that finished last step stays finished (its stop token is in the output)
                 if finish[i] is None and self._is_aborted(reqs[i].rid):
@@ -506,6 +574,7 @@ class ReferenceEngine(RolloutEngine):
                 token, logprob = sample_token(logits[row], params, gens[i])
                 outputs[i].append(token)
                 logprobs[i].append(logprob)
+                versions[i].append(self._version)
                 if tops[i] is not None:
                     tops[i].append(top_alternatives(logits[row], params))
                 next_ids.append(token)
@@ -529,6 +598,8 @@ class ReferenceEngine(RolloutEngine):
                 break
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
                            finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
+                           # only when an update in place fell inside the request (else all weight_version)
+                           token_versions=versions[i] if any(v != self._version for v in versions[i]) else None,
                            top_logprobs=tops[i], vision=r.vision,
                            # none for a request aborted before its prefill, as SGLang gives none for one aborted in its queue
                            routed_experts=self._routed_from(routed[i], r.routed_experts_start),

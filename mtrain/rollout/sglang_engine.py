@@ -73,6 +73,7 @@ from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine
 logger = logging.getLogger(__name__)
 
 SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+NON_STREAM_INTERVAL = 50  # SGLANG_FORCE_STREAM_INTERVAL: how often a non-streamed request's tokens reach the TM
 class SGLangEngine(RolloutEngine):
     """`sglang.Engine` in this process. One per process: it owns the process's SIGQUIT handler."""
 
@@ -110,6 +111,9 @@ class SGLangEngine(RolloutEngine):
         self._aborted: set[str] = set()  # SGLang rids aborted before they reached the scheduler
         self._tasks: set[concurrent.futures.Future] = set()  # everything submitted to engine.loop, for death
         self._gate: asyncio.Event | None = None  # closed by pause(): requests wait before reaching SGLang
+        self._in_place: int | None = None  # pause_in_place: the weight version the engines paused at
+        self._boundaries: dict[str, list[tuple[int, int]]] = {}  # srid -> (tokens so far, their version) per update
+        self._aborts = 0
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
         self._engine = None
@@ -232,7 +236,7 @@ class SGLangEngine(RolloutEngine):
         errors = [f"{r.rid!r}: {type(o).__name__}: {o}" for r, o in zip(requests, outs) if isinstance(o, Exception)]
         if errors:
             raise EngineError(f"SGLang failed {len(errors)} of {len(requests)} requests: " + "; ".join(errors[:5]))
-        return [self._completion(r, o) for r, o in zip(requests, outs)]
+        return [self._completion(r, o, s) for r, o, s in zip(requests, outs, srids)]
 
     async def _generate_all(self, requests: list[Request], srids: list[str]) -> list[Any]:
         return await asyncio.gather(*(self._one(r, s) for r, s in zip(requests, srids)), return_exceptions=True)
@@ -290,7 +294,7 @@ class SGLangEngine(RolloutEngine):
             self._inflight.pop(srid, None)
             self._aborted.discard(srid)
             try:
-                out.set_result(self._completion(request, f.result()))
+                out.set_result(self._completion(request, f.result(), srid))
             except concurrent.futures.CancelledError:
                 out.set_exception(EngineError(f"request {request.rid!r}: {self._dead or 'cancelled'}"))
             except Exception as e:  # noqa: BLE001 - delivered to the caller
@@ -309,11 +313,55 @@ class SGLangEngine(RolloutEngine):
     async def _set_gate(self, open_: bool) -> None:
         (self._gate.set if open_ else self._gate.clear)()
 
-    def _completion(self, req: Request, out: Any) -> Completion:
+    def _completion(self, req: Request, out: Any, srid: str | None = None) -> Completion:
+        marks = self._boundaries.pop(srid, None) if srid is not None else None
         if out is None:
+            self._aborts += 1
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
                               finish_reason="abort", weight_version=self._weight_version, vision=req.vision)
-        return completion_from_output(req, out, self._weight_version, routing=self._routing)
+        c = completion_from_output(req, out, self._weight_version, routing=self._routing)
+        self._aborts += c.finish_reason == "abort"
+        if marks:  # an update in place fell inside this request: its earlier tokens carry the older versions
+            c.token_versions = versions_from_marks(marks, len(c.output_ids), c.weight_version)
+        return c
+
+    @property
+    def aborted_requests(self) -> int:
+        return self._aborts
+
+    def pause_in_place(self) -> None:
+        """SGLang's pause_generation(mode="in_place"): the scheduler stops between two batches and keeps every running
+        request and its KV (io_struct.py:1601-1621); while paused, update_weights_from_tensor skips the model-update
+        lock (tokenizer_control_mixin.py:514-521), and every sync's finish runs with flush_cache=False (the flush needs
+        an idle scheduler and would assert, SGLANG-APIS.md section 1)."""
+        if self._in_place is not None:
+            raise EngineError("pause_in_place: already paused")
+        tm = self._engine.tokenizer_manager
+        self._run(tm.pause_generation(self._io.PauseGenerationReqInput(mode="in_place")), "pause_in_place")
+        self._in_place = self._weight_version
+
+    def continue_generation(self) -> None:
+        if self._in_place is None:
+            raise EngineError("continue_generation: not paused (pause_in_place first)")
+        if self._weight_version != self._in_place:
+            self._run(self._mark_versions(self._in_place), "continue_generation")
+        tm = self._engine.tokenizer_manager
+        self._run(tm.continue_generation(self._io.ContinueGenerationReqInput()), "continue_generation")
+        self._in_place = None
+
+    async def _mark_versions(self, old: int) -> None:
+        """Before continuing: how many tokens each paused request has, all made by version `old`. Read from the
+        tokenizer manager's state after the sync, when the outputs of the last batch before the pause have landed.
+        Streamed requests get every token forwarded (exact); a non-streamed one only every
+        SGLANG_FORCE_STREAM_INTERVAL (50) tokens (output_streamer.py:385-388), so up to 49 further tokens are
+        counted as old: a token's version is never newer than the weights that made it."""
+        states = self._engine.tokenizer_manager.rid_to_state
+        for srid, req in list(self._inflight.items()):
+            state = states.get(srid)
+            if state is None:
+                continue  # still held by pause() or queued: it starts on the new weights
+            held = len(state.output_ids) + (0 if req.on_tokens is not None else NON_STREAM_INTERVAL - 1)
+            self._boundaries.setdefault(srid, []).append((held, old))
 
     def abort(self, rid_prefix: str | None = None) -> None:
         """Abort our in-flight requests whose rid starts with rid_prefix (all when None). Thread-safe: may be
@@ -347,7 +395,8 @@ class SGLangEngine(RolloutEngine):
         marker = serialize_bucket([(FINISH_NAME, _marker_tensor())])
         # flush_cache: KV computed with the old weights must not be reused. SGLang asserts that the flush
         # succeeds (scheduler weight_updater.py:103-108), i.e. no request may be running: syncs happen idle.
-        self._send_weights([marker] * self.tp_size, LOAD_DIRECT, flush_cache=True, weight_version=str(version),
+        self._send_weights([marker] * self.tp_size, LOAD_DIRECT, flush_cache=self._in_place is None,
+                           weight_version=str(version),
                            what="finish_weight_update")
         self._weight_version = version
 
@@ -368,7 +417,7 @@ class SGLangEngine(RolloutEngine):
         payloads = [serialize_bucket(idle if job is None else self._pull.payload(r, job, finish, _marker_tensor()))
                     for r, job in enumerate(jobs)]
         try:
-            self._send_weights(payloads, LOAD_DIRECT, flush_cache=finish,
+            self._send_weights(payloads, LOAD_DIRECT, flush_cache=finish and self._in_place is None,
                                weight_version=str(version) if finish else None, what="pull_weights")
         except EngineError:
             self._pull.forget()
@@ -397,7 +446,7 @@ class SGLangEngine(RolloutEngine):
         finish = version is not None
         if finish and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise EngineError(f"pull_weights_serialized: version must be an int >= 0, got {version!r}")
-        self._send_weights(list(payloads), LOAD_DIRECT, flush_cache=finish,
+        self._send_weights(list(payloads), LOAD_DIRECT, flush_cache=finish and self._in_place is None,
                            weight_version=str(version) if finish else None, what="pull_weights")
         if finish:
             self._weight_version = version
@@ -426,6 +475,32 @@ class SGLangEngine(RolloutEngine):
                            what="dump_params")
         ext = "json" if what == "sha256" else "pt"
         return [os.path.join(os.path.abspath(out_dir), f"rank{r}.{ext}") for r in range(self.tp_size)]
+
+    def probe_activations(self, token_ids: list[int]) -> dict[str, Any]:
+        """One prefill of `token_ids` with taps in the scheduler (mtrain/rollout/sglang_taps.py):
+        {"taps": {point: [tokens, hidden] float32}, "logprobs": float32 [len - 1], SGLang's own input-token
+        logprobs at temperature 1}. The cache is flushed first so every position is computed; the sequence
+        must fit one prefill chunk (chunked_prefill_size) for the taps to hold all of it."""
+        from mtrain.rollout.sglang_taps import TAP_ACTIVATIONS, tap_spec
+
+        def control(spec: str) -> None:
+            marker = serialize_bucket([(spec, _marker_tensor())])
+            self._send_weights([marker] * self.tp_size, TAP_ACTIVATIONS, flush_cache=False, weight_version=None,
+                               what="probe_activations")
+
+        self.flush_cache()
+        out_dir = tempfile.mkdtemp(prefix="mtrain-taps-")
+        try:
+            control(tap_spec("arm"))
+            out = self._run(self._engine.async_generate(
+                input_ids=list(token_ids), sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+                return_logprob=True, logprob_start_len=0, rid=uuid.uuid4().hex), "probe_activations")
+            control(tap_spec("dump", out_dir))
+            taps = torch.load(os.path.join(out_dir, "rank0.pt"))
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        entries = out["meta_info"]["input_token_logprobs"][1:]  # the first position has no logprob
+        return {"taps": taps, "logprobs": torch.tensor([e[0] for e in entries], dtype=torch.float32)}
 
     def weight_checksums(self) -> list[dict]:
         """SGLang's own per-parameter checksums, one dict per TP rank (CheckWeightsReqInput, 0.5.17)."""
@@ -512,6 +587,16 @@ class SGLangEngine(RolloutEngine):
 
 
 _LIVE: "weakref.WeakSet[SGLangEngine]" = weakref.WeakSet()
+
+
+def versions_from_marks(marks: Sequence[tuple[int, int]], n: int, final: int) -> list[int]:
+    """Per-token versions of an n-token output from the updates in place that fell inside it: marks[i] = (tokens the
+    request had at update i, capped at n; the version they came from), in update order; the rest are `final`."""
+    versions: list[int] = []
+    for upto, version in marks:
+        upto = min(upto, n)
+        versions += [version] * max(0, upto - len(versions))
+    return versions + [final] * (n - len(versions))
 
 
 def _server_arg_names() -> list[str]:

@@ -12,6 +12,7 @@ import torch
 
 from mtrain.rollout.protocol import Completion, EngineError, Request, SamplingParams, routed_start_error
 from mtrain.rollout.sglang_loader import DUMP_PARAMS, LOAD_DIRECT
+from mtrain.rollout.sglang_taps import TAP_ACTIVATIONS
 
 logger = logging.getLogger("mtrain.rollout.sglang_engine")
 
@@ -58,7 +59,7 @@ def engine_server_args(
         # off, long runs turn it back on with engine.server_args.disable_cuda_graph=false.
         disable_cuda_graph=True,
         load_format=load_format,
-        custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS],
+        custom_weight_loader=[LOAD_DIRECT, DUMP_PARAMS, TAP_ACTIVATIONS],
         # The direct loader writes w13_weight as [gate; up] in [E, 2I, H]: that is the triton runner's layout.
         # flashinfer_trtllm ("auto" on Blackwell) stores [up; gate] re-blocked, triton_kernel transposes.
         moe_runner_backend="triton",

@@ -40,11 +40,13 @@ ONE_STEP_STALENESS = 1
 LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
 
 
-def rollout_for_step(trainer, pool: RolloutPool, step: int) -> RolloutResult:
-    """Step `step`'s prompts (the sampler's next batch), seeds and request ids exactly as the synchronous loop's,
-    run on `pool`: a one_step run differs from a synchronous one only in the weights that generated."""
+def rollout_for_step(trainer, pool: RolloutPool, step: int, samples=None) -> RolloutResult:
+    """Step `step`'s prompts (the sampler's next batch, or `samples` already drawn), seeds and request ids exactly as
+    the synchronous loop's, run on `pool`: an async run differs from a synchronous one only in the weights that
+    generated."""
     cfg = trainer.cfg
-    samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
+    if samples is None:
+        samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
     ahead = getattr(trainer, "async_rollout", None)
     if ahead is not None:  # the ledger of trained prompts (LEDGER)
         ahead.drawn[step] = [s.index for s in samples]
@@ -73,12 +75,14 @@ def lag_metrics(res: RolloutResult, step: int) -> dict[str, float]:
     return out
 
 
-def offpolicy_mask(batch, step: int, rollout_cfg) -> None:
-    """rollout.offpolicy=mask under asynchrony: tokens more than max_staleness versions old leave the loss."""
+def offpolicy_mask(batch, step: int, rollout_cfg) -> dict[str, float]:
+    """rollout.offpolicy=mask under one_step: tokens more than max_staleness versions old leave the loss (stream
+    drops whole groups instead: stream_step.drop_stale_groups)."""
     if rollout_cfg.offpolicy != "mask":
-        return
+        return {}
     allowed = rollout_cfg.max_staleness if rollout_cfg.max_staleness is not None else ONE_STEP_STALENESS
     batch.response_mask[(batch.versions >= 0) & (batch.versions < step - allowed)] = 0.0
+    return {}
 
 
 def _ledger_step(line: str) -> float:

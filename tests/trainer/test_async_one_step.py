@@ -77,17 +77,18 @@ def test_mask_drops_tokens_older_than_max_staleness():
     versions = torch.tensor([[-1, 5, 4, 3, 2]])
     for staleness, want in ((None, [1, 1, 1, 0, 0]), (2, [1, 1, 1, 1, 0]), (1, [1, 1, 1, 0, 0])):
         batch = SimpleNamespace(versions=versions, response_mask=torch.ones(1, 5))
-        offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="mask", max_staleness=staleness))
+        offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="mask", max_staleness=staleness,
+                                                      async_mode="one_step"))
         assert batch.response_mask.tolist() == [[float(x) for x in want]], staleness
     batch = SimpleNamespace(versions=versions, response_mask=torch.ones(1, 5))
-    offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="tis", max_staleness=None))
+    offpolicy_mask(batch, 5, SimpleNamespace(offpolicy="tis", max_staleness=None, async_mode="one_step"))
     assert batch.response_mask.tolist() == [[1.0] * 5]  # tis keeps every token, weighted in the objective
 
 
 BAD = [
     (["rollout.async=sometimes"], "rollout.async: 'sometimes' is not one of 'off', 'one_step', 'stream'"),
     (["rollout.async_mode=off"], "unknown config key 'rollout.async_mode'"),
-    (["rollout.async=stream"], "rollout.async: stream is not available"),
+    (["rollout.async=stream", "rollout.max_staleness=0"], "rollout.max_staleness: 0 with rollout.async=stream"),
     (["rollout.async=one_step", "rollout.partial=true"], "rollout.async: one_step with rollout.partial=true"),
     (["rollout.async=one_step", "rollout.offpolicy=tis"], "rollout.offpolicy: tis needs algo.tis_cap"),
     (["rollout.async=one_step", "rollout.max_staleness=0"], "rollout.max_staleness: 0 with rollout.async=one_step"),

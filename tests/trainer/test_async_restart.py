@@ -1,7 +1,8 @@
-"""rollout.async=one_step survives kill -9 of the whole job at random moments: after `train.resume=auto` runs to the
+"""rollout.async=one_step and stream survive kill -9 of the whole job at random moments: after `train.resume=auto` runs to the
 end, every prompt the sampler handed out for the trained steps was trained exactly once (none lost with the pending
 rollout, none trained twice), counted from the run's ledger of trained prompts against an independent replay of
-the sampler. 2 gloo ranks, CPU; slow (several launches)."""
+the sampler. stream runs with max_staleness=2 (up to two batches generated ahead when the kill lands). 2 gloo ranks,
+CPU; slow (several launches)."""
 from __future__ import annotations
 
 import json
@@ -39,9 +40,11 @@ def _latest_step(run) -> int:
 
 
 @pytest.mark.slow
-def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("mode", ["one_step", "stream"])
+def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path, mode):  # noqa: F811
     run = tmp_path / "run"
-    overrides = base_overrides(tiny_hf, run, **{"rollout.async": "one_step", "train.steps": STEPS,
+    extra = {"rollout.max_staleness": 2} if mode == "stream" else {}
+    overrides = base_overrides(tiny_hf, run, **{"rollout.async": mode, "train.steps": STEPS, **extra,
                                                 "train.save_interval": 1, "parallel.tp": 1,
                                                 "rollout.prompts_per_step": PROMPTS,
                                                 "data.arithmetic.num_train": NUM_TRAIN})
