@@ -288,8 +288,12 @@ class Trainer:
             full.response_mask[(full.versions >= 0) & (full.versions < self.step)] = 0.0
         stale = {}
         if self.async_rollout is not None:
-            from mtrain.trainer.async_step import offpolicy_mask
-            stale = offpolicy_mask(full, self.step, cfg.rollout, n)
+            if cfg.rollout.async_mode == "stream":  # whole groups with a too-old token leave the loss (counted)
+                from mtrain.trainer.stream_step import drop_stale_groups
+                stale = drop_stale_groups(full, self.step, cfg.rollout, n)
+            else:
+                from mtrain.trainer.async_step import offpolicy_mask
+                stale = offpolicy_mask(full, self.step, cfg.rollout)
         batch, rows, local = full, full.size, dict(stale)
         if cfg.algo.filter_uniform_groups:
             batch, rows, local = self._drop_uniform_groups(full, n)
