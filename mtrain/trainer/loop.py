@@ -76,8 +76,10 @@ def _logprob_diff(old_lp, batch) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg):
         p = cfg.parallel
+        separate = cfg.engine.placement == "separate"  # Megatron over the training ranks only (trainer/separate.py)
         init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
-                         timeout_s=cfg.train.collective_timeout_s)
+                         timeout_s=cfg.train.collective_timeout_s,
+                         train_world=int(os.environ.get("WORLD_SIZE", 1)) - cfg.engine.ranks if separate else None)
         self.cfg, self.rank = cfg, dist.get_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
@@ -142,7 +144,11 @@ class Trainer:
                                dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                mode=d.sync_mode, device=d.device, engine_fp8=d.engine_fp8)
         lora = lora_spec_of(cfg)  # LoRA: the base once, then only the adapters (mtrain/trainer/lora_sync.py)
-        self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora)
+        if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
+            from mtrain.trainer.separate import SeparateSync
+            self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=self.actor.dtype)
+        else:
+            self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora)
         # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
         self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0
