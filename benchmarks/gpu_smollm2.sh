@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_smollm2.sh stage                   # set up + take the halves carried in this call
 #   bash benchmarks/gpu_smollm2.sh learn [RUN ...]         # GPU-recipe runs side by side on the one GPU
 #   bash benchmarks/gpu_smollm2.sh parity                  # benchmarks/gpu_engine_parity.py on the SmolLM2 weights
+#   bash benchmarks/gpu_smollm2.sh math [override ...]     # examples/math_fractions RECIPE=gpu (math-verify reward;
+#                                                          # its wheels in .gpu-extra/, BUILD.md "GPU"), 128 eval problems
 #   bash benchmarks/gpu_smollm2.sh probe [RUN ...]         # `mtrain gap-probe` with the GPU recipe, one after another
 # RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
 # head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo). Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
@@ -64,6 +66,14 @@ for d in sorted(pathlib.Path("/tmp/smollm2_runs").iterdir()):
           "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0), sync, mem)
 PY
     tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs ;;
+math)
+    shift
+    dir=/tmp/math_fractions_gpu; rm -rf "$dir"; mkdir -p "$dir"
+    RECIPE=gpu NPROC=1 N_TEST=128 RUN_DIR=$dir/run DATA_DIR=$dir/data HF_DIR=$HF_DIR timeout ${RUN_LIMIT:-540} \
+        bash examples/math_fractions/run.sh "$@" > "$dir/log" 2>&1
+    echo "== math_fractions: exit $? $(tail -n 1 "$dir/log")"
+    python3 -m mtrain plot "$dir/run" --out "$dir/run/curves.png" > /dev/null 2>&1 || true
+    tar --exclude='checkpoints' --exclude='data' -czf "$OUT/math_fractions_gpu.tgz" -C /tmp math_fractions_gpu ;;
 probe)
     shift
     runs=("$@")

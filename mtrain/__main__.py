@@ -24,8 +24,9 @@ def _train(args) -> int:
     quiet_known_warnings()  # before megatron is imported: most of its warnings come at import
     cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
     preflight(cfg)  # files, model vs layout, batch splits: one line, exit 2, no process group
+    from mtrain.trainer.separate import EngineRankTrainer, is_engine_rank
     from mtrain.trainer.loop import Trainer
-    trainer = Trainer(cfg)
+    trainer = EngineRankTrainer(cfg) if is_engine_rank(cfg) else Trainer(cfg)  # engine.placement=separate
     try:
         trainer.run()
     except BaseException:

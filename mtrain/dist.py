@@ -13,6 +13,7 @@ import os
 import pickle
 import socket
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -136,12 +137,16 @@ def init_distributed(
     seed: int = 1234,
     timeout_minutes: float = 30,
     timeout_s: Optional[float] = None,
-) -> ParallelInfo:
+    train_world: Optional[int] = None,
+) -> Optional[ParallelInfo]:
     """Initialise torch.distributed from torchrun's env, then Megatron's parallel_state and RNG.
 
     A single process without torchrun variables runs as world size 1 (MASTER_ADDR/PORT defaulted).
     timeout_s (overrides timeout_minutes) bounds every collective: a rank that waits longer for a dead or hung
     peer raises (gloo) or is torn down by NCCL's watchdog, so the job ends with an error instead of hanging.
+    train_world (engine.placement=separate): Megatron's groups span global ranks 0..train_world-1 only; the ranks
+    past them (engine ranks) take part in creating the groups, as torch requires of every rank, belong to none, and
+    get None back (they never touch Megatron).
     """
     if timeout_s is not None:
         timeout_minutes = timeout_s / 60
@@ -153,7 +158,7 @@ def init_distributed(
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
-    _sizes(world, tp, pp, ep, etp, cp)
+    _sizes(train_world or world, tp, pp, ep, etp, cp)
     if vpp is not None and vpp > 1 and pp < 2:
         raise ParallelLayoutError(f"vpp={vpp} needs pp >= 2 (got pp={pp})")
     vpp = vpp if vpp and vpp > 1 else None
@@ -177,20 +182,58 @@ def init_distributed(
             timeout=timedelta(minutes=timeout_minutes),
             device_id=torch.device("cuda", local_rank) if on_gpu else None,
         )
+    global _TRAIN_GROUP
+    _TRAIN_GROUP = None if train_world is None else dist.new_group(
+        list(range(train_world)), backend="gloo", timeout=timedelta(minutes=timeout_minutes))
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        distributed_timeout_minutes=timeout_minutes,
-        order=MEGATRON_ORDER,
-    )
+    with _megatron_world(train_world):
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            distributed_timeout_minutes=timeout_minutes,
+            order=MEGATRON_ORDER,
+        )
+    if train_world is not None and rank >= train_world:
+        torch.manual_seed(seed)
+        return None
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
     return current_parallel_info()
+
+
+_TRAIN_GROUP = None
+
+
+def train_group():
+    """The group of the training ranks for collectives only they take part in (None = the default group, every
+    rank: colocated placement, where every rank trains). Set by init_distributed."""
+    return _TRAIN_GROUP
+
+
+@contextmanager
+def _megatron_world(train_world: Optional[int]):
+    """megatron-core's initialize_model_parallel sizes its groups from `torch.distributed.get_world_size()` of the
+    default group and takes no world size argument. With separate placement its groups must span the training
+    ranks only (the first train_world ranks), while the default group spans the whole job (the weight transfer and
+    the rollout pool use it): for the call alone, a default-group world-size query answers train_world. Megatron
+    itself is not modified; queries with an explicit group pass through."""
+    if train_world is None:
+        yield
+        return
+    real = dist.get_world_size
+
+    def world_size(group=None):
+        return train_world if group is None else real(group)
+
+    dist.get_world_size = world_size
+    try:
+        yield
+    finally:
+        dist.get_world_size = real
 
 
 def current_parallel_info() -> ParallelInfo:

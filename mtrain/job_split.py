@@ -78,8 +78,29 @@ def split_ranks(cfg, world: int) -> JobSplit:
     return JobSplit(world, "separate", tuple(range(n_train)), tuple(range(n_train, world)), e.tp)
 
 
-def check_placement_runs(split: JobSplit) -> None:
-    """The trainer runs colocated placement only for now: a valid separate split is still refused, in one line."""
-    if split.placement == "separate":
-        raise _fail("engine.placement", f"separate ({split.describe()}) is not available in this build; "
-                                        "use engine.placement=colocated")
+def check_placement_runs(split: JobSplit, cfg=None) -> None:
+    """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/separate.py): one
+    destination rank per engine (the reference engine, or SGLang at engine.tp=1), no checkpoints (megatron's
+    dist_checkpointing collectives span the whole job), and none of the features whose collectives span it
+    (partial rollout, agents, PPO's critic, distillation, routing replay, LoRA)."""
+    if split.placement != "separate" or cfg is None:
+        return
+    e = cfg.engine
+    if e.tp > 1 and e.kind != "reference":
+        raise _fail("engine.tp", f"{e.tp} with engine.placement=separate is not available in this build (engines of "
+                                 "one rank each; SGLang at engine.tp=1 or the reference engine)")
+    if cfg.train.save_interval != -1:
+        raise _fail("train.save_interval", "engine.placement=separate does not write checkpoints in this build; "
+                                           "set train.save_interval=-1")
+    refused = [("rollout.async", cfg.rollout.async_mode == "stream"), ("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
+               ("algo.name", cfg.algo.name == "ppo"), ("algo.distill.teacher_path", bool(cfg.algo.distill.teacher_path)),
+               ("algo.routing_replay", cfg.algo.routing_replay != "off"), ("model.lora.targets", bool(cfg.model.lora.targets))]
+    for key, on in refused:
+        if on:
+            raise _fail(key, f"is not available with engine.placement=separate in this build "
+                             f"({split.describe()}); use engine.placement=colocated")
+
+
+def train_world(cfg, world: int) -> int:
+    """How many ranks train: all of them colocated, the ranks before engine.ranks separate."""
+    return world - cfg.engine.ranks if cfg.engine.placement == "separate" else world

@@ -222,9 +222,9 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     world = world_size() if world is None else world
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
-    from mtrain.job_split import check_placement_runs, split_ranks
-    check_placement_runs(split_ranks(cfg, world))  # engine.placement / engine.ranks: before any process group
-    dp = data_parallel_size(cfg, world)
+    from mtrain.job_split import check_placement_runs, split_ranks, train_world
+    check_placement_runs(split_ranks(cfg, world), cfg)  # engine.placement / engine.ranks: before any process group
+    dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
     from mtrain.preflight_models import check_side_models
     check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout

@@ -47,7 +47,8 @@ def quiet_known_warnings(rank: int | None = None, on_gpu: bool | None = None) ->
 def summary(cfg, hf_config: dict, world: int) -> str:
     """Four lines: model, layout, algorithm and batch, where the full config and metrics go."""
     p, r, t = cfg.parallel, cfg.rollout, cfg.train
-    dp = world // (p.tp * p.pp * p.cp)
+    from mtrain.job_split import train_world
+    dp = train_world(cfg, world) // (p.tp * p.pp * p.cp)  # separate placement: over the training ranks only
     src = cfg.model.mcore_ckpt or cfg.model.hf_path
     data = cfg.data.train_path or f"task {cfg.data.task}"
     engine = cfg.engine.kind

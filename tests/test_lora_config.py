@@ -24,6 +24,7 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
+    (["model.lora.targets=qkv", "engine.placement=separate", "engine.ranks=1"], "engine.placement: separate with LoRA is not supported"),
     (["model.lora.targets=qkv", "rollout.async=stream"], "rollout.async: stream with LoRA is not supported"),
     (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.max_loras_per_batch=1"],
      "engine.server_args.max_loras_per_batch: 1: a LoRA sync needs 2 pool slots"),

@@ -178,8 +178,14 @@ class Executor:
                    else recv_buffer(peer, n, bucket.fp32))
             out[peer] = (buf, ps)
             ops.append(dist.P2POp(dist.irecv, buf, peer, group=self.group))
-        for work in (dist.batch_isend_irecv(ops) if ops else []):
-            work.wait()
+        peers = [op.peer for op in ops]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for i, work in enumerate(works):
+            try:
+                work.wait()
+            except Exception as e:  # a dead or hung peer: say which one (gloo has one work per op, NCCL one per batch)
+                e.add_note(f"peer rank {peers[i]}" if len(works) == len(ops) else f"peer ranks {sorted(set(peers))}")
+                raise
         return out
 
     def local_sources(self, pieces: list[Piece], in_place: bool = False) -> tuple[list[torch.Tensor], dict[Key, int]]:

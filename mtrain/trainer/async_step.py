@@ -75,12 +75,9 @@ def lag_metrics(res: RolloutResult, step: int) -> dict[str, float]:
     return out
 
 
-def offpolicy_mask(batch, step: int, rollout_cfg, group_size: int = 1) -> dict[str, float]:
-    """rollout.offpolicy=mask under asynchrony: tokens more than max_staleness versions old leave the loss. stream:
-    whole groups with such a token leave it (returns the count); its generator never starts one that could."""
-    if rollout_cfg.async_mode == "stream":
-        from mtrain.trainer.stream_step import drop_stale_groups
-        return drop_stale_groups(batch, step, rollout_cfg, group_size)
+def offpolicy_mask(batch, step: int, rollout_cfg) -> dict[str, float]:
+    """rollout.offpolicy=mask under one_step: tokens more than max_staleness versions old leave the loss (stream
+    drops whole groups instead: stream_step.drop_stale_groups)."""
     if rollout_cfg.offpolicy != "mask":
         return {}
     allowed = rollout_cfg.max_staleness if rollout_cfg.max_staleness is not None else ONE_STEP_STALENESS

@@ -52,7 +52,11 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
     if kind == "sglang" and not cuda:
         raise ConfigError("engine.kind: sglang needs a GPU (none here); use engine.kind=reference or auto")
     try:
-        groups = EngineGroups(world_size, e.tp, local_world_size, e.nnodes)
+        if e.placement == "separate":  # engines on the last engine.ranks ranks only (mtrain/job_split.py)
+            from mtrain.rollout.separate_groups import SeparateGroups
+            groups = SeparateGroups(world_size, world_size - e.ranks, e.tp, local_world_size)
+        else:
+            groups = EngineGroups(world_size, e.tp, local_world_size, e.nnodes)
     except EngineLayoutError as err:
         raise ConfigError(f"engine.tp / engine.nnodes: {err}") from None
     if kind == "reference":  # engine.kind=auto on a CPU-only machine: engine.server_args would go unread

@@ -76,8 +76,10 @@ def _logprob_diff(old_lp, batch) -> dict[str, float]:
 class Trainer:
     def __init__(self, cfg):
         p = cfg.parallel
+        separate = cfg.engine.placement == "separate"  # Megatron over the training ranks only (trainer/separate.py)
         init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
-                         timeout_s=cfg.train.collective_timeout_s)
+                         timeout_s=cfg.train.collective_timeout_s,
+                         train_world=int(os.environ.get("WORLD_SIZE", 1)) - cfg.engine.ranks if separate else None)
         self.cfg, self.rank = cfg, dist.get_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
@@ -143,7 +145,12 @@ class Trainer:
                               dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                               device=d.device, engine_fp8=d.engine_fp8, **kw)
         lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/lora_sync.py)
-        self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora, self.engine)
+        if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
+            from mtrain.trainer.separate import SeparateSync
+            self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=self.actor.dtype)
+        else:
+            self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora,
+                                                                                 self.engine)
         # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
         self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0
@@ -283,8 +290,12 @@ class Trainer:
             full.response_mask[(full.versions >= 0) & (full.versions < self.step)] = 0.0
         stale = {}
         if self.async_rollout is not None:
-            from mtrain.trainer.async_step import offpolicy_mask
-            stale = offpolicy_mask(full, self.step, cfg.rollout, n)
+            if cfg.rollout.async_mode == "stream":  # whole groups with a too-old token leave the loss (counted)
+                from mtrain.trainer.stream_step import drop_stale_groups
+                stale = drop_stale_groups(full, self.step, cfg.rollout, n)
+            else:
+                from mtrain.trainer.async_step import offpolicy_mask
+                stale = offpolicy_mask(full, self.step, cfg.rollout)
         batch, rows, local = full, full.size, dict(stale)
         if cfg.algo.filter_uniform_groups:
             batch, rows, local = self._drop_uniform_groups(full, n)

@@ -45,11 +45,14 @@ def memory_metrics(actor, pp_rank: int) -> dict[str, float]:
     """Per pipeline stage, max over the stage's ranks: bytes of each kind of state. Gathered from every rank
     (one small collective per step), so the rank that reports training metrics (the last stage) has them all."""
     import torch.distributed as dist
+
+    from mtrain.dist import train_group
     mine = _local_metrics(actor, pp_rank)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    group = train_group()  # the training ranks (engine ranks of separate placement hold no training state)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return mine
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
     out: dict[str, float] = {}
     for g in gathered:
         for k, v in g.items():

@@ -141,14 +141,13 @@ def test_split(world, overrides, want):
 
 
 def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
-    """A valid separate split is refused by preflight in one line, exit 2 (the trainer runs colocated placement only):
-    what each of 4 ranks does before any process group (preflight reads torchrun's WORLD_SIZE)."""
+    """What separate placement does not run yet is refused by preflight in one line, exit 2: what each of 4 ranks
+    does before any process group (preflight reads torchrun's WORLD_SIZE)."""
     import sys
     overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
-                                                           "parallel.tp": 1})
+                                                           "parallel.tp": 1, "train.save_interval": 2})
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
         env=dict(_env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == ("mtrain: error: ConfigError: engine.placement: separate (placement=separate: training "
-                                "ranks 0-1 (2), engine ranks 2-3 (2: 2 engine(s) of tp 1)) is not available in this "
-                                "build; use engine.placement=colocated")
+    assert p.stderr.strip() == ("mtrain: error: ConfigError: train.save_interval: engine.placement=separate does not "
+                                "write checkpoints in this build; set train.save_interval=-1")

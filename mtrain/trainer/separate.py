@@ -1,0 +1,190 @@
+"""engine.placement=separate in the trainer: training ranks train, engine ranks generate, weights go shard to shard.
+
+The job's first ranks train (Megatron's groups over them only, `init_distributed(train_world=)`), the last
+`engine.ranks` host the engines (`SeparateGroups`). Both kinds of rank run the same loop, so every collective of
+the default group is entered by every rank in the same order:
+
+    rollout   every rank calls the pool (the same prompts, seeds and ids); the engine ranks' engines serve the shared
+              queue, every rank gets every group (one_step: the next step's rollout in the background, on its own
+              gloo group, exactly as colocated, `OneStepRollout`)
+    train     training ranks only (engine ranks: nothing; one_step: they wait for their background rollout)
+    sync      `SeparateSync`: training ranks send the pieces each engine rank needs (`mtrain.reshard.remote`)
+    metrics   one all_gather_object (engine ranks give none)
+
+`EngineRankTrainer` is the engine ranks' side of that loop: no Megatron model, no optimizer, no checkpoint.
+docs/design-async.md, "Separate placement".
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mtrain.data import load_datasets
+from mtrain.data.rewards import load_reward_fn
+from mtrain.data.sampler import PromptSampler
+from mtrain.dist import init_distributed
+from mtrain.layouts import model_layout
+from mtrain.layouts.vlm import flat_config
+from mtrain.reshard.placement import MegatronLayout
+from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
+from mtrain.rollout.partial import length_budget
+from mtrain.rollout.pool import RolloutPool
+from mtrain.trainer import checkpoint
+from mtrain.trainer.decisions import decide
+from mtrain.trainer.engines import load_tokenizer, make_engine
+from mtrain.trainer.loop import Trainer, _reduce_metrics
+from mtrain.trainer.sync import engine_layout
+
+
+# default-group gathers in megatron-core 0.16.1's get_megatron_optimizer without overlapped parameter gathers
+OPTIMIZER_GATHERS = 2
+
+
+def training_layout(cfg, n_train: int) -> MegatronLayout:
+    """The training ranks' Megatron layout, known to every rank without parallel_state (engine ranks have none)."""
+    p = cfg.parallel
+    return MegatronLayout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp and p.vpp > 1 else None, ep=p.ep, etp=p.etp or p.tp,
+                          cp=p.cp, dp=n_train // (p.tp * p.pp * p.cp), first_stage_layers=p.first_stage_layers,
+                          last_stage_layers=p.last_stage_layers)
+
+
+class SeparateSync:
+    """`sync(version)` on both sides of separate placement; the same interface as `WeightSync`."""
+
+    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype):
+        from mtrain.reshard.megatron_side import tensor_lookup
+        g = decisions.groups
+        self.engine, self.rank = engine, rank
+        self.engines = EngineRanks(tuple(tuple(g.ranks(i)) for i in range(g.count)))
+        dst_tp = 1 if decisions.engine_layout == "hf" else g.tp
+        dst = engine_layout(decisions.engine_layout, dst_tp, cfg.engine.ep, decisions.engine_fp8)
+        plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
+        self.remote = RemoteSync(plans, self.engines, rank, tensor_lookup(chunks) if chunks is not None else None,
+                                 dtype=dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                                 device=decisions.device)
+
+    @torch.no_grad()
+    def sync(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        error = None
+
+        def write(job, final):  # the engine executes the bucket's table in its own layout
+            self.engine.pull_weights([job], version=version if final else None)
+
+        try:
+            out = self.remote.run(write if self.engine is not None else None)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it (below), or the others wait forever
+            error, out = e, {}
+        # A transfer error (dead or hung peer) is raised where it happened: the peers' own transfers fail on their
+        # own, and a gather with a dead rank would only add a second timeout.
+        if isinstance(error, RemoteSyncError):
+            raise error
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            if error is not None:
+                raise error
+            r, msg = failed[0]
+            raise RuntimeError(f"weight sync failed on rank {r}: {msg}")
+        out["time/sync"] = time.perf_counter() - t0
+        return out
+
+
+class EngineRankTrainer(Trainer):
+    """An engine rank of separate placement: hosts its engine, serves the pool and receives the weights, step by
+    step in lockstep with the training ranks' `Trainer` (`run`, `evaluate`, `finish` are the Trainer's own)."""
+
+    def __init__(self, cfg):
+        init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, ep=cfg.parallel.ep,
+                         etp=cfg.parallel.etp, cp=cfg.parallel.cp, seed=cfg.train.seed,
+                         timeout_s=cfg.train.collective_timeout_s, train_world=dist_world() - cfg.engine.ranks)
+        self.cfg, self.rank = cfg, dist.get_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
+        self.run_dir = Path(cfg.train.run_dir)
+        hf_dir = Path(cfg.model.hf_path)
+        self.hf_config = json.loads((hf_dir / "config.json").read_text())
+        self.layout = model_layout(dict(self.hf_config, num_nextn_predict_layers=0), mtp=False)
+        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")
+        self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
+        self.train_set, self.eval_set = load_datasets(cfg)
+        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle)
+        self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
+        self.engine_part = None
+        self.pool = RolloutPool(d.groups, self.rank, self.engine, max_groups_in_flight=cfg.rollout.max_groups_in_flight)
+        # megatron-core's get_megatron_optimizer aligns parameter groups over the default group (an
+        # all_gather_object of their keys per call of _get_param_groups_and_buffers: the dense chunks', then the
+        # expert parameters'): the policy's optimizer is built on the training ranks at this point of their start,
+        # so the engine ranks join those gathers with no keys.
+        for _ in range(OPTIMIZER_GATHERS):
+            dist.all_gather_object([None] * dist.get_world_size(), [])
+        self.partial = self.agents = self.tools = self.rollout_fn = None
+        if cfg.multi_turn.rollout_fn:
+            from mtrain.rollout.agents.setup import build_tool_server, load_rollout_fn
+            self.tools, self.rollout_fn = build_tool_server(cfg.multi_turn), load_rollout_fn(cfg.multi_turn.rollout_fn)
+        self.async_rollout = None
+        if cfg.rollout.async_mode == "one_step":
+            from mtrain.trainer.async_step import OneStepRollout
+            self.async_rollout = OneStepRollout(self)  # the same new_group calls, in the same order, as training ranks
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.sync = SeparateSync(cfg, d, self.layout, self.rank, engine=self.engine, dtype=dtype)
+        self.metrics, self.offload, self.side = None, _Nothing(), _Nothing()
+        self.step = 0
+        self._resume()
+        self.sync.sync(version=self.step)
+
+    def _resume(self) -> bool:
+        """The step and the sampler of the checkpoint the training ranks resume from (their Trainer loads the
+        weights); the engines receive those weights by the first sync."""
+        r = self.cfg.train.resume
+        path = None if r == "never" else (checkpoint.find_latest(self.run_dir, None) if r == "auto" else Path(r))
+        if path is None:
+            return False
+        state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        return True
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        if self.async_rollout is not None:
+            self.async_rollout.step(self.step, cfg.train.steps)
+            self.async_rollout.wait()  # the engines finish step N+1's groups before the weights change
+        else:
+            samples = [self.train_set[i] for i in self.sampler.next_batch()]
+            self._rollout(samples, n=cfg.rollout.samples_per_prompt,
+                          seed=cfg.train.seed * 1_000_003 + self.step * 10_007, prefix=f"s{self.step}",
+                          max_new_tokens=length_budget(cfg.rollout, self.step))
+        self.step += 1
+        self.sync.sync(version=self.step)
+        return _reduce_metrics({})
+
+
+class _Nothing:
+    """Offload and side models of an engine rank: there is no training state to move."""
+
+    def reload(self) -> dict:
+        return {}
+
+    def offload(self) -> dict:
+        return {}
+
+    def extra_models(self) -> dict:
+        return {}
+
+
+def dist_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_engine_rank(cfg) -> bool:
+    """Separate placement: this process (torchrun's RANK) is one of the last engine.ranks ranks."""
+    return cfg.engine.placement == "separate" and int(os.environ.get("RANK", "0")) >= dist_world() - cfg.engine.ranks
