@@ -9,7 +9,8 @@
 #                                                          # its wheels in .gpu-extra/, BUILD.md "GPU"), 128 eval problems
 #   bash benchmarks/gpu_smollm2.sh probe [RUN ...]         # `mtrain gap-probe` with the GPU recipe, one after another
 # RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
-# head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo). Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
+# head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo).
+# Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_setup.sh || exit 1
