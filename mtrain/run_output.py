@@ -44,11 +44,11 @@ def quiet_known_warnings(rank: int | None = None, on_gpu: bool | None = None) ->
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
-def summary(cfg, hf_config: dict, world: int) -> str:
-    """Four lines: model, layout, algorithm and batch, where the full config and metrics go."""
+def summary(cfg, hf_config: dict, world: int, train_ranks: int | None = None) -> str:
+    """Four lines: model, layout, algorithm and batch, where the full config and metrics go. train_ranks: the ranks
+    that train (separate placement: fewer than world; mtrain.job_split.train_world)."""
     p, r, t = cfg.parallel, cfg.rollout, cfg.train
-    from mtrain.job_split import train_world
-    dp = train_world(cfg, world) // (p.tp * p.pp * p.cp)  # separate placement: over the training ranks only
+    dp = (world if train_ranks is None else train_ranks) // (p.tp * p.pp * p.cp)
     src = cfg.model.mcore_ckpt or cfg.model.hf_path
     data = cfg.data.train_path or f"task {cfg.data.task}"
     engine = cfg.engine.kind

@@ -146,7 +146,7 @@ class Trainer:
                               device=d.device, engine_fp8=d.engine_fp8, **kw)
         lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/lora_sync.py)
         if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
-            from mtrain.trainer.separate import SeparateSync
+            from mtrain.trainer.separate_sync import SeparateSync
             self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=self.actor.dtype)
         else:
             self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora,
@@ -159,7 +159,9 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump_yaml(self.run_dir / "config.yaml")
-            print(run_summary(cfg, self.hf_config, dist.get_world_size()), flush=True)  # full: config.yaml
+            from mtrain.job_split import train_world
+            print(run_summary(cfg, self.hf_config, dist.get_world_size(), train_world(cfg, dist.get_world_size())),
+                  flush=True)  # full: config.yaml
             print(d.summary(), flush=True)
             from mtrain.job_split import split_ranks
             print(f"{split_ranks(cfg, dist.get_world_size()).describe()} rollout.async={cfg.rollout.async_mode}",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -30,70 +29,17 @@ from mtrain.data.sampler import PromptSampler
 from mtrain.dist import init_distributed
 from mtrain.layouts import model_layout
 from mtrain.layouts.vlm import flat_config
-from mtrain.reshard.placement import MegatronLayout
-from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer import checkpoint
 from mtrain.trainer.decisions import decide
 from mtrain.trainer.engines import load_tokenizer, make_engine
 from mtrain.trainer.loop import Trainer, _reduce_metrics
-from mtrain.trainer.sync import engine_layout
+from mtrain.trainer.separate_sync import SeparateSync
 
 
 # default-group gathers in megatron-core 0.16.1's get_megatron_optimizer without overlapped parameter gathers
 OPTIMIZER_GATHERS = 2
-
-
-def training_layout(cfg, n_train: int) -> MegatronLayout:
-    """The training ranks' Megatron layout, known to every rank without parallel_state (engine ranks have none)."""
-    p = cfg.parallel
-    return MegatronLayout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp and p.vpp > 1 else None, ep=p.ep, etp=p.etp or p.tp,
-                          cp=p.cp, dp=n_train // (p.tp * p.pp * p.cp), first_stage_layers=p.first_stage_layers,
-                          last_stage_layers=p.last_stage_layers)
-
-
-class SeparateSync:
-    """`sync(version)` on both sides of separate placement; the same interface as `WeightSync`."""
-
-    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype):
-        from mtrain.reshard.megatron_side import tensor_lookup
-        g = decisions.groups
-        self.engine, self.rank = engine, rank
-        self.engines = EngineRanks(tuple(tuple(g.ranks(i)) for i in range(g.count)))
-        dst_tp = 1 if decisions.engine_layout == "hf" else g.tp
-        dst = engine_layout(decisions.engine_layout, dst_tp, cfg.engine.ep, decisions.engine_fp8)
-        plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
-        self.remote = RemoteSync(plans, self.engines, rank, tensor_lookup(chunks) if chunks is not None else None,
-                                 dtype=dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
-                                 device=decisions.device)
-
-    @torch.no_grad()
-    def sync(self, version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        error = None
-
-        def write(job, final):  # the engine executes the bucket's table in its own layout
-            self.engine.pull_weights([job], version=version if final else None)
-
-        try:
-            out = self.remote.run(write if self.engine is not None else None)
-        except Exception as e:  # noqa: BLE001 - every rank must hear it (below), or the others wait forever
-            error, out = e, {}
-        # A transfer error (dead or hung peer) is raised where it happened: the peers' own transfers fail on their
-        # own, and a gather with a dead rank would only add a second timeout.
-        if isinstance(error, RemoteSyncError):
-            raise error
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
-        failed = [e for e in errors if e is not None]
-        if failed:
-            if error is not None:
-                raise error
-            r, msg = failed[0]
-            raise RuntimeError(f"weight sync failed on rank {r}: {msg}")
-        out["time/sync"] = time.perf_counter() - t0
-        return out
 
 
 class EngineRankTrainer(Trainer):
