@@ -9,7 +9,8 @@
 #                                                          # its wheels in .gpu-extra/, BUILD.md "GPU"), 128 eval problems
 #   bash benchmarks/gpu_smollm2.sh probe [RUN ...]         # `mtrain gap-probe` with the GPU recipe, one after another
 # RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
-# head). Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
+# head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo).
+# Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_setup.sh || exit 1
@@ -29,7 +30,12 @@ learn)
                                     lr5e-6:optim.lr=5.0e-6 nofp32head:model.fp32_lm_head=false)
     port=29600; pids=()
     for run in "${runs[@]}"; do
-        name=${run%%:*}; IFS=, read -r -a over <<< "${run#*:}"
+        # an item @FILE stands for FILE's key=value lines (e.g. @examples/smollm2/lora.overrides: lists hold commas)
+        name=${run%%:*}; IFS=, read -r -a items <<< "${run#*:}"; over=()
+        for o in "${items[@]}"; do
+            if [[ $o == @* ]]; then mapfile -t -O ${#over[@]} over < <(grep -v '^[[:space:]]*\(#\|$\)' "${o#@}")
+            else over+=("$o"); fi
+        done
         dir=/tmp/smollm2_runs/$name; mkdir -p "$dir"
         # several runs share the GPU: a smaller engine each, distinct rendezvous ports
         PET_MASTER_PORT=$port RUN_DIR=$dir HF_DIR=$HF_DIR NPROC=1 timeout ${RUN_LIMIT:-540} \
@@ -52,8 +58,13 @@ for d in sorted(pathlib.Path("/tmp/smollm2_runs").iterdir()):
     w = [(r["step"], round(r.get("weights/changed_frac_total", -1), 3), round(r.get("weights/main_rel_change", -1), 5),
           round(r.get("weights/model_rel_change", -1), 5)) for r in tr if r["step"] in (1, 14, 28)]
     st = [r.get("time/step", sum(r.get(k, 0) for k in ("time/rollout", "time/logprobs", "time/train", "time/sync"))) for r in tr]
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0  # noqa: E731
+    sync = "sync MB median %.2f ms median %.1f" % (med([r.get("sync/bytes", 0) / 2**20 for r in tr]),
+                                                   med([r.get("time/sync", 0) * 1e3 for r in tr]))
+    mem = "grads+optim MB %.1f" % max([(r.get("mem/stage0/grads_bytes_max", 0) + r.get("mem/stage0/optim_bytes_max", 0))
+                                       / 2**20 for r in tr] or [0])
     print(d.name, "eval", ev, "gap mean max %.4f mean %.4f" % (max(gap or [0]), sum(gap or [0]) / max(len(gap), 1)),
-          "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0))
+          "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0), sync, mem)
 PY
     tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs ;;
 math)

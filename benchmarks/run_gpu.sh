@@ -44,6 +44,9 @@ smoke|1|300|mtrain's SGLang engine against HF transformers
 vlm|1|400|Qwen2.5-VL: sync bit-equal to a fresh load, then GRPO with images
 vlm_rollout|1|300|image rollouts on SGLang against transformers
 vlm_mt|1|300|multi-turn tool rollouts with an image on SGLang
+lora_sync|1|420|LoRA sync into SGLang: full vs load_lora_adapter_from_tensors vs direct pool write (SmolLM2 staged)
+lora_moe|1|300|expert LoRA on SGLang (tiny Qwen3-MoE): synced adapter generates as a fresh load
+lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
 "
 
 list() { echo "$CATALOG" | awk -F'|' 'NF==4 {printf "%-18s %s GPU  %4s s  %s\n", $1, $2, $3, $4}'; }
@@ -116,6 +119,10 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     vlm) (cd /tmp && python "$repo/benchmarks/gpu_vlm.py" --out "$out/vlm") ;;
     vlm_rollout) (cd /tmp && python "$repo/benchmarks/gpu_vlm_rollout.py") ;;
     vlm_mt) (cd /tmp && python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json") ;;
+    lora_sync) python benchmarks/gpu_lora_sync.py --model smollm2 --rank 32 --repeats 10 ;;
+    lora_moe) python benchmarks/gpu_lora_moe.py && python benchmarks/gpu_lora_moe.py --targets experts ;;
+    lora_loop) OUT=$out/lora_loop STEPS=3 MODELS=llama EXTRA="model.lora.targets=qkv,o_proj,gate_up,down
+                   model.lora.rank=16 model.lora.alpha=32 model.lora.lr=1e-3" bash benchmarks/gpu_rl_loop.sh ;;
     *) echo "run_gpu.sh: no benchmark named '$1' (bash benchmarks/run_gpu.sh list)" >&2; return 2 ;;
     esac
 }

@@ -227,9 +227,15 @@ def _check_lora(cfg: RunConfig) -> None:
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
-    _check(e.kind != "sglang" or "experts" not in lo.targets, "model.lora.targets",
-           "experts on SGLang: mtrain's adapter sync fills SGLang's per-linear LoRA buffers (q/k/v/o/gate/up/down) "
-           "and has no path into FusedMoE expert adapters; use engine.kind=reference or drop 'experts'")
+    _check(e.placement != "separate", "engine.placement", "separate with LoRA is not supported: its sync "
+           "(trainer/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
+    _check(cfg.rollout.async_mode != "stream", "rollout.async",
+           "stream with LoRA is not supported: a sync loads the new adapter and unloads the old one only when no "
+           "request names it, and stream pauses those requests in place until the sync ends; use off or one_step")
+    slots = e.server_args.get("max_loras_per_batch")
+    _check(e.kind != "sglang" or slots is None or int(slots) >= 2, "engine.server_args.max_loras_per_batch",
+           f"{slots}: a LoRA sync needs 2 pool slots (the new adapter version, and the previous one while its "
+           "requests finish; mtrain/rollout/lora_adapters.py)")
 
 
 def check_paths(cfg: RunConfig) -> None:

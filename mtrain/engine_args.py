@@ -31,6 +31,8 @@ FROM_CONFIG = {
     "disable_cuda_graph": "engine.cuda_graphs",
     "cuda_graph_max_bs_decode": "engine.cuda_graph_max_bs",
     "enable_fp32_lm_head": "model.fp32_lm_head",
+    "enable_lora": "model.lora.targets",
+    "lora_target_modules": "model.lora.targets",
 }
 # SGLang argument -> why mtrain fixes it
 FIXED = {

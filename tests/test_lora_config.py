@@ -24,7 +24,14 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
-    (["model.lora.targets=experts", "engine.kind=sglang"], "model.lora.targets: experts on SGLang"),
+    (["model.lora.targets=qkv", "engine.placement=separate", "engine.ranks=1"], "engine.placement: separate with LoRA is not supported"),
+    (["model.lora.targets=qkv", "rollout.async=stream"], "rollout.async: stream with LoRA is not supported"),
+    (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.max_loras_per_batch=1"],
+     "engine.server_args.max_loras_per_batch: 1: a LoRA sync needs 2 pool slots"),
+    (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.enable_lora=true"],
+     "engine.server_args: 'enable_lora' is set by model.lora.targets"),
+    (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.lora_target_modules=[q_proj]"],
+     "engine.server_args: 'lora_target_modules' is set by model.lora.targets"),
 ])
 def test_bad_lora_settings_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -71,3 +78,18 @@ def test_cli_prints_one_line_before_work(tmp_path):
     assert p.stderr.strip().splitlines()[-1] == ("mtrain: error: ConfigError: model.lora.targets: LoRA target(s) "
                                                  "['experts'] match no layer of this llama model"), p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sglang_engine_lora_arguments_come_from_model_lora():
+    """What make_engine starts SGLang with under model.lora: LoRA on, the run's rank, the adapter table's PEFT names
+    (those SGLang normalizes to its qkv_proj / gate_up_proj / o_proj / down_proj pool buffers), two pool slots."""
+    from mtrain.tiny_configs import tiny_config
+    from mtrain.trainer.engines import sglang_lora_args
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=qkv,o_proj,gate_up,down",
+                               "model.lora.rank=24"])
+    assert sglang_lora_args(cfg, tiny_config("llama")) == {
+        "enable_lora": True, "max_lora_rank": 24, "max_loras_per_batch": 2,
+        "lora_target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]}
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=o_proj"])
+    assert sglang_lora_args(cfg, tiny_config("llama"))["lora_target_modules"] == ["o_proj"]
+    assert sglang_lora_args(load_config(CONFIG, ["model.hf_path=x"]), tiny_config("llama")) == {}

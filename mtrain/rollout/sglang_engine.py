@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Mapping, Sequence
 import torch
 
 from mtrain.rollout.engine_env import engine_environment
+from mtrain.rollout.lora_adapters import AdapterVersions
 from mtrain.rollout.protocol import (
     MEMORY_TAGS,
     Completion,
@@ -120,6 +121,9 @@ class SGLangEngine(RolloutEngine):
         self._seeds = random.Random(random_seed)
         self._image_token_id, self._model_type = _vision_of(model_path)  # (None, type) for a text model
         self._routing = routing
+        # model.lora (enable_lora in server_args): requests name the active versioned adapter (lora_adapters.py)
+        self._lora = bool((server_args or {}).get("enable_lora"))
+        self.adapters = AdapterVersions()
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
@@ -253,6 +257,11 @@ class SGLangEngine(RolloutEngine):
                       **({"image_data": images} if images is not None else {}),
                       **routing_request_args(req, self._routing))
         assembler = None
+        # Stamped here, on engine.loop with no await before SGLang registers the request: an unload of the previous
+        # adapter (switch_adapter) waits for this request's release below.
+        adapter = self.adapters.acquire() if self._lora else None
+        if adapter is not None:
+            kwargs["lora_path"] = adapter
         try:
             if req.on_tokens is None:
                 return await self._engine.async_generate(**kwargs)
@@ -268,6 +277,8 @@ class SGLangEngine(RolloutEngine):
         except self._aborted_error:
             # aborted before it reached the scheduler: no tokens (or, streamed, the ones already passed on)
             return assembler.output(aborted=True) if assembler is not None else None
+        finally:
+            self.adapters.release(adapter)
 
     def submit(self, request: Request) -> concurrent.futures.Future:
         """One request onto engine.loop, where SGLang batches it with every other running request."""
@@ -427,6 +438,33 @@ class SGLangEngine(RolloutEngine):
                 self._pull.confirm(r, job)
         if finish:
             self._weight_version = version
+
+    def load_lora_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """SGLang's load_lora_adapter_from_tensors: `tensors` by PEFT/HF names at full shapes (every engine rank
+        takes the same copy and slices it itself, lora/layers.py slice_lora_[ab]_weights), `config` PEFT's
+        adapter_config. The adapter is registered under `name`; requests that name it load it into a pool slot."""
+        if not self._lora:
+            raise EngineError("load_lora_adapter: the engine was started without enable_lora")
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # devices by UUID, as serialize_bucket sends them
+        # a dict per rank (tp_worker.load_lora_adapter_from_tensors), PEFT's file names (base_model.model. prefix)
+        named = {f"base_model.model.{k}": v for k, v in tensors.items()}
+        payloads = [MultiprocessingSerializer.serialize(named) for _ in range(self.tp_size)]
+        obj = self._io.LoadLoRAAdapterFromTensorsReqInput(lora_name=name, config_dict=dict(config),
+                                                         serialized_named_tensors=payloads)
+        out = self._run(self._engine.tokenizer_manager.load_lora_adapter_from_tensors(obj, None), "load_lora_adapter")
+        if not getattr(out, "success", False):
+            raise EngineError(f"SGLangEngine.load_lora_adapter({name!r}): SGLang reported failure: "
+                              f"{getattr(out, 'error_message', out)}")
+
+    def unload_lora_adapter(self, name: str) -> None:
+        obj = self._io.UnloadLoRAAdapterReqInput(lora_name=name)
+        out = self._run(self._engine.tokenizer_manager.unload_lora_adapter(obj, None), "unload_lora_adapter")
+        if not getattr(out, "success", False):
+            raise EngineError(f"SGLangEngine.unload_lora_adapter({name!r}): SGLang reported failure: "
+                              f"{getattr(out, 'error_message', out)}")
 
     def update_weights_hf_names(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """SGLang's own HF-names path, as `Engine.update_weights_from_tensor` runs it (the same list serialized for

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from mtrain.config import ConfigError
 from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
 from mtrain.models.lora import spec_of as lora_spec_of
@@ -45,10 +44,8 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
-    if lora_spec_of(cfg) is not None:
-        raise ConfigError("model.lora.targets: LoRA on SGLang engines is not wired into the trainer yet "
-                          "(benchmarks/gpu_lora_sync.py drives SGLang's adapter path alone); use engine.kind=reference")
     server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    server_args.update(sglang_lora_args(cfg, hf_config))
     if fp8:
         from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir
         server_args.update(SERVER_ARGS)
@@ -79,6 +76,18 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     print(f"mtrain: rank {rank}'s SGLang engine started in {time.perf_counter() - t0:.1f} s; its first requests "
           f"compile Triton kernels on a fresh machine (about a minute, seen on an H200)", flush=True)
     return engine
+
+
+def sglang_lora_args(cfg, hf_config: dict) -> dict:
+    """model.lora on SGLang: its LoRA enabled for the adapter table's PEFT names, rank up to the run's; two pool slots
+    (the active version and the previous one while requests still name it, mtrain/rollout/lora_adapters.py).
+    engine.server_args may raise max_lora_rank / max_loras_per_batch (config_checks refuses a rank above it)."""
+    lora = lora_spec_of(cfg)
+    if lora is None:
+        return {}
+    args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora)
+    return {"enable_lora": True, "max_lora_rank": lora.rank, "lora_target_modules": args["target_modules"],
+            "max_loras_per_batch": 2}
 
 
 def engine_concurrency(cfg) -> int:

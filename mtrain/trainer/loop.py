@@ -138,17 +138,19 @@ class Trainer:
         elif cfg.rollout.async_mode == "stream":  # engines generate on; updates go in place (trainer/stream_step.py)
             from mtrain.trainer.stream_step import StreamRollout
             self.async_rollout = StreamRollout(self)
-        make_sync = lambda table: WeightSync(table, self.actor.chunks, self.engine, groups=d.groups,  # noqa: E731
-                               engine_kind=d.engine_layout, engine_ep=cfg.engine.ep,
-                               first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
-                               dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
-                               mode=d.sync_mode, device=d.device, engine_fp8=d.engine_fp8)
-        lora = lora_spec_of(cfg)  # LoRA: the base once, then only the adapters (mtrain/trainer/lora_sync.py)
+        def make_sync(table, **over):  # over: engine / engine_kind / mode for the adapter plan (lora_sync.py)
+            kw = {"engine": self.engine, "engine_kind": d.engine_layout, "mode": d.sync_mode, **over}
+            return WeightSync(table, self.actor.chunks, kw.pop("engine"), groups=d.groups, engine_ep=cfg.engine.ep,
+                              first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+                              dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                              device=d.device, engine_fp8=d.engine_fp8, **kw)
+        lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/lora_sync.py)
         if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
             from mtrain.trainer.separate_sync import SeparateSync
             self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=self.actor.dtype)
         else:
-            self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora)
+            self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora,
+                                                                                 self.engine)
         # a LoRA engine keeps its (frozen) base weights while training runs: only the KV cache is given back
         self.weight_tags = () if lora is not None else ("weights",)
         self.step = 0

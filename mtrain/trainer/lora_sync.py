@@ -1,16 +1,20 @@
-"""Weight sync of a LoRA policy: the engine gets the frozen base once, then only the adapters.
+"""Weight sync of a LoRA policy: the engine gets the frozen base once, then a new named adapter every step.
 
-The first sync writes every base weight and every adapter (the engine starts from whatever it was built with);
-each later sync plans and moves the adapter rows of the table alone (mtrain/layouts/lora.py): A and B, a few MB
-instead of the whole model. The engine keeps its base weights between steps (the loop does not release them with
-LoRA: they never change), so nothing else needs rewriting. Both plans go through the same planner and executor as
-a full sync (mtrain/trainer/sync.py).
+The first sync writes every base weight through the planner, as a full sync does (the engine starts from whatever
+it was built with). Every sync, the first included, then gathers the adapter rows of the table
+(mtrain/layouts/lora.py: A and B, a few MB) at HF names and full shapes on each engine group's leader, and the
+leader hands them to its engine as the adapter `policy-v{version}`: SGLang's load_lora_adapter_from_tensors (its
+LoRA registry and memory pool), the reference engine's PEFT layers, the same protocol
+(mtrain/rollout/lora_adapters.py: load the new, route new requests to it, unload the old once unused). The engine
+keeps its base weights between steps (the loop does not release them with LoRA: they never change). Both plans go
+through the same planner and executor as a full sync (mtrain/trainer/sync.py); the adapter plan in push mode into
+the HF layout, since both engines take whole adapter tensors and slice them per rank themselves.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules, with_adapters
+from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules
 from mtrain.layouts.table import ModelLayout
 
 
@@ -20,16 +24,43 @@ def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
     return {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(lora_layout(base, spec))}
 
 
+class AdapterTarget:
+    """What the adapter plan's executor writes into on a group leader: it collects one sync's adapter tensors
+    (HF layout, one destination rank) and, when the sync finishes, loads them into the engine under the
+    version's name (`switch_adapter`), then closes the engine's sync (weight_version, prefix cache flush)."""
+
+    def __init__(self, engine, lora: dict):
+        self.engine, self.lora = engine, lora
+        self.tensors: dict = {}
+
+    def update_weights(self, rank_tensors) -> None:
+        # the executor reuses its bucket buffers: keep copies (adapters are small)
+        for name, t in rank_tensors[0]:
+            self.tensors[name] = t.detach().clone()
+
+    def finish_weight_update(self, version: int) -> None:
+        from mtrain.rollout.lora_adapters import switch_adapter
+        tensors, self.tensors = self.tensors, {}
+        switch_adapter(self.engine, version, tensors, self.lora)
+        self.engine.finish_weight_update(version)
+
+
 class AdapterSync:
-    def __init__(self, make_sync: Callable[[ModelLayout], object], base: ModelLayout, spec: LoraSpec):
-        """make_sync(table): a WeightSync over the rows of `table` (same engine, groups and options)."""
-        self.first = make_sync(with_adapters(base, spec))
-        self.later = make_sync(lora_layout(base, spec))
+    def __init__(self, make_sync: Callable[..., object], base: ModelLayout, spec: LoraSpec, engine):
+        """make_sync(table, **overrides): a WeightSync over the rows of `table` (same groups and options; overrides
+        replace engine / engine_kind / mode). engine: this rank's engine (a group leader) or None."""
+        self.first = make_sync(base)
+        target = AdapterTarget(engine, engine_lora_args(base, spec)) if engine is not None else None
+        self.adapters = make_sync(lora_layout(base, spec), engine=target, engine_kind="hf", mode="push")
         self.synced = False
 
     def sync(self, version: int) -> dict[str, float]:
         later = self.synced
-        out = (self.later if later else self.first).sync(version)
+        out = self.adapters.sync(version) if later else _merge(self.first.sync(version), self.adapters.sync(version))
         self.synced = True
         out["sync/adapters_only"] = float(later)
         return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}

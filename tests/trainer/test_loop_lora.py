@@ -1,8 +1,9 @@
 """A LoRA policy in the real loop (2 gloo ranks, PP2, tiny Llama with tied embeddings, the CPU reference engine).
 
 Checks: only the adapters are trainable and in the optimizer; the engine starts from the disk weights and then
-receives only A/B (fewer bytes, base weights on the engine bit-identical to disk after every step); the adapters
-on the engine move; the engine-vs-trainer logprob gap stays at the full-fine-tuning level (<= 1e-5, float32).
+receives only A/B as a named adapter per version (policy-v{step}; the previous one unloaded), base weights on the
+engine bit-identical to disk after every step; the adapters on the engine move; the engine-vs-trainer logprob gap
+stays at the full-fine-tuning level (<= 1e-5, float32).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ def _steps(rank, world, hf, run_dir):
 
     from mtrain.config import load_config
     from mtrain.reshard.megatron_side import unwrap
-    from mtrain.rollout.reference_engine import hf_disk_views
     from mtrain.trainer.loop import Trainer
 
     cfg = load_config(CONFIG, base_overrides(hf, run_dir, **{
@@ -42,14 +42,17 @@ def _steps(rank, world, hf, run_dir):
         disk = {}
         for f in sorted(hf.glob("*.safetensors")):
             disk.update(load_file(f))
-        views = lambda: {k: v.detach().clone() for k, v in hf_disk_views(t.engine._model).items()}  # noqa: E731
+        views = lambda: {**{k: v.detach().clone() for k, v in t.engine._views.items()},  # noqa: E731
+                         **{k: v.clone() for k, v in t.engine.adapter_state().items()}}
         start = views()
         out["start_base_equal_disk"] = all(torch.equal(start[k], disk[k]) for k in disk)
+        out["adapters"] = [(t.engine.adapters.active, t.engine._adapter_names())]
     for _ in range(3):
         out["records"].append(t.train_step())
         if rank == 0:
             now = views()
             out.setdefault("base_equal_disk", []).append(all(torch.equal(now[k], disk[k]) for k in disk))
+            out["adapters"].append((t.engine.adapters.active, t.engine._adapter_names()))
             lora = [k for k in now if ".lora_" in k]
             out.setdefault("lora_changed", []).append(sum(not torch.equal(now[k], start[k]) for k in lora) / len(lora))
     t.close()
@@ -65,6 +68,8 @@ def test_lora_loop_syncs_adapters_only(tiny_llama, tmp_path):
     assert lead["start_base_equal_disk"]
     assert all(lead["base_equal_disk"]), lead["base_equal_disk"]
     assert lead["lora_changed"][-1] > 0.5, lead["lora_changed"]
+    # one adapter loaded at a time, named by the weight version; the previous one is gone
+    assert lead["adapters"] == [(f"policy-v{v}", [f"policy-v{v}"]) for v in range(4)], lead["adapters"]
     for step, r in enumerate(lead["records"], 1):
         assert r["weight_version"] == step
         assert r["sync/adapters_only"] == 1.0
@@ -74,12 +79,10 @@ def test_lora_loop_syncs_adapters_only(tiny_llama, tmp_path):
 
 def _save_then_resume(rank, world, hf, run_dir, first: dict, second: dict):
     from mtrain.config import load_config
-    from mtrain.rollout.reference_engine import hf_disk_views
     from mtrain.trainer.loop import Trainer
 
     lora = {"model.lora.targets": TARGETS, "model.lora.rank": 4, "model.lora.alpha": 8, "model.lora.lr": 1e-3}
-    views = lambda t: {k: v.detach().clone() for k, v in hf_disk_views(t.engine._model).items()  # noqa: E731
-                       if ".lora_" in k}
+    views = lambda t: {k: v.clone() for k, v in t.engine.adapter_state().items()}  # noqa: E731
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **{**lora, **first, "train.steps": 2,
                                                                      "train.save_interval": 2})))
     t.run()  # 2 steps, the checkpoint of step 2 saved as the loop saves it

@@ -1,0 +1,136 @@
+"""Named, versioned LoRA adapters on the reference engine: the protocol the trainer drives SGLang's LoRA with.
+
+Checks: an adapter loaded by the adapter table's HF names generates with PEFT's numbers (PeftModel on the same HF
+weights, float32, <= 1e-5 per token logprob); switch_adapter loads v(n+1), routes requests to it and unloads v(n);
+a request running when the switch starts finishes under the adapter it started with; bad adapters are refused
+whole (the engine keeps serving the old one); an unload waits for the requests that still name the adapter.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mtrain.rollout.lora_adapters import AdapterVersions, adapter_name, switch_adapter
+from mtrain.rollout.protocol import EngineError, Request, SamplingParams
+
+RANK, ALPHA, TARGETS = 4, 8.0, ("qkv", "o_proj", "gate_up", "down")
+
+
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def tiny(request, tmp_path_factory):
+    from mtrain.tiny_hf import write_tiny_hf
+    return write_tiny_hf(request.param, tmp_path_factory.mktemp("hf") / request.param, seed=0)
+
+
+def _table(hf):
+    import json
+    from mtrain.layouts import model_layout
+    from mtrain.layouts.lora import LoraSpec, lora_layout
+    cfg = json.loads((hf / "config.json").read_text())
+    return lora_layout(model_layout(dict(cfg, num_nextn_predict_layers=0), mtp=False), LoraSpec(RANK, ALPHA, TARGETS))
+
+
+def _adapter(table, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {w.hf[0].name: 0.3 * torch.randn(w.shape, generator=g) for w in table.weights}
+
+
+def _engine(hf, table, **kw):
+    from mtrain.layouts.lora import peft_target_modules
+    from mtrain.rollout.reference_engine import ReferenceEngine
+    lora = {"r": RANK, "lora_alpha": ALPHA, "target_modules": peft_target_modules(table)}
+    return ReferenceEngine.from_pretrained(str(hf), lora=lora, **kw), lora
+
+
+def _peft_logprobs(hf, lora, tensors, prompt, output):
+    """Per-token logprobs of `output` after `prompt` under PeftModel(HF base + this adapter): PEFT's own code."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
+                                                      target_modules=lora["target_modules"], lora_dropout=0.0))
+    res = peft.set_peft_model_state_dict(model, {f"base_model.model.{k}": v for k, v in tensors.items()})
+    assert not [k for k in res.unexpected_keys if "lora_" in k]
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
+
+
+def _greedy(rid, prompt, n=6):
+    return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_new_tokens=n))
+
+
+def test_switch_generates_with_peft_numbers_and_unloads_the_old(tiny):
+    table = _table(tiny)
+    engine, lora = _engine(tiny, table)
+    prompt = [3, 17, 5, 9]
+    try:
+        for version in (0, 1):
+            tensors = _adapter(table, seed=version)
+            assert switch_adapter(engine, version, tensors, lora) == adapter_name(version)
+            assert engine._adapter_names() == [adapter_name(version)]  # the previous version is gone
+            out = engine.generate([_greedy(f"r{version}", prompt)])[0]
+            want = _peft_logprobs(tiny, lora, tensors, prompt, out.output_ids)
+            gap = max(abs(a - b) for a, b in zip(out.logprobs, want))
+            assert gap <= 1e-5, (version, gap)
+            held = engine.adapter_state()
+            assert all(torch.equal(held[k], tensors[k]) for k in tensors)
+    finally:
+        engine.shutdown()
+
+
+def test_bad_adapter_is_refused_whole_and_the_old_keeps_serving(tiny):
+    table = _table(tiny)
+    engine, lora = _engine(tiny, table)
+    prompt = [3, 17, 5, 9]
+    try:
+        switch_adapter(engine, 0, _adapter(table, 0), lora)
+        before = engine.generate([_greedy("a", prompt)])[0].logprobs
+        good = _adapter(table, 1)
+        name = next(iter(good))
+        for bad, why in [({**good, name: good[name][:, :-1]}, "has shape"),
+                         ({k: v for k, v in good.items() if k != name}, "missing"),
+                         ({**good, "model.layers.0.nope.lora_A.weight": good[name]}, "unknown")]:
+            with pytest.raises(EngineError, match=why):
+                switch_adapter(engine, 1, bad, lora)
+            assert engine._adapter_names() == ["policy-v0"] and engine.adapters.active == "policy-v0"
+        with pytest.raises(EngineError, match="differs from the engine's"):
+            engine.load_lora_adapter("x", good, {"r": RANK + 1, "lora_alpha": ALPHA,
+                                                 "target_modules": lora["target_modules"]})
+        assert engine.generate([_greedy("b", prompt)])[0].logprobs == before
+    finally:
+        engine.shutdown()
+
+
+def test_a_running_request_finishes_under_its_own_adapter(tiny):
+    """A slow request under v0 is running when the switch to v1 starts: its tokens are v0's (the load waits for
+    the model), and v0 is unloaded only after it."""
+    table = _table(tiny)
+    engine, lora = _engine(tiny, table, decode_delay_s=0.05)
+    prompt = [3, 17, 5, 9]
+    try:
+        switch_adapter(engine, 0, _adapter(table, 0), lora)
+        alone = engine.generate([_greedy("ref", prompt, n=8)])[0]
+        fut = engine.submit(_greedy("slow", prompt, n=8))
+        while not engine.active_requests():
+            pass
+        switch_adapter(engine, 1, _adapter(table, 1), lora)
+        assert fut.result(timeout=60).output_ids == alone.output_ids
+        assert engine._adapter_names() == ["policy-v1"]
+        assert engine.generate([_greedy("after", prompt, n=8)])[0].logprobs != alone.logprobs
+    finally:
+        engine.shutdown()
+
+
+def test_unload_waits_for_requests_that_name_the_adapter():
+    v = AdapterVersions()
+    assert v.acquire() is None  # before any adapter: the base model
+    v.activate("policy-v0")
+    held = v.acquire()
+    assert v.activate("policy-v1") == "policy-v0" and v.acquire() == "policy-v1"
+    assert not v.wait_unused("policy-v0", 0.05)  # still named by a running request
+    threading.Timer(0.05, v.release, args=(held,)).start()
+    assert v.wait_unused("policy-v0", 5.0) and v.in_use("policy-v0") == 0 and v.in_use("policy-v1") == 1
