@@ -15,15 +15,7 @@
 #   bash benchmarks/gpu_ppo_distill.sh run        # the runs above; results in $OUT/ppo_distill_runs.tgz
 # env: STEPS (28), EVAL (7), MEM (0.12), TEACHER_LIMIT (210 s), RUN_LIMIT (270 s): setup + both stay under 10 min
 set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/gpu_setup.sh || exit 1
-export MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 benchmarks/stage_smollm2.py take; rc=$?
-[ "${1:-}" = stage ] && exit 0
-[ $rc -ne 0 ] && { echo "gpu_ppo_distill.sh: the GGUF is not in place (stage_smollm2.py exit $rc)" >&2; exit 1; }
-HF_DIR=$(python3 -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" 2>/dev/null | tail -n 1)
-[ -f "$HF_DIR/config.json" ] || { echo "gpu_ppo_distill.sh: conversion failed" >&2; exit 1; }
+source "$(dirname "$0")/smollm2_staged.sh" "${1:-}"  # set-up, the GGUF halves, HF_DIR
 [ "${1:-}" = run ] || { echo "gpu_ppo_distill.sh: unknown action ${1:-} (stage | run)" >&2; exit 2; }
 ROOT=/tmp/ppo_distill_runs; rm -rf "$ROOT"; mkdir -p "$ROOT"
 COMMON=(train.steps=${STEPS:-28} train.eval_interval=${EVAL:-7})

@@ -12,15 +12,7 @@
 # head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo).
 # Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/gpu_setup.sh || exit 1
-export MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 benchmarks/stage_smollm2.py take; rc=$?
-[ "$1" = stage ] && exit 0
-[ $rc -ne 0 ] && { echo "gpu_smollm2.sh: the GGUF is not in place (stage_smollm2.py exit $rc)" >&2; exit 1; }
-HF_DIR=$(python3 -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" 2>/dev/null | tail -n 1)
-[ -f "$HF_DIR/config.json" ] || { echo "gpu_smollm2.sh: conversion failed" >&2; exit 1; }
+source "$(dirname "$0")/smollm2_staged.sh" "${1:-}"  # set-up, the GGUF halves, HF_DIR
 echo "HF_DIR=$HF_DIR"
 case "$1" in
 learn)

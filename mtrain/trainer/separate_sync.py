@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from mtrain.reshard.placement import MegatronLayout
 from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
-from mtrain.trainer.sync import engine_layout
+from mtrain.trainer.sync import agree_on_errors, engine_layout
 
 
 def training_layout(cfg, n_train: int) -> MegatronLayout:
@@ -52,13 +51,6 @@ class SeparateSync:
         # own, and a gather with a dead rank would only add a second timeout.
         if isinstance(error, RemoteSyncError):
             raise error
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
-        failed = [e for e in errors if e is not None]
-        if failed:
-            if error is not None:
-                raise error
-            r, msg = failed[0]
-            raise RuntimeError(f"weight sync failed on rank {r}: {msg}")
+        agree_on_errors(error, self.rank)
         out["time/sync"] = time.perf_counter() - t0
         return out

@@ -108,14 +108,7 @@ class WeightSync:
                 self.engine.finish_weight_update(version)
             except Exception as e:  # noqa: BLE001
                 error = e
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else (self.rank, f"{type(error).__name__}: {error}"))
-        failed = [e for e in errors if e is not None]
-        if failed:
-            if error is not None:
-                raise error
-            r, msg = failed[0]
-            raise RuntimeError(f"weight sync failed on rank {r} (engine {self.groups.group_of(r)}): {msg}")
+        agree_on_errors(error, self.rank, lambda r: f"rank {r} (engine {self.groups.group_of(r)})")
         return {"time/sync": time.perf_counter() - t0, "sync/bytes": float(n_bytes)}
 
     def _pull_bucket(self, jobs: dict, version: int | None) -> int:
@@ -164,3 +157,16 @@ class WeightSync:
         if job is not None:
             self._senders.confirm(r, job)
         return job.nbytes if job is not None else 0
+
+
+def agree_on_errors(error: BaseException | None, rank: int, where=lambda r: f"rank {r}") -> None:
+    """Every rank learns whether some rank's part of a sync failed (one all_gather_object): a failed rank raises its
+    own error, the others an error naming the first failed rank (`where(rank)`), so no rank goes on alone."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (rank, f"{type(error).__name__}: {error}"))
+    failed = [e for e in errors if e is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, msg = failed[0]
+        raise RuntimeError(f"weight sync failed on {where(r)}: {msg}")
