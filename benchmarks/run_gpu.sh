@@ -46,6 +46,8 @@ vlm_rollout|1|300|image rollouts on SGLang against transformers
 vlm_mt|1|300|multi-turn tool rollouts with an image on SGLang
 lora_sync|1|420|LoRA sync into SGLang: full vs load_lora_adapter_from_tensors vs direct pool write (SmolLM2 staged)
 lora_moe|1|300|expert LoRA on SGLang (tiny Qwen3-MoE): synced adapter generates as a fresh load
+e2e_train|1|600|GRPO steps of a Qwen3-4B shape end to end, 256 x 1,024 tokens (phases per step)
+e2e_floors|1|600|the floors of e2e_train's phases: standalone SGLang, the train step alone, the copy (after e2e_train)
 lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
 "
 
@@ -121,6 +123,8 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     vlm_mt) (cd /tmp && python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json") ;;
     lora_sync) python benchmarks/gpu_lora_sync.py --model smollm2 --rank 32 --repeats 10 ;;
     lora_moe) python benchmarks/gpu_lora_moe.py && python benchmarks/gpu_lora_moe.py --targets experts ;;
+    e2e_train) python benchmarks/gpu_e2e_step.py --budget 4096 --train-only ;;
+    e2e_floors) python benchmarks/gpu_e2e_step.py --budget 4096 --skip-train --out "$out/e2e.json" ;;
     lora_loop) OUT=$out/lora_loop STEPS=3 MODELS=llama EXTRA="model.lora.targets=qkv,o_proj,gate_up,down
                    model.lora.rank=16 model.lora.alpha=32 model.lora.lr=1e-3" bash benchmarks/gpu_rl_loop.sh ;;
     *) echo "run_gpu.sh: no benchmark named '$1' (bash benchmarks/run_gpu.sh list)" >&2; return 2 ;;
