@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -174,9 +173,7 @@ def main() -> None:
     res = {"config": vars(args), "steps": steps}
     phases = {k: spread([m.get(k, 0.0) for m in steps]) for k in PHASES + ("time/step",)}
     gen_tokens = [m["response_len/mean"] * n for m in steps]
-    prompt_len = 24  # the arithmetic task's prompts with the fallback tokenizer; the run prints the real mean
-    if steps and "prompt_len/mean" in steps[0]:
-        prompt_len = round(statistics.mean(m["prompt_len/mean"] for m in steps))
+    prompt_len = round(statistics.mean(m["prompt_len/mean"] for m in steps))  # the floors' requests: the run's shape
     response_len = round(statistics.mean(m["response_len/mean"] for m in steps))
     floors = {}
     floors["rollout"] = rollout_floor(args, hf, prompt_len, n)
