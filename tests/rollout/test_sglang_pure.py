@@ -297,7 +297,8 @@ def test_engine_server_args_pin_the_layout_the_loader_assumes():
 
     args = engine_server_args("/m", tp_size=2, mem_fraction_static=0.3, base_gpu_id=1, load_format="dummy",
                               random_seed=7, extra={"custom_weight_loader": ["pkg.mod.fn"], "log_level": "info"})
-    assert args["custom_weight_loader"] == [L.LOAD_DIRECT, L.DUMP_PARAMS, "pkg.mod.fn"]
+    from mtrain.rollout.sglang_taps import TAP_ACTIVATIONS
+    assert args["custom_weight_loader"] == [L.LOAD_DIRECT, L.DUMP_PARAMS, TAP_ACTIVATIONS, "pkg.mod.fn"]
     assert (args["moe_runner_backend"], args["disable_shared_experts_fusion"], args["skip_tokenizer_init"],
             args["enable_memory_saver"], args["cuda_graph_backend_prefill"], args["weight_version"],
             args["mm_attention_backend"]) == ("triton", True, True, True, "disabled", "0", "triton_attn")
