@@ -26,9 +26,9 @@ TIME_KEYS = ("time/", "perf/", "logprob_diff/", "rollout/groups_per_engine_")
 
 
 def env() -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false")
-    e.pop("PYTHONPATH", None)
-    return e
+    # this checkout's code, whatever an installed copy holds (the runs start outside the repository)
+    return dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=str(REPO))
 
 
 def base_overrides(hf: Path, run_dir: Path, **extra) -> list[str]:
@@ -38,14 +38,15 @@ def base_overrides(hf: Path, run_dir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in o.items()]
 
 
-def torchrun_cmd(overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def torchrun_cmd(overrides: list[str], nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "mtrain", "train", str(CONFIG), *overrides]
 
 
-def launch(overrides: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node 2 -m mtrain train CONFIG overrides` from outside the repo; raises on failure."""
-    p = subprocess.run(torchrun_cmd(overrides), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+def launch(overrides: list[str], cwd: Path, timeout: float = 180, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC -m mtrain train CONFIG overrides` from outside the repo; raises on failure."""
+    p = subprocess.run(torchrun_cmd(overrides, nproc), cwd=cwd, env=env(), capture_output=True, text=True,
+                       timeout=timeout)
     if p.returncode != 0:
         raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p

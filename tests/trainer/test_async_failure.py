@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loop_harness import base_overrides, torchrun_cmd
-from test_async_one_step import _env, tiny_hf  # noqa: F401  (fixture)
+from loop_harness import base_overrides, env, torchrun_cmd
+from test_async_one_step import tiny_hf  # noqa: F401  (fixture)
 
 HANG = f"{Path(__file__).resolve().parent / 'hang_reward.py'}:hang_on_rank1"
 TIMEOUT_S = 15
@@ -21,7 +21,7 @@ def test_hung_rank_is_named_within_the_timeout(tiny_hf, tmp_path):  # noqa: F811
         "rollout.async": "one_step", "train.steps": 4, "reward.fn": HANG, "parallel.tp": 1,
         "train.collective_timeout_s": TIMEOUT_S})
     t0 = time.monotonic()
-    p = subprocess.run(torchrun_cmd(overrides), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+    p = subprocess.run(torchrun_cmd(overrides), cwd=tmp_path, env=env(), capture_output=True, text=True,
                        timeout=300)
     wall = time.monotonic() - t0
     assert p.returncode != 0

@@ -7,29 +7,14 @@ not from the schedule); the overlap metrics are in metrics.jsonl; the run's conf
 """
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
 
-from loop_harness import REPO, SIGNAL_REWARD, base_overrides, torchrun_cmd, train_records
+from loop_harness import CONFIG, SIGNAL_REWARD, base_overrides, env, launch, train_records
 from mtrain.config import ConfigError, load_config
 from mtrain.job_split import split_ranks
 
-CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
-
-
-def _env() -> dict[str, str]:
-    # this checkout's code, whatever an installed copy holds
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=str(REPO))
-
-
-def _launch(overrides, cwd, timeout=300):
-    p = subprocess.run(torchrun_cmd(overrides), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +26,9 @@ def tiny_hf(tmp_path_factory):
 def test_one_step_torchrun(tiny_hf, tmp_path):
     run = tmp_path / "run"
     # TIS corrects the one-version lag: min(pi_trainer / pi_rollout, cap) per token (the objective's tis/ metrics)
-    p = _launch(base_overrides(tiny_hf, run, **{"rollout.async": "one_step", "train.steps": 3,
-                                                "reward.fn": SIGNAL_REWARD, "rollout.offpolicy": "tis",
-                                                "algo.tis_cap": 2.0}), tmp_path)
+    p = launch(base_overrides(tiny_hf, run, **{"rollout.async": "one_step", "train.steps": 3,
+                                               "reward.fn": SIGNAL_REWARD, "rollout.offpolicy": "tis",
+                                               "algo.tis_cap": 2.0}), tmp_path, timeout=300)
     assert "placement=colocated: all 2 ranks train and host engines" in p.stdout
     assert "rollout.async=one_step" in p.stdout
     recs = train_records(run)
@@ -147,7 +132,7 @@ def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
     overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
                                                            "parallel.tp": 1, "train.save_interval": 2})
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
-        env=dict(_env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
+        env=dict(env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == ("mtrain: error: ConfigError: train.save_interval: engine.placement=separate does not "
                                 "write checkpoints in this build; set train.save_interval=-1")

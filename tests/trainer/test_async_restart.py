@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from loop_harness import base_overrides, kill_job, torchrun_cmd
+from loop_harness import base_overrides, env, kill_job, torchrun_cmd
 from mtrain.data.sampler import PromptSampler
-from test_async_one_step import _env, tiny_hf  # noqa: F401  (fixture)
+from test_async_one_step import tiny_hf  # noqa: F401  (fixture)
 
 STEPS, PROMPTS, NUM_TRAIN = 8, 4, 256
 
@@ -24,7 +24,7 @@ STEPS, PROMPTS, NUM_TRAIN = 8, 4, 256
 def _kill_when(cmd, cwd, run, step: int, extra_s: float, timeout: float = 300) -> None:
     """Start the job; once checkpoint `step` exists, wait `extra_s` more (a random moment of a later step: its
     rollout, update, sync or checkpoint write) and SIGKILL every process of it."""
-    p = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     deadline = time.monotonic() + timeout
     while _latest_step(run) < step and p.poll() is None and time.monotonic() < deadline:
@@ -56,7 +56,7 @@ def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path, mo
         _kill_when(torchrun_cmd(overrides), tmp_path, run, target, extra)
         kills.append((target, round(extra, 2), _latest_step(run)))
     assert len({k[2] for k in kills}) > 1  # the kills landed at different points of the run
-    p = subprocess.run(torchrun_cmd(overrides), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+    p = subprocess.run(torchrun_cmd(overrides), cwd=tmp_path, env=env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     ledger = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines() if x.strip()]

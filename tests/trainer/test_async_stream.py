@@ -7,21 +7,10 @@ metrics are in metrics.jsonl. With max_staleness=2 the generator runs up to two 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from loop_harness import REPO, SIGNAL_REWARD, base_overrides, torchrun_cmd, train_records
-
-
-def _launch(overrides, cwd, timeout=400):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO))
-    p = subprocess.run(torchrun_cmd(overrides), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-    return p
+from loop_harness import SIGNAL_REWARD, base_overrides, launch, train_records
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +23,9 @@ def tiny_hf(tmp_path_factory):
 def test_stream_torchrun(tiny_hf, tmp_path, staleness):
     run = tmp_path / "run"
     steps = 4
-    p = _launch(base_overrides(tiny_hf, run, **{"rollout.async": "stream", "train.steps": steps,
+    p = launch(base_overrides(tiny_hf, run, **{"rollout.async": "stream", "train.steps": steps,
                                                 "rollout.max_staleness": staleness, "reward.fn": SIGNAL_REWARD,
-                                                "rollout.max_new_tokens": 24}), tmp_path)
+                                                "rollout.max_new_tokens": 24}), tmp_path, timeout=400)
     assert "rollout.async=stream" in p.stdout
     assert "rollout.async=stream: engine and trainer share host memory on CPU; no device-memory fit check" in p.stdout
     recs = train_records(run)

@@ -14,37 +14,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from loop_harness import CONFIG, SIGNAL_REWARD, base_overrides, train_records
-from test_async_one_step import _env, tiny_hf  # noqa: F401  (fixture)
+from loop_harness import SIGNAL_REWARD, base_overrides, env, launch, torchrun_cmd, train_records
+from test_async_one_step import tiny_hf  # noqa: F401  (fixture)
 
 SEPARATE = {"engine.placement": "separate", "engine.ranks": 2, "parallel.tp": 2, "train.save_interval": -1,
             "reward.fn": SIGNAL_REWARD}
 
 
-def _cmd(overrides, nproc):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "mtrain", "train", str(CONFIG), *overrides]
-
-
-def _launch(overrides, cwd, nproc, timeout=420):
-    p = subprocess.run(_cmd(overrides, nproc), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-    return p
-
-
 def test_separate_equals_colocated_step_by_step(tiny_hf, tmp_path):  # noqa: F811
     sep, col = tmp_path / "separate", tmp_path / "colocated"
-    p = _launch(base_overrides(tiny_hf, sep, **SEPARATE, **{"train.steps": 3}), tmp_path, 4)
+    p = launch(base_overrides(tiny_hf, sep, **SEPARATE, **{"train.steps": 3}), tmp_path, timeout=420, nproc=4)
     assert "placement=separate: training ranks 0-1 (2), engine ranks 2-3 (2: 2 engine(s) of tp 1)" in p.stdout
-    _launch(base_overrides(tiny_hf, col, **{"parallel.tp": 2, "train.steps": 3, "train.save_interval": -1,
-                                            "reward.fn": SIGNAL_REWARD}), tmp_path, 2)
+    launch(base_overrides(tiny_hf, col, **{"parallel.tp": 2, "train.steps": 3, "train.save_interval": -1,
+                                           "reward.fn": SIGNAL_REWARD}), tmp_path, timeout=420, nproc=2)
     a, b = train_records(sep), train_records(col)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for s in a:
@@ -58,8 +45,8 @@ def test_separate_equals_colocated_step_by_step(tiny_hf, tmp_path):  # noqa: F81
 @pytest.mark.slow
 def test_separate_one_step(tiny_hf, tmp_path):  # noqa: F811
     run = tmp_path / "run"
-    p = _launch(base_overrides(tiny_hf, run, **SEPARATE, **{"train.steps": 3, "rollout.async": "one_step"}),
-                tmp_path, 4)
+    p = launch(base_overrides(tiny_hf, run, **SEPARATE, **{"train.steps": 3, "rollout.async": "one_step"}),
+               tmp_path, timeout=420, nproc=4)
     assert "rollout.async=one_step" in p.stdout
     recs = train_records(run)
     assert recs[1]["rollout/version_lag_mean"] == 0.0
@@ -87,7 +74,7 @@ def _worker_pid(root: int, rank: int) -> int | None:
 def _fail_rank(tiny_hf, tmp_path, rank, sig, timeout_s):
     run = tmp_path / "run"
     overrides = base_overrides(tiny_hf, run, **SEPARATE, **{"train.steps": 40, "train.collective_timeout_s": timeout_s})
-    p = subprocess.Popen(_cmd(overrides, 4), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(torchrun_cmd(overrides, 4), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
