@@ -503,14 +503,18 @@ class SGLangEngine(RolloutEngine):
         if not ok:
             raise EngineError(f"SGLangEngine.{what}: SGLang reported failure: {message}")
 
+    def _send_control(self, spec: str, load_format: str, what: str) -> None:
+        """One control entry (a name carrying `spec`, an empty tensor) to every engine rank's loader `load_format`;
+        no cache flush, no version change."""
+        marker = serialize_bucket([(spec, _marker_tensor())])
+        self._send_weights([marker] * self.tp_size, load_format, flush_cache=False, weight_version=None, what=what)
+
     def dump_params(self, out_dir: str, names: Sequence[str] | None = None, what: str = "sha256") -> list[str]:
         """Each engine rank writes `names` (all when None) to out_dir/rank<r>.json (sha256, shape, dtype per
         parameter) or .pt (CPU tensors). Returns the paths, rank order."""
         spec = DUMP_PREFIX + json.dumps({"dir": os.path.abspath(out_dir), "names": None if names is None
                                          else list(names), "what": what})
-        marker = serialize_bucket([(spec, _marker_tensor())])
-        self._send_weights([marker] * self.tp_size, DUMP_PARAMS, flush_cache=False, weight_version=None,
-                           what="dump_params")
+        self._send_control(spec, DUMP_PARAMS, "dump_params")
         ext = "json" if what == "sha256" else "pt"
         return [os.path.join(os.path.abspath(out_dir), f"rank{r}.{ext}") for r in range(self.tp_size)]
 
@@ -521,19 +525,14 @@ class SGLangEngine(RolloutEngine):
         must fit one prefill chunk (chunked_prefill_size) for the taps to hold all of it."""
         from mtrain.rollout.sglang_taps import TAP_ACTIVATIONS, tap_spec
 
-        def control(spec: str) -> None:
-            marker = serialize_bucket([(spec, _marker_tensor())])
-            self._send_weights([marker] * self.tp_size, TAP_ACTIVATIONS, flush_cache=False, weight_version=None,
-                               what="probe_activations")
-
         self.flush_cache()
         out_dir = tempfile.mkdtemp(prefix="mtrain-taps-")
         try:
-            control(tap_spec("arm"))
+            self._send_control(tap_spec("arm"), TAP_ACTIVATIONS, "probe_activations")
             out = self._run(self._engine.async_generate(
                 input_ids=list(token_ids), sampling_params={"max_new_tokens": 1, "temperature": 1.0},
                 return_logprob=True, logprob_start_len=0, rid=uuid.uuid4().hex), "probe_activations")
-            control(tap_spec("dump", out_dir))
+            self._send_control(tap_spec("dump", out_dir), TAP_ACTIVATIONS, "probe_activations")
             taps = torch.load(os.path.join(out_dir, "rank0.pt"))
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
