@@ -81,9 +81,12 @@ class EngineConfig:
     nnodes: int = 1  # nodes one SGLang engine spans (engine.tp = nnodes x ranks per node); docs/design-pool.md
     colocate: bool = True  # engines release weights + KV cache while training runs, and take them back for rollout
     offload_train: bool = False  # move grads/optimizer state to host while the engines generate (metrics: offload/*)
-    # auto: the engine holds the trainer's dtype. fp8: SGLang's block-FP8 layout (float8_e4m3fn + 128x128 scales
-    # for every linear layer); each sync quantizes inside the resharding kernel. The CPU reference engine
-    # emulates it (quantize-dequantize with the same block math). docs/fp8.md
+    # auto: the engine holds the trainer's dtype. bfloat16: a bf16 engine under a float32 trainer (model.dtype=
+    # float32; SGLang has no float32 RMSNorm), the sync casting as it copies; the trainer's logprobs are then
+    # float32-exact and the engine-vs-trainer gap is the engine's bf16 rounding alone (docs/design-gpu-recipe.md).
+    # fp8: SGLang's block-FP8 layout (float8_e4m3fn + 128x128 scales for every linear layer); each sync quantizes
+    # inside the resharding kernel. The CPU reference engine emulates it (quantize-dequantize with the same block
+    # math). docs/fp8.md
     weight_dtype: str = "auto"
     # Further `sglang.Engine` arguments (SGLang ServerArgs names), applied after mtrain's own choices
     # (rollout/sglang_wire.py), e.g. {disable_cuda_graph: false} for long runs; on the command line
@@ -409,6 +412,12 @@ class RunConfig:
     @property
     def rollout_batch_size(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def engine_dtype(self) -> str:
+        """What the rollout engines compute in (SGLang's `dtype`): model.dtype unless engine.weight_dtype=bfloat16
+        (fp8 engines keep model.dtype for what they do not quantize)."""
+        return "bfloat16" if self.engine.weight_dtype == "bfloat16" else self.model.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return _user_keys(dataclasses.asdict(self))

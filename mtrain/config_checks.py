@@ -71,7 +71,8 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 2, "parallel.vpp", optional=True)
     _at_least(cfg, 2, "data.arithmetic.num_operands")
     _check(p.vpp is None or p.pp > 1, "parallel.vpp", f"needs parallel.pp > 1 (pp={p.pp})")
-    _check(e.weight_dtype in ("auto", "fp8"), "engine.weight_dtype", f"must be auto or fp8, got {e.weight_dtype!r}")
+    _check(e.weight_dtype in ("auto", "bfloat16", "fp8"), "engine.weight_dtype",
+           f"must be auto, bfloat16 or fp8, got {e.weight_dtype!r}")
     _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
            f"must be in (0, 1), got {e.mem_fraction_static}")
     args_problems = server_args_problems(e.server_args, e.kind)

@@ -18,7 +18,7 @@ FROM_CONFIG = {
     "model_path": "model.hf_path",
     "tp_size": "engine.tp",
     "ep_size": "engine.ep",
-    "dtype": "model.dtype",
+    "dtype": "model.dtype and engine.weight_dtype",
     "mem_fraction_static": "engine.mem_fraction_static",
     "attention_backend": "engine.attention_backend",
     "random_seed": "train.seed",

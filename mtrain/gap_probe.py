@@ -142,7 +142,7 @@ def gap_probe(cfg, *, record: int = 0, new_tokens: int = 32, reference_dtype: st
     side_r = _reference(cfg.model.hf_path, getattr(torch, reference_dtype), ids)
     report = compare(side_t, side_e, side_r, continuation_from=len(prompt_ids))
     report.update(tokens=len(ids), prompt_tokens=len(prompt_ids), engine=type(trainer.engine).__name__,
-                  model_dtype=cfg.model.dtype, reference_dtype=reference_dtype)
+                  model_dtype=cfg.model.dtype, engine_dtype=cfg.engine_dtype, reference_dtype=reference_dtype)
     return report
 
 

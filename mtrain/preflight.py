@@ -138,10 +138,11 @@ def check_sglang_engine(cfg: RunConfig, hf_config: dict) -> None:
     from mtrain.rollout.sglang_preflight import missing_model_keys
     for problem in missing_model_keys(hf_config):
         raise _fail("model.hf_path", f"{cfg.model.hf_path}: {problem}")
-    if cfg.model.dtype == "float32":
+    if cfg.engine_dtype == "float32":
         raise _fail("model.dtype", "float32 with an SGLang engine: SGLang's RMSNorm kernel has no float32 path "
-                                   "(it fails at the first request); use model.dtype=bfloat16 (the optimizer keeps "
-                                   "float32 main weights) and model.fp32_lm_head=true for float32 logits")
+                                   "(it fails at the first request); use engine.weight_dtype=bfloat16 (a bf16 engine "
+                                   "under the float32 trainer) or model.dtype=bfloat16 (the optimizer keeps float32 "
+                                   "main weights)")
     bs = cfg.engine.cuda_graph_max_bs
     if bs is not None and bs < 1:
         raise _fail("engine.cuda_graph_max_bs", f"{bs}: the largest captured decode batch must be at least 1 "

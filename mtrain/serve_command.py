@@ -16,16 +16,13 @@ from mtrain.serve.api_key import api_key_of
 
 
 def make_serving_engine(cfg, hf_dir: Path, hf_config: dict):
-    import torch
-
     from mtrain.trainer.decisions import decide
-    kind = decide(cfg, world_size=cfg.engine.tp, local_world_size=cfg.engine.tp).engine_kind
-    if kind == "reference":
+    d = decide(cfg, world_size=cfg.engine.tp, local_world_size=cfg.engine.tp)
+    if d.engine_kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        return ReferenceEngine.from_pretrained(str(hf_dir), dtype=dtype)
+        return ReferenceEngine.from_pretrained(str(hf_dir), dtype=d.engine_dtype)
     from mtrain.rollout.sglang_engine import SGLangEngine
-    server_args = {"dtype": cfg.model.dtype}
+    server_args = {"dtype": cfg.engine_dtype}
     if cfg.engine.attention_backend:
         server_args["attention_backend"] = cfg.engine.attention_backend
     server_args.update(cfg.engine.server_args)  # mtrain/engine_args.py refused the keys mtrain decides

@@ -32,7 +32,7 @@ def test_from_yaml_and_command_line_and_round_trip(tmp_path):
     ("engine.server_args=[1, 2]", "engine.server_args: expected a mapping of names to values"),
     ("engine.server_args=7", "engine.server_args: expected a mapping"),
     ("engine.server_args.tp_size=2", "'tp_size' is set by engine.tp"),
-    ("engine.server_args.dtype=float16", "'dtype' is set by model.dtype"),
+    ("engine.server_args.dtype=float16", "'dtype' is set by model.dtype and engine.weight_dtype"),
     ("engine.server_args.quantization=fp8", "'quantization' is set by engine.weight_dtype"),
     ("engine.server_args.load_format=auto", "'load_format' is fixed by mtrain: engines start from dummy weights"),
     ("engine.server_args.moe_runner_backend=flashinfer_trtllm", "'moe_runner_backend' is fixed by mtrain"),

@@ -69,6 +69,12 @@ def test_float32_on_sglang_is_refused_with_what_to_use(hf, tmp_path):
     msg = _preflight_error(cfg)
     assert msg.startswith("model.dtype: float32") and "bfloat16" in msg
     assert any("float32" in p for p in preflight_problems({"dtype": "float32"}, None, None))
+    assert "engine.weight_dtype=bfloat16" in msg
+    # a bf16 engine under the float32 trainer is what the message offers: it passes (the engine's dtype is bf16)
+    ok = load_config(CONFIG, [f"model.hf_path={hf}", "engine.kind=sglang", "model.dtype=float32",
+                              "engine.weight_dtype=bfloat16", f"train.run_dir={tmp_path / 'run'}"])
+    assert ok.engine_dtype == "bfloat16" and ok.model.dtype == "float32"
+    preflight(ok, world=1)
 
 
 def test_graph_batch_must_be_positive(hf, tmp_path):

@@ -131,7 +131,7 @@ def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | N
     out = missing_kernels(args, extensions)
     if str(args.get("dtype")) == "float32":
         out.append("dtype float32: SGLang's RMSNorm kernel has no float32 path (it fails to dispatch Float at the "
-                   "first request): use bfloat16 (model.dtype=bfloat16; the trainer keeps float32 main weights)")
+                   "first request): use bfloat16 (engine.weight_dtype=bfloat16 or model.dtype=bfloat16)")
     if hf_config is not None:
         out += missing_model_keys(hf_config)
         missing = missing_vision_modules(hf_config)

@@ -27,11 +27,12 @@ class RunDecisions:
     use_te: bool
     sync_mode: str  # "pull" | "push"
     engine_fp8: bool = False  # engine.weight_dtype=fp8: block-FP8 engine weights, quantized by the sync (docs/fp8.md)
+    engine_dtype: torch.dtype = torch.float32  # what engines compute in and the sync writes (RunConfig.engine_dtype)
 
     def summary(self) -> str:
         return (f"device={self.device} engine={self.engine_kind} sync={self.sync_mode} colocate={self.colocate} "
                 f"offload_train={self.offload_train} sequence_parallel={self.sequence_parallel} te={self.use_te} "
-                f"fp8_engine={self.engine_fp8}\n"
+                f"fp8_engine={self.engine_fp8} engine_dtype={str(self.engine_dtype).removeprefix('torch.')}\n"
                 f"{self.groups.describe()}")
 
 
@@ -77,4 +78,5 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
                         # rollout.async: engines generate while training runs, so they stay resident
                         colocate=e.colocate and cfg.rollout.async_mode == "off",
                         offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
-                        sync_mode=sync_mode(cfg.sync.mode), engine_fp8=e.weight_dtype == "fp8")
+                        sync_mode=sync_mode(cfg.sync.mode), engine_fp8=e.weight_dtype == "fp8",
+                        engine_dtype=getattr(torch, cfg.engine_dtype))

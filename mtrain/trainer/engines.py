@@ -35,7 +35,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     replay = cfg.algo.routing_replay == "rollout"  # engines record routed experts (docs/design-routing-replay.md)
     if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine import ReferenceEngine
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        dtype = decisions.engine_dtype
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
@@ -44,7 +44,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
-    server_args = {"dtype": cfg.model.dtype}  # the engine computes in the trainer's dtype: buckets never cast
+    server_args = {"dtype": cfg.engine_dtype}  # the sync casts where it differs from the trainer's (weight_dtype)
     server_args.update(sglang_lora_args(cfg, hf_config))
     if fp8:
         from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir

@@ -142,12 +142,12 @@ class Trainer:
             kw = {"engine": self.engine, "engine_kind": d.engine_layout, "mode": d.sync_mode, **over}
             return WeightSync(table, self.actor.chunks, kw.pop("engine"), groups=d.groups, engine_ep=cfg.engine.ep,
                               first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
-                              dtype=self.actor.dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
+                              dtype=d.engine_dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                               device=d.device, engine_fp8=d.engine_fp8, **kw)
         lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/lora_sync.py)
         if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
             from mtrain.trainer.separate_sync import SeparateSync
-            self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=self.actor.dtype)
+            self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=d.engine_dtype)
         else:
             self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora,
                                                                                  self.engine)
@@ -304,6 +304,10 @@ class Trainer:
         train_metrics, old_lp, mine = {}, None, None
         t2 = t3 = time.perf_counter()
         if batch is not None:
+            # The rollout is over: colocated engines hand their weights and KV cache back before the scoring pass,
+            # which then has the training step's memory (with the engine resident, a Qwen3-4B shape on one H200 ran
+            # out of memory in it at engine.mem_fraction_static=0.6, 2026-12-02)
+            self._engine_memory("release_memory", ("kv_cache",) + self.weight_tags)
             # Advantages of the kept groups only (batch-level whitening must not see the dropped ones);
             # filler rows (past `rows`) belong to uniform groups, whose advantage is 0.
             adv, adv_metrics = self.side.advantages(batch, rows, lambda: compute_advantages(
@@ -337,7 +341,6 @@ class Trainer:
                 local.update(self.distill.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
-            self._engine_memory("release_memory", ("kv_cache",) + self.weight_tags)
             offload_metrics.update(self.offload.reload())
             offload_metrics.update(self.side.reload())
             t2 = time.perf_counter()

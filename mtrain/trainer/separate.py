@@ -80,8 +80,7 @@ class EngineRankTrainer(Trainer):
         if cfg.rollout.async_mode == "one_step":
             from mtrain.trainer.async_step import OneStepRollout
             self.async_rollout = OneStepRollout(self)  # the same new_group calls, in the same order, as training ranks
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.sync = SeparateSync(cfg, d, self.layout, self.rank, engine=self.engine, dtype=dtype)
+        self.sync = SeparateSync(cfg, d, self.layout, self.rank, engine=self.engine, dtype=d.engine_dtype)
         self.metrics, self.offload, self.side = None, _Nothing(), _Nothing()
         self.step = 0
         self._resume()

@@ -99,5 +99,5 @@ def test_weight_dtype_config_key():
     example = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     assert load_config(example).engine.weight_dtype == "auto"
     assert load_config(example, ["engine.weight_dtype=fp8"]).engine.weight_dtype == "fp8"
-    with pytest.raises(ConfigError, match=r"engine.weight_dtype.*must be auto or fp8, got 'fp16'"):
+    with pytest.raises(ConfigError, match=r"engine.weight_dtype.*must be auto, bfloat16 or fp8, got 'fp16'"):
         load_config(example, ["engine.weight_dtype=fp16"])
