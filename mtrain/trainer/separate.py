@@ -6,9 +6,11 @@ the default group is entered by every rank in the same order:
 
     rollout   every rank calls the pool (the same prompts, seeds and ids); the engine ranks' engines serve the shared
               queue, every rank gets every group (one_step: the next step's rollout in the background, on its own
-              gloo group, exactly as colocated, `OneStepRollout`)
+              gloo group, exactly as colocated, `OneStepRollout`; stream: `StreamRollout`'s generator thread)
     train     training ranks only (engine ranks: nothing; one_step: they wait for their background rollout)
-    sync      `SeparateSync`: training ranks send the pieces each engine rank needs (`mtrain.reshard.remote`)
+    sync      `SeparateSync`: training ranks send the pieces each engine rank needs (`mtrain.reshard.remote`);
+              stream: into the running generation (`StreamRollout.update`: the engine ranks pause in place once the
+              training ranks are ready to send)
     metrics   one all_gather_object (engine ranks give none)
 
 `EngineRankTrainer` is the engine ranks' side of that loop: no Megatron model, no optimizer. Checkpoints: the
