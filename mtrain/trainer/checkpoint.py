@@ -102,27 +102,24 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
     return final
 
 
-def save_without_model(run_dir: str | Path, step: int, n_extra: int = 0) -> None:
+def save_without_model(run_dir: str | Path, step: int) -> None:
     """`save` on a rank that holds no part of the model (engine.placement=separate: the engine ranks).
 
     megatron-core's dist_checkpointing (0.16.1) takes no process group: its barriers, its sharding-validation
     gathers and torch.distributed.checkpoint's save planning all run over the default group, which spans the whole
     job. So this rank enters exactly the collectives `save` enters, in the same order, with an empty sharded state
-    dict (it contributes no shard and writes no file but its empty plan's); the training ranks write the model, the
-    optimizer and, on rank 0 (a training rank), trainer_state.pt and COMPLETE. n_extra: `save`'s extra models."""
+    dict (it contributes no shard and writes no file); the training ranks write the model, the optimizer and, on
+    rank 0 (a training rank), trainer_state.pt and COMPLETE. No extra models: separate placement refuses PPO."""
     from megatron.core import dist_checkpointing
     part = Path(run_dir) / "checkpoints" / f".partial_step_{step}"
     dist.barrier()
     with _quiet_common_check():
         dist_checkpointing.save({}, str(part / "mcore"))
-        for _ in range(n_extra):
-            dist.barrier()
-            dist_checkpointing.save({}, str(part / "mcore"))
     dist.barrier()
     dist.barrier()
 
 
-def load_without_model(path: str | Path, n_extra: int = 0) -> dict:
+def load_without_model(path: str | Path) -> dict:
     """`load` on a rank that holds no part of the model (see save_without_model): the same collectives, nothing
     loaded; returns the trainer state (step, sampler) rank 0 saved."""
     from megatron.core import dist_checkpointing
@@ -134,8 +131,7 @@ def load_without_model(path: str | Path, n_extra: int = 0) -> dict:
     if left_out.item():
         raise CheckpointError("resuming needs the same optimizer structure on every pipeline stage (a training "
                               "rank's message says which)")
-    for _ in range(1 + n_extra):
-        dist_checkpointing.load({}, str(path / "mcore"))
+    dist_checkpointing.load({}, str(path / "mcore"))
     return torch.load(path / "trainer_state.pt", weights_only=False)
 
 
