@@ -80,19 +80,15 @@ def split_ranks(cfg, world: int) -> JobSplit:
 
 def check_placement_runs(split: JobSplit, cfg=None) -> None:
     """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/separate.py): one
-    destination rank per engine (the reference engine, or SGLang at engine.tp=1), no checkpoints (megatron's
-    dist_checkpointing collectives span the whole job), and none of the features whose collectives span it
-    (partial rollout, agents, PPO's critic, distillation, routing replay, LoRA)."""
+    destination rank per engine (the reference engine, or SGLang at engine.tp=1), and none of the features whose
+    collectives span the whole job (partial rollout, agents, PPO's critic, distillation, routing replay, LoRA)."""
     if split.placement != "separate" or cfg is None:
         return
     e = cfg.engine
     if e.tp > 1 and e.kind != "reference":
         raise _fail("engine.tp", f"{e.tp} with engine.placement=separate is not available in this build (engines of "
                                  "one rank each; SGLang at engine.tp=1 or the reference engine)")
-    if cfg.train.save_interval != -1:
-        raise _fail("train.save_interval", "engine.placement=separate does not write checkpoints in this build; "
-                                           "set train.save_interval=-1")
-    refused = [("rollout.async", cfg.rollout.async_mode == "stream"), ("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
+    refused = [("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
                ("algo.name", cfg.algo.name == "ppo"), ("algo.distill.teacher_path", bool(cfg.algo.distill.teacher_path)),
                ("algo.routing_replay", cfg.algo.routing_replay != "off"), ("model.lora.targets", bool(cfg.model.lora.targets))]
     for key, on in refused:

@@ -102,6 +102,53 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
     return final
 
 
+def save_without_model(run_dir: str | Path, step: int) -> None:
+    """`save` on a rank that holds no part of the model (engine.placement=separate: the engine ranks).
+
+    megatron-core's dist_checkpointing (0.16.1) takes no process group: its barriers, its sharding-validation
+    gathers and torch.distributed.checkpoint's save planning all run over the default group, which spans the whole
+    job. So this rank enters exactly the collectives `save` enters, in the same order, with an empty sharded state
+    dict (it contributes no shard and writes no file); the training ranks write the model, the optimizer and, on
+    rank 0 (a training rank), trainer_state.pt and COMPLETE. No extra models: separate placement refuses PPO."""
+    from megatron.core import dist_checkpointing
+    part = Path(run_dir) / "checkpoints" / f".partial_step_{step}"
+    dist.barrier()
+    with _quiet_common_check():
+        dist_checkpointing.save({}, str(part / "mcore"))
+    dist.barrier()
+    dist.barrier()
+
+
+def load_without_model(path: str | Path) -> dict:
+    """`load` on a rank that holds no part of the model (see save_without_model): the same collectives, nothing
+    loaded; returns the trainer state (step, sampler) rank 0 saved."""
+    from megatron.core import dist_checkpointing
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker): refusing to load it")
+    left_out = torch.zeros(())
+    dist.all_reduce(left_out, op=dist.ReduceOp.MAX)  # _refuse_partial_optimizer's vote: this rank has no optimizer
+    if left_out.item():
+        raise CheckpointError("resuming needs the same optimizer structure on every pipeline stage (a training "
+                              "rank's message says which)")
+    dist_checkpointing.load({}, str(path / "mcore"))
+    return torch.load(path / "trainer_state.pt", weights_only=False)
+
+
+class _quiet_common_check:
+    """dist_checkpointing.save compares every rank's common (non-sharded) state with rank 0's and warns on a
+    difference; a rank without a model has none by design, so its warning says nothing."""
+
+    def __enter__(self):
+        import logging
+        self._log = logging.getLogger("megatron.core.dist_checkpointing.validation")
+        self._level = self._log.level
+        self._log.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self._log.setLevel(self._level)
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why `path` cannot be resumed from (one sentence), or None when it is complete and intact: the COMPLETE
     marker, the trainer state, every rank's RNG file, and the dist checkpoint with every shard present at the size

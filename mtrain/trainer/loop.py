@@ -398,7 +398,10 @@ class Trainer:
                          else self.async_rollout.sampler_state()}  # a pending rollout's prompts are drawn again
                 if self.partial is not None:  # unfinished samples survive a stop: they resume after a restart
                     state["partial"] = self.partial.state_dict()
-                checkpoint.save(self.run_dir, self.step, self.actor, state, extra=self.side.extra_models())
+                self._save_checkpoint(state)
+
+    def _save_checkpoint(self, state: dict) -> None:
+        checkpoint.save(self.run_dir, self.step, self.actor, state, extra=self.side.extra_models())
 
     def close(self) -> None:
         if self.metrics:

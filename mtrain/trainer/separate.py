@@ -6,12 +6,17 @@ the default group is entered by every rank in the same order:
 
     rollout   every rank calls the pool (the same prompts, seeds and ids); the engine ranks' engines serve the shared
               queue, every rank gets every group (one_step: the next step's rollout in the background, on its own
-              gloo group, exactly as colocated, `OneStepRollout`)
+              gloo group, exactly as colocated, `OneStepRollout`; stream: `StreamRollout`'s generator thread)
     train     training ranks only (engine ranks: nothing; one_step: they wait for their background rollout)
-    sync      `SeparateSync`: training ranks send the pieces each engine rank needs (`mtrain.reshard.remote`)
+    sync      `SeparateSync`: training ranks send the pieces each engine rank needs (`mtrain.reshard.remote`);
+              stream: into the running generation (`StreamRollout.update`: the engine ranks pause in place once the
+              training ranks are ready to send)
     metrics   one all_gather_object (engine ranks give none)
 
-`EngineRankTrainer` is the engine ranks' side of that loop: no Megatron model, no optimizer, no checkpoint.
+`EngineRankTrainer` is the engine ranks' side of that loop: no Megatron model, no optimizer. Checkpoints: the
+training ranks write and load them; engine ranks join the collectives of megatron's dist_checkpointing, which run over
+the default group (`checkpoint.save_without_model` / `load_without_model`), and read the step and the sampler
+(stream and one_step: the state before the pending batches drew their prompts) from trainer_state.pt.
 docs/design-async.md, "Separate placement".
 """
 from __future__ import annotations
@@ -80,6 +85,9 @@ class EngineRankTrainer(Trainer):
         if cfg.rollout.async_mode == "one_step":
             from mtrain.trainer.async_step import OneStepRollout
             self.async_rollout = OneStepRollout(self)  # the same new_group calls, in the same order, as training ranks
+        elif cfg.rollout.async_mode == "stream":
+            from mtrain.trainer.stream_step import StreamRollout
+            self.async_rollout = StreamRollout(self)
         self.sync = SeparateSync(cfg, d, self.layout, self.rank, engine=self.engine, dtype=d.engine_dtype)
         self.metrics, self.offload, self.side = None, _Nothing(), _Nothing()
         self.step = 0
@@ -93,13 +101,23 @@ class EngineRankTrainer(Trainer):
         path = None if r == "never" else (checkpoint.find_latest(self.run_dir, None) if r == "auto" else Path(r))
         if path is None:
             return False
-        state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+        state = checkpoint.load_without_model(path)  # the training ranks' load runs collectives over the job
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         return True
 
+    def _save_checkpoint(self, state: dict) -> None:
+        """The training ranks write the checkpoint; this rank joins the collectives of their save."""
+        checkpoint.save_without_model(self.run_dir, self.step)
+
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
+        if cfg.rollout.async_mode == "stream":  # the generator thread runs on; the update goes in place
+            self.async_rollout.step(self.step, cfg.train.steps)
+            self.async_rollout.wait()
+            self.step += 1
+            self.async_rollout.update(self.sync, self.step)  # pause this rank's engine, receive, continue
+            return _reduce_metrics({})
         if self.async_rollout is not None:
             self.async_rollout.step(self.step, cfg.train.steps)
             self.async_rollout.wait()  # the engines finish step N+1's groups before the weights change

@@ -14,7 +14,8 @@ the bound, so no group is ever dropped or regenerated for staleness; `drop_stale
 any group with an older token (counted: rollout/stale_groups_dropped, 0 by construction).
 
 The thread uses only the pool and the engine protocol (pause_in_place / continue_generation / aborted_requests), not
-the placement: with engines on ranks of their own it is the same loop.
+the placement: with engines on ranks of their own (engine.placement=separate) it is the same loop; only the engine
+ranks pause, after a barrier that the training ranks reach once their update is done.
 
 Restart: batches generated but not trained are never checkpointed; the checkpoint's sampler state is the one before
 the oldest of them drew its prompts, so a restart draws them again (none lost, none trained twice), as one_step.
@@ -130,6 +131,11 @@ class StreamRollout(OneStepRollout):
     def update(self, sync, version: int) -> dict[str, float]:
         """The weight sync into running engines: pause in place, sync, continue. Every rank, in step."""
         engine = self.trainer.engine
+        if self.trainer.cfg.engine.placement == "separate":
+            # The engine ranks reach this point as soon as they took the batch; they pause only once the training
+            # ranks have finished the update and are about to send (else the engines would sit paused through the
+            # whole training step). Colocated, the ranks that pause are the ones that trained.
+            dist.barrier()
         t0 = time.perf_counter()
         if engine is not None:
             engine.pause_in_place()

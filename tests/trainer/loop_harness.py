@@ -52,9 +52,10 @@ def launch(overrides: list[str], cwd: Path, timeout: float = 180, nproc: int = 2
     return p
 
 
-def launch_and_kill_after(overrides: list[str], cwd: Path, marker: Path, timeout: float = 180) -> None:
+def launch_and_kill_after(overrides: list[str], cwd: Path, marker: Path, timeout: float = 180,
+                          nproc: int = 2) -> None:
     """Start a run and SIGKILL its whole process group as soon as `marker` exists (a real crash, no cleanup)."""
-    p = subprocess.Popen(torchrun_cmd(overrides), cwd=cwd, env=env(), stdout=subprocess.DEVNULL,
+    p = subprocess.Popen(torchrun_cmd(overrides, nproc), cwd=cwd, env=env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:

@@ -1,8 +1,8 @@
 """rollout.async=one_step and stream survive kill -9 of the whole job at random moments: after `train.resume=auto` runs to the
 end, every prompt the sampler handed out for the trained steps was trained exactly once (none lost with the pending
 rollout, none trained twice), counted from the run's ledger of trained prompts against an independent replay of
-the sampler. stream runs with max_staleness=2 (up to two batches generated ahead when the kill lands). 2 gloo ranks,
-CPU; slow (several launches)."""
+the sampler. stream runs with max_staleness=2 (up to two batches generated ahead when the kill lands). Colocated on
+2 gloo ranks, separate on 4 (2 training, 2 engine ranks); CPU; slow (several launches)."""
 from __future__ import annotations
 
 import json
@@ -39,12 +39,18 @@ def _latest_step(run) -> int:
     return max(steps, default=0)
 
 
+# separate: 2 training ranks (DP 2) + 2 engine ranks
+PLACEMENTS = {"colocated": ({}, 2), "separate": ({"engine.placement": "separate", "engine.ranks": 2}, 4)}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("mode", ["one_step", "stream"])
-def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path, mode):  # noqa: F811
+def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path, mode, placement):  # noqa: F811
     run = tmp_path / "run"
     extra = {"rollout.max_staleness": 2} if mode == "stream" else {}
-    overrides = base_overrides(tiny_hf, run, **{"rollout.async": mode, "train.steps": STEPS, **extra,
+    split, nproc = PLACEMENTS[placement]
+    overrides = base_overrides(tiny_hf, run, **{"rollout.async": mode, "train.steps": STEPS, **extra, **split,
                                                 "train.save_interval": 1, "parallel.tp": 1,
                                                 "rollout.prompts_per_step": PROMPTS,
                                                 "data.arithmetic.num_train": NUM_TRAIN})
@@ -53,10 +59,10 @@ def test_kill9_at_random_moments_loses_and_repeats_nothing(tiny_hf, tmp_path, mo
     targets = sorted(rng.sample(range(1, STEPS - 1), int(os.environ.get("MTRAIN_KILLS", "4"))))
     for target in targets:
         extra = rng.uniform(0.0, 2.0)
-        _kill_when(torchrun_cmd(overrides), tmp_path, run, target, extra)
+        _kill_when(torchrun_cmd(overrides, nproc), tmp_path, run, target, extra)
         kills.append((target, round(extra, 2), _latest_step(run)))
     assert len({k[2] for k in kills}) > 1  # the kills landed at different points of the run
-    p = subprocess.run(torchrun_cmd(overrides), cwd=tmp_path, env=env(), capture_output=True, text=True,
+    p = subprocess.run(torchrun_cmd(overrides, nproc), cwd=tmp_path, env=env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     ledger = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines() if x.strip()]

@@ -28,10 +28,11 @@ def test_training_world_and_layout():
     lay = training_layout(cfg, 4)
     assert (lay.tp, lay.dp, lay.expert_tp, lay.world) == (2, 2, 2, 4)
     check_placement_runs(split_ranks(cfg, 6), cfg)  # runs
+    for extra in (["train.save_interval=2"], ["rollout.async=stream", "rollout.max_staleness=2"]):
+        check_placement_runs(split_ranks(cfg, 4), load_config(CONFIG, BASE + extra))  # checkpoints, stream: run
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["train.save_interval=0"], "train.save_interval"),
     (["engine.kind=sglang", "engine.tp=2"], "engine.tp"),
     (["algo.name=ppo"], "algo.name"),
     (["algo.routing_replay=trainer"], "algo.routing_replay"),

@@ -11,6 +11,7 @@ naming it within train.collective_timeout_s.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from loop_harness import SIGNAL_REWARD, base_overrides, env, launch, torchrun_cmd, train_records
+from mtrain.data.sampler import PromptSampler
 from test_async_one_step import tiny_hf  # noqa: F401  (fixture)
 
 SEPARATE = {"engine.placement": "separate", "engine.ranks": 2, "parallel.tp": 2, "train.save_interval": -1,
@@ -103,3 +105,27 @@ def test_failed_rank_is_named(tiny_hf, tmp_path, rank, sig):  # noqa: F811
     named = (f"rank {rank}" in out) or (f"rank: {rank}" in out) or (f"ranks {rank}" in out)
     assert named, out[-4000:]
     assert wall < 60 + 90, wall  # the timeout plus teardown: never a silent hang
+
+
+def test_separate_stream(tiny_hf, tmp_path):  # noqa: F811
+    """stream: the engine ranks' generator runs ahead (up to max_staleness batches), the training ranks take the
+    batches in order, every update goes into the running generation (the engine ranks pause in place, receive the
+    shard-to-shard transfer, continue): no request aborted, every trained token within the bound."""
+    run, steps, bound = tmp_path / "run", 4, 2
+    p = launch(base_overrides(tiny_hf, run, **SEPARATE, **{"train.steps": steps, "rollout.async": "stream",
+                                                            "rollout.max_staleness": bound,
+                                                            "rollout.max_new_tokens": 24}),
+               tmp_path, timeout=420, nproc=4)
+    assert "rollout.async=stream" in p.stdout and "placement=separate" in p.stdout
+    recs = train_records(run)
+    assert sorted(recs) == list(range(1, steps + 1))
+    for s, r in recs.items():
+        lags = {int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/tokens_lag_")}
+        assert lags and 0 <= min(lags) and max(lags) <= bound, (s, lags)
+        assert r["rollout/staleness_max"] == max(lags) <= bound and r["rollout/stale_groups_dropped"] == 0.0
+        assert r["rollout/aborted_per_update"] == 0.0 and r["rollout/pause_s"] > 0.0  # engine ranks paused
+        assert 0.0 < r["reward/mean"] <= 1.0 and r["response_len/mean"] > 0 and r["sync/bytes"] > 0
+    assert any(recs[s]["rollout/offpolicy_token_frac"] > 0 for s in range(2, steps + 1))  # generated while training
+    ledger = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines()]
+    sampler = PromptSampler(256, 4, seed=0, shuffle=True)
+    assert [x["prompts"] for x in ledger] == [sampler.next_batch() for _ in range(steps)]  # in order, none twice
