@@ -6,7 +6,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 
 from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout

@@ -25,7 +25,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from mtrain.data import load_datasets
