@@ -16,8 +16,8 @@ from mtrain.fileperm import chmod_umask
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
-# PPO's critic and on-policy distillation: panels added to the default ones when the run logged them (a PPO run
-# without a KL reference, algo.kl_coef=0, then has no kl/mean panel)
+# PPO's critic and on-policy distillation: panels added to the default ones when the run logged them. A run without
+# a KL reference (algo.kl_coef=0) logs no kl/mean: the default panels then leave it out.
 ALGO_KEYS = ("critic/value_loss", "critic/explained_var", "critic/vpred_mean", "distill/reverse_kl")
 OVERLAYS = {"reward/mean": "eval/reward_mean"}
 WIDTH_IN, ROW_HEIGHT_IN, DPI = 8.0, 2.6, 100  # the PNG is 800 x (260 * rows) pixels
@@ -49,9 +49,8 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     if not records:
         raise PlotError(f"{run_dir / METRICS_FILE} has no records yet")
     if tuple(keys) == DEFAULT_KEYS:
-        extra = [k for k in ALGO_KEYS if _series(records, k)[0]]
-        if extra:
-            keys = [k for k in DEFAULT_KEYS if k != "kl/mean" or _series(records, k)[0]] + extra
+        keys = [k for k in DEFAULT_KEYS if k != "kl/mean" or _series(records, k)[0]] + \
+            [k for k in ALGO_KEYS if _series(records, k)[0]]
     series = {k: _series(records, k) for k in keys}
     missing = [k for k, (steps, _) in series.items() if not steps]
     if missing:

@@ -1,4 +1,5 @@
-"""`mtrain plot` of a PPO run (no KL reference) and of a distillation run: the critic's and the teacher's panels."""
+"""`mtrain plot` of a PPO run (no KL reference), of a distillation run (the critic's and the teacher's panels) and of
+a GRPO run without a KL reference."""
 from PIL import Image
 
 from mtrain.metrics import MetricsWriter
@@ -19,3 +20,8 @@ def test_ppo_run_plots_critic_panels_without_kl(tmp_path):
 
 def test_distill_run_plots_reverse_kl(tmp_path):
     assert _run(tmp_path / "d", {"distill/reverse_kl": 0.3, "kl/mean": 0.01}) == 4
+
+
+def test_grpo_run_without_a_kl_reference_plots_reward_and_gap(tmp_path):
+    # algo.kl_coef=0 logs no kl/mean (the math example's run); the default panels leave it out instead of failing
+    assert _run(tmp_path / "grpo", {}) == 2
