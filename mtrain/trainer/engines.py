@@ -6,7 +6,6 @@ import os
 import time
 from pathlib import Path
 
-
 from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
 from mtrain.models.lora import spec_of as lora_spec_of
