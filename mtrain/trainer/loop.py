@@ -75,29 +75,8 @@ def _logprob_diff(old_lp, batch) -> dict[str, float]:
 
 class Trainer:
     def __init__(self, cfg):
-        p = cfg.parallel
-        separate = cfg.engine.placement == "separate"  # Megatron over the training ranks only (trainer/separate.py)
-        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
-                         timeout_s=cfg.train.collective_timeout_s,
-                         train_world=int(os.environ.get("WORLD_SIZE", 1)) - cfg.engine.ranks if separate else None)
-        self.cfg, self.rank = cfg, dist.get_rank()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
-        self.run_dir = Path(cfg.train.run_dir)
-        hf_dir = Path(cfg.model.hf_path)
-        self.hf_config = json.loads((hf_dir / "config.json").read_text())
-        # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
-        self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
-        self.layout = model_layout(self.train_config, mtp=False)
-        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")  # VLMs: in text_config
-        if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
-            raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
-                              f"the model's context (max_position_embeddings={self.max_positions})")
-        self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
-        self.train_set, self.eval_set = load_datasets(cfg)
-        self.reward_fn = load_reward_fn(cfg.reward.fn)
-        self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
-                                     shuffle=cfg.data.shuffle)
+        hf_dir = self._start(cfg)
+        d, p, separate = self.decisions, cfg.parallel, cfg.engine.placement == "separate"
         load = weight_loader(cfg, self.layout, self.rank)
         arch = {"sequence_parallel": d.sequence_parallel}
         self.actor = Actor(cfg, self.train_config, load_weights=load, overrides=arch)
@@ -172,6 +151,35 @@ class Trainer:
                                      sinks=tuple(s for s in [wandb_sink(cfg, self.run_dir)] if s)
                                      ) if self.rank == 0 else None
         self.sync.sync(version=self.step)
+
+    def _start(self, cfg) -> Path:
+        """What every rank of the job sets up first, training and (separate placement) engine ranks alike: the
+        process groups, the run's decisions, the model's config and layout, tokenizer, data, reward and sampler.
+        Returns the HF directory."""
+        p = cfg.parallel
+        separate = cfg.engine.placement == "separate"  # Megatron over the training ranks only (trainer/separate.py)
+        init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, seed=cfg.train.seed,
+                         timeout_s=cfg.train.collective_timeout_s,
+                         train_world=int(os.environ.get("WORLD_SIZE", 1)) - cfg.engine.ranks if separate else None)
+        self.cfg, self.rank = cfg, dist.get_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.decisions = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
+        self.run_dir = Path(cfg.train.run_dir)
+        hf_dir = Path(cfg.model.hf_path)
+        self.hf_config = json.loads((hf_dir / "config.json").read_text())
+        # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
+        self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
+        self.layout = model_layout(self.train_config, mtp=False)
+        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")  # VLMs: in text_config
+        if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
+            raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+                              f"the model's context (max_position_embeddings={self.max_positions})")
+        self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
+        self.train_set, self.eval_set = load_datasets(cfg)
+        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle)
+        return hf_dir
 
     def _resume(self) -> bool:
         r = self.cfg.train.resume

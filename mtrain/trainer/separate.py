@@ -21,23 +21,15 @@ docs/design-async.md, "Separate placement".
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mtrain.data import load_datasets
-from mtrain.data.rewards import load_reward_fn
-from mtrain.data.sampler import PromptSampler
-from mtrain.dist import init_distributed
-from mtrain.layouts import model_layout
-from mtrain.layouts.vlm import flat_config
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer import checkpoint
-from mtrain.trainer.decisions import decide
-from mtrain.trainer.engines import load_tokenizer, make_engine
+from mtrain.trainer.engines import make_engine
 from mtrain.trainer.loop import Trainer, _reduce_metrics
 from mtrain.trainer.separate_sync import SeparateSync
 
@@ -51,22 +43,8 @@ class EngineRankTrainer(Trainer):
     step in lockstep with the training ranks' `Trainer` (`run`, `evaluate`, `finish` are the Trainer's own)."""
 
     def __init__(self, cfg):
-        init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, ep=cfg.parallel.ep,
-                         etp=cfg.parallel.etp, cp=cfg.parallel.cp, seed=cfg.train.seed,
-                         timeout_s=cfg.train.collective_timeout_s, train_world=dist_world() - cfg.engine.ranks)
-        self.cfg, self.rank = cfg, dist.get_rank()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.decisions = d = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
-        self.run_dir = Path(cfg.train.run_dir)
-        hf_dir = Path(cfg.model.hf_path)
-        self.hf_config = json.loads((hf_dir / "config.json").read_text())
-        self.layout = model_layout(dict(self.hf_config, num_nextn_predict_layers=0), mtp=False)
-        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")
-        self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
-        self.train_set, self.eval_set = load_datasets(cfg)
-        self.reward_fn = load_reward_fn(cfg.reward.fn)
-        self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
-                                     shuffle=cfg.data.shuffle)
+        hf_dir = self._start(cfg)  # the same groups, config, data and sampler as the training ranks' Trainer
+        d = self.decisions
         self.engine = make_engine(cfg, hf_dir, self.hf_config, d, self.rank) if d.groups.is_leader(self.rank) else None
         self.engine_part = None
         self.pool = RolloutPool(d.groups, self.rank, self.engine, max_groups_in_flight=cfg.rollout.max_groups_in_flight)
