@@ -42,7 +42,9 @@ def main() -> None:
     from mtrain.trainer.lora_sync import engine_lora_args
 
     work = Path(tempfile.mkdtemp(prefix="lora-moe-"))
-    hf = write_tiny_hf(args.arch, work / args.arch, seed=0)
+    # head size 64: SGLang 0.5.17 has fused RoPE kernels for 64/128/256/512 only; mtrain's engine preflight refuses
+    # the tiny configs' 16 (its fallback crashed the schedulers on the H200)
+    hf = write_tiny_hf(args.arch, work / args.arch, seed=0, overrides={"head_dim": 64})
     cfg = json.loads((hf / "config.json").read_text())
     base = model_layout(dict(cfg, num_nextn_predict_layers=0), mtp=False)
     spec = LoraSpec(args.rank, args.alpha, tuple(args.targets.split(",")))

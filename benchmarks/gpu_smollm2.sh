@@ -25,7 +25,8 @@ learn)
         # an item @FILE stands for FILE's key=value lines (e.g. @examples/smollm2/lora.overrides: lists hold commas)
         name=${run%%:*}; IFS=, read -r -a items <<< "${run#*:}"; over=()
         for o in "${items[@]}"; do
-            if [[ $o == @* ]]; then mapfile -t -O ${#over[@]} over < <(grep -v '^[[:space:]]*\(#\|$\)' "${o#@}")
+            # (its train.run_dir, if any, left out: each run's folder is /tmp/smollm2_runs/NAME)
+            if [[ $o == @* ]]; then mapfile -t -O ${#over[@]} over < <(grep -v '^[[:space:]]*\(#\|$\|train\.run_dir=\)' "${o#@}")
             else over+=("$o"); fi
         done
         dir=/tmp/smollm2_runs/$name; mkdir -p "$dir"

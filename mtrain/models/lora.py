@@ -76,7 +76,10 @@ class LoraAdapter(torch.nn.Module):
                 self.add_module(name, holder)
             holder.A = torch.nn.Parameter(a)
             holder.B = torch.nn.Parameter(b)
-        self.register_buffer("perm", torch.tensor(perm) if perm is not None else None, persistent=False)
+        # on the adapters' device: they are attached after the model moved there, so no .to() carries the buffer
+        device = slices[0][1].device
+        self.register_buffer("perm", torch.tensor(perm, device=device) if perm is not None else None,
+                             persistent=False)
         self.scaling, self.row_parallel = scaling, row_parallel
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.tp_group, self.sequence_parallel, self.norm = tp_group, sequence_parallel, norm
