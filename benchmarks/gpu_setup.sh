@@ -60,6 +60,9 @@ _mt_setup() {
     #    find mtrain's loader through this PYTHONPATH.
     export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
     export MTRAIN_REPO="$repo"
+    # The cache in the machine's /tmp, where benchmarks/stage_smollm2.py joins the SmolLM2 GGUF: every script that
+    # sources this finds it there (without it, run_gpu.sh's async and lora_sync went to fetch it, with no network)
+    export MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache}
     # From outside the checkout, so that the check does not depend on the working directory.
     (cd /tmp && "$py" - <<'EOF') || { echo "gpu_setup.sh: import check failed" >&2; return 1; }
 import importlib, sys

@@ -9,7 +9,8 @@
 #                                                          # its wheels in .gpu-extra/, BUILD.md "GPU"), 96 eval problems (384 train + 96 test stay below the ~505 distinct same-denominator sums)
 #   bash benchmarks/gpu_smollm2.sh probe [RUN ...]         # `mtrain gap-probe` with the GPU recipe, one after another
 # RUN = name:override,override,... (default: the recipe at three seeds, lr 5e-6, and the recipe without the fp32
-# head); an item @FILE adds FILE's lines (lora:@examples/smollm2/lora.overrides: the LoRA demo).
+# head); an item @FILE, at most one per run, is run.sh's OVERRIDES=FILE (lora:@examples/smollm2/lora.overrides:
+# the LoRA demo).
 # Results: $OUT/smollm2_runs.tgz (each run's metrics.jsonl, summary.json, log) and $OUT/*.log.
 set -uo pipefail
 source "$(dirname "$0")/smollm2_staged.sh" "${1:-}"  # set-up, the GGUF halves, HF_DIR
@@ -20,18 +21,20 @@ learn)
     runs=("$@")
     [ ${#runs[@]} -eq 0 ] && runs=(seed1234:train.seed=1234 seed1235:train.seed=1235 seed1236:train.seed=1236
                                     lr5e-6:optim.lr=5.0e-6 nofp32head:model.fp32_lm_head=false)
+    for run in "${runs[@]}"; do  # every run checked before any starts
+        [ "$(grep -o '@' <<< "$run" | wc -l)" -le 1 ] || { echo "gpu_smollm2.sh: $run: one @FILE per run" >&2; exit 2; }
+    done
     port=29600; pids=()
     for run in "${runs[@]}"; do
-        # an item @FILE stands for FILE's key=value lines (e.g. @examples/smollm2/lora.overrides: lists hold commas)
-        name=${run%%:*}; IFS=, read -r -a items <<< "${run#*:}"; over=()
+        # an item @FILE goes to run.sh as OVERRIDES=FILE (lists in it hold commas); run.sh reads its lines after the
+        # recipe's and lets RUN_DIR win over a train.run_dir in it, so each run's folder is /tmp/smollm2_runs/NAME
+        name=${run%%:*}; IFS=, read -r -a items <<< "${run#*:}"; over=(); file=""
         for o in "${items[@]}"; do
-            # (its train.run_dir, if any, left out: each run's folder is /tmp/smollm2_runs/NAME)
-            if [[ $o == @* ]]; then mapfile -t -O ${#over[@]} over < <(grep -v '^[[:space:]]*\(#\|$\|train\.run_dir=\)' "${o#@}")
-            else over+=("$o"); fi
+            if [[ $o == @* ]]; then file=${o#@}; else over+=("$o"); fi
         done
         dir=/tmp/smollm2_runs/$name; mkdir -p "$dir"
         # several runs share the GPU: a smaller engine each, distinct rendezvous ports
-        PET_MASTER_PORT=$port RUN_DIR=$dir HF_DIR=$HF_DIR NPROC=1 timeout ${RUN_LIMIT:-540} \
+        OVERRIDES=$file PET_MASTER_PORT=$port RUN_DIR=$dir HF_DIR=$HF_DIR NPROC=1 timeout ${RUN_LIMIT:-540} \
             bash examples/smollm2/run.sh engine.mem_fraction_static=0.12 train.log_weight_change=true "${over[@]}" \
             > "$dir/log" 2>&1 &
         pids+=($!); port=$((port + 7)); sleep ${STAGGER:-15}

@@ -138,8 +138,7 @@ for name in "$@"; do  # every name checked before anything starts
 done
 mkdir -p "$out"
 source benchmarks/gpu_setup.sh || exit 1
-# where benchmarks/gpu_smollm2.sh stage put the SmolLM2 GGUF (async, lora_sync): without it they went to fetch it
-export OUT=$out NCCL_NVLS_ENABLE=0 MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache}
+export OUT=$out NCCL_NVLS_ENABLE=0
 failed=0
 for name in "$@"; do
     limit=$(echo "$CATALOG" | awk -F'|' -v n="$name" '$1 == n {print $3}')

@@ -4,7 +4,7 @@
 me=$(basename "$0")
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_setup.sh || exit 1
-export MTRAIN_CACHE=${MTRAIN_CACHE:-/tmp/mtrain-cache} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 benchmarks/stage_smollm2.py take; rc=$?
 [ "${1:-}" = stage ] && exit 0
