@@ -11,7 +11,7 @@ from mtrain.config_error import ConfigError
 from mtrain.engine_args import server_args_problems
 
 if TYPE_CHECKING:
-    from mtrain.config import RunConfig
+    from mtrain.config_sections import RunConfig
 
 
 def _check(ok: bool, key: str, msg: str) -> None:

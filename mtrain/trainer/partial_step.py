@@ -12,7 +12,8 @@ import math
 import time
 from collections import Counter
 
-from mtrain.config import PARTIAL_OVER_SAMPLE, ConfigError
+from mtrain.config_error import ConfigError
+from mtrain.config_sections import PARTIAL_OVER_SAMPLE
 
 from mtrain.data.chat import tokenize_prompts
 from mtrain.data.rewards import score_responses

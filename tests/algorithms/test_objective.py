@@ -5,7 +5,8 @@ import torch
 from mtrain.algorithms import (AlgorithmInputError, aggregate_loss, compute_advantages, gspo_loss,
                                group_advantages, kl_estimate, policy_loss, ppo_clip_loss,
                                reinforce_pp_baseline_advantages)
-from mtrain.config import AlgoConfig, load_config
+from mtrain.config import load_config
+from mtrain.config_sections import AlgoConfig
 
 
 def algo(name="grpo", *overrides):
