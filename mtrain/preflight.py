@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from mtrain.config import ConfigError, RunConfig, check_paths
+from mtrain.memory_plan import report as report_memory_plan
 
 
 def _fail(key: str, msg: str) -> ConfigError:
@@ -232,6 +233,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_lora_model(cfg, hf_config)
     check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)
+    report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
     check_resume(cfg)

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"data", "algorithms", "tools", "converters"},  # prompts and rewards, losses, agent tools, checkpoint formats
     {"rollout"},                                    # engines, the pool, trajectories, agents
     {"serve"},                                      # the OpenAI front
-    {"trainer"},                                    # the RL loop
+    {"trainer", "memory_plan"},                     # the RL loop; each GPU's memory planned from the config
     {"__main__", "preflight", "preflight_models", "serve_command", "gap_probe"},     # commands: parse, check, start
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

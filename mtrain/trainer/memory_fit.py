@@ -10,13 +10,14 @@ On CPU engine and trainer share host memory and nothing is checked (the start-up
 """
 from __future__ import annotations
 
-GIB = 1 << 30
+from mtrain.memory_plan import GIB, optimizer_bytes
 
 
 def training_bytes(params: int, weight_bytes: int, dp: int, distributed_optimizer: bool) -> float:
-    """Lower bound of one rank's training memory: weights + fp32 grads + (fp32 master if needed + 2 Adam moments)."""
-    optimizer = (0 if weight_bytes == 4 else 4) + 8
-    return params * (weight_bytes + 4 + optimizer / (dp if distributed_optimizer else 1))
+    """Lower bound of one rank's training memory: weights + fp32 grads + (fp32 master if needed + 2 Adam moments),
+    the optimizer's share as mtrain/memory_plan.py counts it (that plan, run by preflight, adds activations)."""
+    main, adam = optimizer_bytes(params, weight_bytes, dp if distributed_optimizer else 1, False)
+    return params * (weight_bytes + 4) + main + adam
 
 
 def fit_error(params: int, weight_bytes: int, dp: int, distributed_optimizer: bool, mem_fraction: float,

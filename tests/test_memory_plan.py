@@ -1,0 +1,96 @@
+"""mtrain/memory_plan.py against numbers counted by hand for Qwen3-1.7B's shape (benchmarks/configs/qwen3_1_7b.json:
+hidden 2048, MLP 6144, 28 layers, 16 heads of 128, 8 KV heads, vocabulary 151,936, tied embeddings), and its one-line
+refusal of the layout that ran out of memory on an H100 (Qwen3-4B, engine at 0.5, issue 44)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtrain.config import ConfigError, load_config
+from mtrain.layouts import model_layout
+from mtrain.memory_plan import CUDA_CONTEXT, GIB, check, plan, rank_params
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+Q17 = json.loads((CONFIGS / "qwen3_1_7b.json").read_text())
+Q4 = json.loads((CONFIGS / "qwen3_4b.json").read_text())
+H100 = int(79.2 * GIB)
+
+EMBED = 151936 * 2048
+# per layer: q 2048x2048, k and v 2048x1024, o 2048x2048, q/k norms 128 each, two RMSNorms 2048, MLP 3 x 2048 x 6144
+LAYER = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 2 * 128 + 2 * 2048 + 3 * 2048 * 6144
+P17 = EMBED + 28 * LAYER + 2048  # the tied head is the embedding; + the final norm
+NORMS = 28 * (2 * 128 + 2 * 2048) + 2048
+
+
+def cfg(*over: str):
+    return load_config(None, ["model.hf_path=/x", "data.task=arithmetic", "model.dtype=bfloat16", "engine.kind=sglang",
+                              "rollout.max_prompt_len=64", "rollout.max_new_tokens=512",
+                              "train.max_tokens_per_micro_batch=4096", *over])
+
+
+def test_parameters_per_rank():
+    lay = model_layout(Q17, mtp=False)
+    assert P17 == 1_720_574_976
+    assert rank_params(lay, lay.weights, 1, 1, 1, 1, [28]) == [P17]
+    # TP2: everything but the norms halves
+    assert rank_params(lay, lay.weights, 2, 1, 1, 2, [28]) == [(P17 - NORMS) // 2 + NORMS]
+    # PP2: the embedding on the first stage, the final norm and the tied head's own copy on the last
+    assert rank_params(lay, lay.weights, 1, 2, 1, 1, [14, 14]) == [EMBED + 14 * LAYER, 14 * LAYER + 2048 + EMBED]
+
+
+def test_plan_arithmetic_qwen3_1_7b():
+    p = plan(cfg("engine.mem_fraction_static=0.5"), Q17, 1, H100, colocated_engine=True)
+    assert (p.weights, p.grads, p.main, p.adam) == (2 * P17, 4 * P17, 4 * P17, 8 * P17)
+    # per token and layer, bf16: 4 x hidden (norm in/out twice) + qkv (16+16 heads) + q,k after norm and RoPE
+    # (2 x 24 heads) + context (16 heads) of 128 + 3 x 6144 (gate, up, SwiGLU out)
+    per = 2 * (4 * 2048 + 32 * 128 + 48 * 128 + 16 * 128 + 3 * 6144)
+    assert per == 77_824
+    assert p.activations == 4096 * 28 * per
+    assert p.logits == 3 * 4096 * 151936 * 2
+    start = 10 * P17 + CUDA_CONTEXT  # weights, grads, main copy: Adam's moments come with the first step
+    assert p.engine == int(0.5 * (H100 - start))
+    assert p.engine_weights == 2 * P17
+    assert p.kv_tokens == (p.engine - 2 * P17) // (2 * 28 * 8 * 128 * 2)
+    assert p.rollout_peak == p.engine + 18 * P17 + 2 * CUDA_CONTEXT
+    assert p.train_peak == 18 * P17 + p.activations + p.logits + 2 * CUDA_CONTEXT  # the engine released
+    assert p.problem() is None
+    assert p.line().startswith("memory plan per GPU: weights 3.2 + grads 6.4 + main copy 6.4 + Adam 12.8 + "
+                               "activations 8.3 + logits 3.5 GiB; engine ")
+
+
+def test_distributed_optimizer_recompute_and_async():
+    p = plan(cfg("optim.use_distributed_optimizer=true", "train.recompute.granularity=full",
+                 "rollout.async=one_step"), Q17, 4, H100, colocated_engine=True)
+    assert (p.main, p.adam) == (4 * P17 // 4, 8 * P17 // 4)
+    assert p.activations == 4096 * 28 * 2 * 2048  # only each layer's input
+    assert p.engine_resident_in_training and p.train_peak > p.state + p.engine
+
+
+def test_refuses_the_layout_that_ran_out_of_memory():
+    """Qwen3-4B, one H100, engine at 0.5 (16 x 8 x 512, packed 4,096): the run died in CUDA OOM after 202 s."""
+    c = cfg("engine.mem_fraction_static=0.5")
+    err = plan(c, Q4, 1, H100, colocated_engine=True).problem()
+    assert err is not None and "\n" not in err
+    assert err.startswith("engine.offload_train: the memory plan does not fit one GPU")
+    assert "set engine.offload_train=true" in err and "lower train.max_tokens_per_micro_batch" in err
+    # what the line says to change makes it fit
+    fixed = cfg("engine.mem_fraction_static=0.5", "engine.offload_train=true", "train.max_tokens_per_micro_batch=1024")
+    assert plan(fixed, Q4, 1, H100, colocated_engine=True).problem() is None
+
+
+def test_refuses_an_engine_left_without_kv_cache():
+    err = plan(cfg("engine.mem_fraction_static=0.05"), Q4, 1, H100, colocated_engine=True).problem()
+    assert err.startswith("engine.mem_fraction_static: the engine's share") and "KV cache for 0 tokens" in err
+
+
+def test_check_on_cuda_raises_one_config_error(monkeypatch):
+    class Props:
+        total_memory = H100
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    with pytest.raises(ConfigError, match="^engine.offload_train: the memory plan"):
+        check(cfg("engine.mem_fraction_static=0.5"), Q4, 1)
+    assert check(cfg(), Q17, 1).startswith("memory plan per GPU:")
