@@ -26,6 +26,7 @@ from mtrain.lora_checks import check_model as lora_check_model
 from mtrain.models.lora import attach_lora, spec_of as lora_spec_of
 from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.fp32_head import install_fp32_lm_head
+from mtrain.models.token_logprobs import token_logprobs as chunked_token_logprobs
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
@@ -48,8 +49,13 @@ def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
     """[b, s-1] logprob of tokens[:, 1:] under softmax(logits[:, :-1] / T), TP-vocab-parallel."""
-    lg = _masked_vocab_logits(logits[:, :-1], vocab, temperature)
-    return -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
+    return _chunked_logprobs(logits[:, :-1], tokens[:, 1:], vocab, temperature)
+
+
+def _chunked_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """No float32 copy of the whole logits (mtrain/models/token_logprobs.py: a 16k-token micro-batch's was 10 GB)."""
+    return chunked_token_logprobs(logits, labels, vocab, temperature, ps.get_tensor_model_parallel_rank()
+                                  * logits.shape[-1], ps.get_tensor_model_parallel_group())
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -302,8 +308,8 @@ class Actor:
         temp = self.cfg.rollout.temperature
         if "cp_index" not in mb:
             return token_logprobs(logits, mb["tokens"], self.vocab, temp)
-        lg = _masked_vocab_logits(logits, self.vocab, temp)  # this CP rank's positions; labels came with them
-        return self._cp_stream(mb, -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), mb["labels"]))
+        # this CP rank's positions; labels came with them
+        return self._cp_stream(mb, _chunked_logprobs(logits, mb["labels"], self.vocab, temp))
 
     def _entropy(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
         temp = self.cfg.rollout.temperature
