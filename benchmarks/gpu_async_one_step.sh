@@ -17,7 +17,7 @@ mkdir -p "$out"
 HF_DIR=${HF_DIR:-$(python -c "from mtrain.converters.smollm2 import smollm2_hf_dir; print(smollm2_hf_dir())" | tail -n 1)}
 common="train.steps=${STEPS:-12} train.save_interval=-1 train.eval_interval=0 train.val_before_train=false
   train.resume=never"
-off=(); one=(); stream=()
+off=(); one=(); stream=(); failed=0
 for rep in $(seq 1 "${REPEATS:-2}"); do
   for mode in off one_step stream; do
     run=$out/$mode-$rep
@@ -26,9 +26,18 @@ for rep in $(seq 1 "${REPEATS:-2}"); do
     [ "$mode" = stream ] && extra="rollout.max_staleness=${STALENESS:-1}"
     RECIPE=gpu NPROC=1 RUN_DIR="$run" HF_DIR="$HF_DIR" bash "$repo/examples/smollm2/run.sh" \
         rollout.async=$mode $common $extra ${EXTRA:-} > "$run.log" 2>&1
-    echo "== $mode repeat $rep: exit $? (log $run.log)"
+    rc=$?
+    # the run's own verdict is its metrics: run.sh's exit also covers its summary step after training
+    trained=$(grep -c '"time/step"' "$run/metrics.jsonl" 2>/dev/null); trained=${trained:-0}
+    echo "== $mode repeat $rep: run.sh exit $rc, $trained of ${STEPS:-12} steps trained (log $run.log)"
+    [ "$trained" -ge "${STEPS:-12}" ] || failed=$((failed + 1))
     case $mode in off) off+=("$run");; one_step) one+=("$run");; stream) stream+=("$run");; esac
   done
 done
 python "$repo/benchmarks/async_compare.py" --off "${off[@]}" --one-step "${one[@]}" --stream "${stream[@]}" --skip 2 \
-  | tee "$out/compare.json"
+  > "$out/compare.json"
+rc=$?
+cat "$out/compare.json"
+# exit 0 exactly when every run trained all its steps and the comparison was made
+echo "gpu_async_one_step.sh: $failed run(s) short of ${STEPS:-12} steps; comparison exit $rc"
+[ "$failed" -eq 0 ] && [ "$rc" -eq 0 ]

@@ -1,20 +1,24 @@
-"""One end-to-end throughput table on one GPU: GRPO steps of a realistic shape against each phase's own floor,
-all measured in the same run.
+"""One end-to-end table on one GPU: GRPO steps of a realistic shape against each phase's floor, all in one call.
 
-    source benchmarks/gpu_setup.sh && python3 benchmarks/gpu_e2e_step.py --out $OUT/e2e.json
+    source benchmarks/gpu_setup.sh && python3 benchmarks/gpu_e2e_step.py --model qwen3_1_7b --out $OUT/e2e.json
 
-1. A random-weight model of Qwen3-4B's dimensions (benchmarks/configs/qwen3_4b.json; bf16, written here on the GPU).
-2. `mtrain train` on it, colocated, one rank: --prompts x --samples samples of --new-tokens response tokens per step,
-   packed micro-batches, --steps steps (the first one is the warm-up: compilation, graph capture, Adam state).
-   The loop's metrics give each phase: rollout, logprob recompute, train, sync, memory release / resume, step.
-3. The floors, after the run has left the GPU:
-   rollout  a standalone `sglang.Engine` with the run's server arguments, on the same number of requests of the
-            run's mean prompt length, --new-tokens each (ignore_eos), timed twice after a warm-up
-   train    the trainer's own Actor alone (logprob recompute + one optimizer step) on a batch of the run's shape
-   sync     a device-to-device copy of the bytes the run's sync sent (the copy floor)
-   memory   none (reported as measured)
-Prints the table: per phase the run's median (min-max over the measured steps), its floor, the ratio; the step
-against the sum of the floors; tokens/s/GPU end to end (generated tokens per step / step time).
+1. A random-weight model of the shape's dimensions (benchmarks/configs/<model>.json; bf16, written on the GPU).
+2. `mtrain train` on it, colocated, one rank: --prompts x --samples samples of up to --new-tokens response tokens per
+   step, packed micro-batches, --steps steps (the first is the warm-up). The loop's metrics give each phase. The GPU's
+   used memory is sampled (NVML, every 0.2 s) for the measured peak, against the memory plan preflight printed.
+   --async-modes off,one_step runs the same steps once per mode (rollout.async), one after the other.
+3. The floors, after the run has left the GPU, in this process:
+   rollout   a standalone `sglang.Engine` with the run's server arguments, the same number of requests of the run's
+             mean prompt length, --new-tokens each
+   logprobs  a bare forward of the same packed micro-batches (the model alone: no schedule, no logprob, no copy back)
+   train     a bare forward + backward + optimizer step of them (the chunked logprob's sum as the loss)
+   sync      a device-to-device copy of the bytes the run's sync sent
+   and, on the same batch, the Actor's own scoring pass and training step alone (what the loop adds is the rest),
+   the old float32 logprob against the chunked one on one micro-batch's logits (time and peak memory), and a bf16
+   matrix product for the machine's measured peak (MFU is given against it and against 989 TFLOP/s).
+Prints the table (per phase: the run's median (min-max) over the measured steps, the floor, the ratio), the step
+against the sum of the floors, MFU of the train phase, generated tokens/s/GPU, tokens/GPU/day, the trainable share.
+A heartbeat line at least every 20 s.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,23 +37,65 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-MODEL_CONFIG = REPO / "benchmarks" / "configs" / "qwen3_4b.json"
 PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/release_memory", "time/resume_memory")
+DATASHEET_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+T0 = time.perf_counter()
+_phase = ["start"]
 
 
-def write_random_model(out: Path) -> Path:
-    """Qwen3-4B-shaped random bf16 weights straight from the GPU to safetensors (a CPU init of 4 B float32
-    parameters would take minutes); norms at 1, everything else N(0, 0.02)."""
+def say(msg: str) -> None:
+    print(f"[e2e {time.perf_counter() - T0:6.0f} s] {msg}", flush=True)
+
+
+def heartbeat(every: float = 20.0) -> None:
+    def beat():
+        while True:
+            time.sleep(every)
+            say(f"... {_phase[0]}")
+    threading.Thread(target=beat, daemon=True).start()
+
+
+class GpuMemory:
+    """Peak used device memory (NVML: every process on the GPU) while `with` runs."""
+
+    def __init__(self, period: float = 0.2):
+        import pynvml
+        pynvml.nvmlInit()
+        self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.total = pynvml.nvmlDeviceGetMemoryInfo(self.h).total
+        self.period, self.peak, self.stop = period, 0, threading.Event()
+
+    def used(self) -> int:
+        return self.nvml.nvmlDeviceGetMemoryInfo(self.h).used
+
+    def __enter__(self):
+        self.base = self.used()
+
+        def sample():
+            while not self.stop.is_set():
+                self.peak = max(self.peak, self.used())
+                time.sleep(self.period)
+        self.t = threading.Thread(target=sample, daemon=True)
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join()
+
+
+def write_random_model(cfg_path: Path, out: Path) -> Path:
+    """Random bf16 weights of the shape straight from the GPU to safetensors; norms at 1, the rest N(0, 0.02)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = json.loads(MODEL_CONFIG.read_text())
+    cfg = json.loads(cfg_path.read_text())
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    shard, size, n = {}, 0, 0
-    names = [(k, p.shape) for k, p in meta.state_dict().items() if not (cfg.get("tie_word_embeddings") and k == "lm_head.weight")]
-    index = {}
+    shard, size, n, index = {}, 0, 0, {}
+    names = [(k, p.shape) for k, p in meta.state_dict().items()
+             if not (cfg.get("tie_word_embeddings") and k == "lm_head.weight")]
     for i, (name, shape) in enumerate(names):
         t = (torch.ones(shape, dtype=torch.bfloat16, device="cuda") if "norm" in name else
              (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16))
@@ -64,30 +111,43 @@ def write_random_model(out: Path) -> Path:
     return out
 
 
-def run_training(args, hf: Path, run_dir: Path) -> list[dict]:
-    overrides = [f"model.hf_path={hf}", "model.dtype=bfloat16", "engine.kind=sglang",
-                 f"engine.mem_fraction_static={args.mem_fraction}", f"rollout.prompts_per_step={args.prompts}",
-                 f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
-                 "rollout.max_prompt_len=64", "rollout.temperature=1.0",
-                 f"train.max_tokens_per_micro_batch={args.budget}", f"train.steps={args.steps}",
-                 "train.save_interval=-1", "train.eval_interval=0", f"train.run_dir={run_dir}",
-                 f"data.arithmetic.num_train={args.prompts * args.steps}", *args.extra]
+def run_overrides(args, hf: Path) -> list[str]:
+    return [f"model.hf_path={hf}", "model.dtype=bfloat16", "engine.kind=sglang",
+            f"engine.mem_fraction_static={args.mem_fraction}", f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
+            "rollout.max_prompt_len=64", "rollout.temperature=1.0", f"train.max_tokens_per_micro_batch={args.budget}",
+            *args.extra]
+
+
+def run_training(args, hf: Path, run_dir: Path, mode: str) -> dict:
+    overrides = run_overrides(args, hf) + [
+        f"rollout.async={mode}", f"train.steps={args.steps}", "train.save_interval=-1", "train.eval_interval=0",
+        f"train.run_dir={run_dir}", f"data.arithmetic.num_train={args.prompts * args.steps}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "mtrain", "train",
            str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), *overrides]
-    print(" ".join(cmd), flush=True)
+    say(" ".join(cmd))
+    log = run_dir.parent / f"train_{mode}.log"
     t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=str(run_dir.parent), text=True, capture_output=True)
-    (run_dir.parent / "train.log").write_text(p.stdout + p.stderr)
-    print(f"training exit {p.returncode} after {time.perf_counter() - t:.0f} s", flush=True)
+    with GpuMemory() as mem, open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=str(run_dir.parent), stdout=f, stderr=subprocess.STDOUT, text=True)
+        while p.poll() is None:
+            time.sleep(1)
+            done = len((run_dir / "metrics.jsonl").read_text().splitlines()) if (run_dir / "metrics.jsonl").exists() else 0
+            _phase[0] = f"training ({mode}): {done}/{args.steps} steps logged, GPU {mem.used() / 2**30:.1f} GiB used"
+    text = log.read_text()
+    say(f"training ({mode}) exit {p.returncode} after {time.perf_counter() - t:.0f} s; GPU peak "
+        f"{mem.peak / 2**30:.1f} GiB of {mem.total / 2**30:.1f} (before: {mem.base / 2**30:.1f})")
+    plan = next((line for line in text.splitlines() if line.startswith("memory plan per GPU:")), None)
     if p.returncode:
-        print((p.stdout + p.stderr)[-4000:], flush=True)
-        sys.exit(1)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        print(text[-5000:], flush=True)
+        raise SystemExit(f"training ({mode}) failed: exit {p.returncode} (log {log})")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"metrics": metrics, "gpu_peak_bytes": mem.peak, "gpu_base_bytes": mem.base, "gpu_total": mem.total,
+            "plan_line": plan}
 
 
 def rollout_floor(args, hf: Path, prompt_len: int, n: int) -> dict:
-    """A standalone sglang.Engine with the server arguments the run's engine got (rollout/sglang_wire.py plus
-    trainer/engines.production_server_args of the same rollout shape), n requests of --new-tokens each."""
+    """A standalone sglang.Engine with the server arguments the run's engine got, n requests of --new-tokens."""
     from gpu_engine_parity import run_standalone
     from mtrain.config import load_config
     from mtrain.trainer.engines import production_server_args
@@ -96,42 +156,140 @@ def rollout_floor(args, hf: Path, prompt_len: int, n: int) -> dict:
                              f"rollout.samples_per_prompt={args.samples}"])
     extra = {"dtype": "bfloat16", **production_server_args(cfg)}
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
-    return run_standalone(str(hf), extra, [n], args.new_tokens, 2, vocab, mem_fraction=args.mem_fraction,
-                          prompt_len=prompt_len)
+    return run_standalone(str(hf), extra, [n], args.new_tokens, args.floor_repeats, vocab,
+                          mem_fraction=args.mem_fraction, prompt_len=prompt_len)
 
 
-def train_floor(args, hf: Path, prompt_len: int, response_len: int, n: int) -> list[float]:
-    from bench_train_throughput import make_batch, one_step, single_process_env
+def timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up: kernels, Adam state, allocator
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def old_logprobs(logits, tokens, vocab, temperature):
+    """The scoring's logprob before mtrain/models/token_logprobs.py (float32 [tokens x vocab] copies), for the A/B."""
+    from megatron.core import tensor_parallel
+    lg = logits[:, :-1].float() / max(temperature, 1e-6)
+    if lg.shape[-1] > vocab:
+        lg = lg.masked_fill(torch.arange(lg.shape[-1], device=lg.device) >= vocab, float("-inf"))
+    return -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
+
+
+def trainer_floors(args, hf: Path, prompt_len: int, response_len: int, n: int) -> dict:
+    from bench_train_throughput import make_batch, single_process_env
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
+    from mtrain.layouts import model_layout
+    from mtrain.models.token_logprobs import token_logprobs
     from mtrain.trainer.actor import Actor
     from mtrain.trainer.engines import weight_loader
-    from mtrain.layouts import model_layout
     single_process_env()
-    cfg = load_config(str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), [
-        f"model.hf_path={hf}", "model.dtype=bfloat16", f"train.max_tokens_per_micro_batch={args.budget}",
-        f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}", *args.extra])
+    cfg = load_config(str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), run_overrides(args, hf))
     init_distributed(seed=1)
     hf_cfg = json.loads((hf / "config.json").read_text())
+    torch.cuda.reset_peak_memory_stats()
     actor = Actor(cfg, hf_cfg, load_weights=weight_loader(cfg, model_layout(hf_cfg, mtp=False), 0))
     batch = make_batch([(prompt_len, response_len)] * n, hf_cfg["vocab_size"], seed=0)
-    one_step(actor, batch)  # warm-up: Adam state, kernels
-    return [one_step(actor, batch) for _ in range(args.floor_repeats)]
+    micro = actor._micro(batch, {})
+    model, vocab, temp = actor.chunks[0], hf_cfg["vocab_size"], cfg.rollout.temperature
+    out = {"micro_batches": len(micro), "tokens": int(batch.seq_lens.sum())}
+
+    def forward(mb):
+        return model(mb["tokens"], mb["position_ids"], None, packed_seq_params=mb["packed_seq_params"])
+
+    def bare_forward():
+        model.eval()
+        with torch.no_grad():
+            for mb in micro:
+                forward(mb)
+
+    def bare_train():
+        model.train()
+        model.zero_grad_buffer()
+        actor.optimizer.zero_grad()
+        for mb in micro:
+            lp = token_logprobs(forward(mb)[:, :-1], mb["tokens"][:, 1:], vocab, temp)
+            (-lp.sum() / out["tokens"]).backward()
+        actor.optimizer.step()
+
+    adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
+    norms = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(batch.size)}
+    old = [None]
+
+    def scoring():
+        old[0] = actor.logprobs(batch)
+
+    def actor_train():
+        actor.train_step(batch, old[0], adv, None, norms)
+
+    for name, fn in (("bare_forward", bare_forward), ("actor_logprobs", scoring), ("bare_train", bare_train),
+                     ("actor_train_step", actor_train)):
+        _phase[0] = f"trainer floor: {name}"
+        out[name] = timed(fn, args.floor_repeats)
+        say(f"{name}: {statistics.median(out[name]):.3f} s median of {out[name]}")
+    out["trainer_peak_allocated"] = torch.cuda.max_memory_allocated()
+    out["trainer_peak_reserved"] = torch.cuda.max_memory_reserved()
+    # the old float32 logprob against the chunked one, on one micro-batch's logits
+    try:
+        out["logprob_ab"] = logprob_ab(model, micro[0], forward, vocab, temp)
+    except torch.cuda.OutOfMemoryError as e:  # the old path's float32 copies may not fit next to the trainer
+        out["logprob_ab"] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        say(f"logprob A/B: {out['logprob_ab']['error']}")
+    return out
+
+
+def logprob_ab(model, mb, forward, vocab: int, temp: float) -> dict:
+    from mtrain.models.token_logprobs import token_logprobs
+    with torch.no_grad():
+        model.eval()
+        logits = forward(mb)
+        ab = {"tokens": int(logits.shape[1]), "vocab": int(logits.shape[-1])}
+        for name, fn in (("old_float32", lambda: old_logprobs(logits, mb["tokens"], vocab, temp)),
+                         ("chunked", lambda: token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], vocab, temp))):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            ab[name + "_s"] = timed(fn, 5)
+            ab[name + "_extra_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        a, b = old_logprobs(logits, mb["tokens"], vocab, temp), token_logprobs(logits[:, :-1], mb["tokens"][:, 1:],
+                                                                             vocab, temp)
+        ab["max_abs_diff"] = float((a - b).abs().max())
+    say(f"logprob A/B on {ab['tokens']} tokens: old {statistics.median(ab['old_float32_s']) * 1e3:.1f} ms "
+        f"(+{ab['old_float32_extra_peak_bytes'] / 2**30:.2f} GiB), chunked {statistics.median(ab['chunked_s']) * 1e3:.1f}"
+        f" ms (+{ab['chunked_extra_peak_bytes'] / 2**30:.2f} GiB), max |diff| {ab['max_abs_diff']:.2e}")
+    return ab
 
 
 def copy_floor(nbytes: int, repeats: int = 5) -> list[float]:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    out = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    del src, dst
-    torch.cuda.empty_cache()
-    return out[1:]
+    return timed(lambda: dst.copy_(src), repeats)  # freed on return, before the trainer floors
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ts = timed(lambda: [a @ b for _ in range(10)], 3)
+    return 10 * 2 * 8192 ** 3 / statistics.median(ts) / 1e12
+
+
+def train_flops(hf: dict, seq_lens: list[int]) -> float:
+    """Forward + backward FLOPs of a batch: 6 x matmul parameters (the head included, the embedding lookup not) per
+    token, plus causal attention (QK^T and PV: 2 x 2 x L^2/2 x heads x head_dim per layer, x3 for the backward)."""
+    h, L = hf["hidden_size"], hf["num_hidden_layers"]
+    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim") or h // heads
+    per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * hf["intermediate_size"]
+    matmul = L * per_layer + hf["vocab_size"] * h
+    tokens = sum(seq_lens)
+    attn = sum(2 * 2 * (s * s / 2) * heads * hd for s in seq_lens) * L
+    return 6 * matmul * tokens + 3 * attn
 
 
 def spread(xs: list[float]) -> dict:
@@ -140,73 +298,109 @@ def spread(xs: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default="/tmp/e2e")
+    ap.add_argument("--model", default="qwen3_1_7b", help="benchmarks/configs/NAME.json")
+    ap.add_argument("--work", default=None, help="default /tmp/e2e-MODEL")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--budget", type=int, default=16384, help="train.max_tokens_per_micro_batch")
+    ap.add_argument("--budget", type=int, default=4096, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--steps", type=int, default=4, help="training steps; the first is the warm-up")
-    ap.add_argument("--mem-fraction", type=float, default=0.5,
-                    help="engine.mem_fraction_static: SGLang's share of the whole GPU, the trainer's memory included")
+    ap.add_argument("--mem-fraction", type=float, default=0.5, help="engine.mem_fraction_static")
+    ap.add_argument("--async-modes", default="off", help="rollout.async modes, one run each (the table: the first)")
     ap.add_argument("--floor-repeats", type=int, default=3)
-    ap.add_argument("--skip-train", action="store_true", help="reuse the metrics of a previous run in --work")
-    ap.add_argument("--train-only", action="store_true", help="stop after the run (the floors in a later call)")
+    ap.add_argument("--no-floors", action="store_true", help="the run(s) only")
+    ap.add_argument("--write-only", action="store_true", help="write the random model into --work and stop")
     ap.add_argument("--out", default=None)
-    ap.add_argument("extra", nargs="*", help="further a.b.c=value overrides for the run (and the train floor)")
+    ap.add_argument("extra", nargs="*", help="further a.b.c=value overrides for the run and the trainer floors")
     args = ap.parse_args()
-    work = Path(args.work)
+    heartbeat()
+    work = Path(args.work or f"/tmp/e2e-{args.model}")
     hf = work / "hf"
     if not (hf / "config.json").exists():
-        t = time.perf_counter()
-        write_random_model(hf)
-        print(f"random model written in {time.perf_counter() - t:.0f} s", flush=True)
-    run_dir = work / "run"
-    if args.skip_train:
-        metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = run_training(args, hf, run_dir)
-        if args.train_only:
-            return
-    steps = [m for m in metrics if "time/step" in m][1:]  # the first step is the warm-up
+        _phase[0] = "writing the random model"
+        write_random_model(REPO / "benchmarks" / "configs" / f"{args.model}.json", hf)
+        say(f"random model written to {hf}")
+    if args.write_only:
+        return
+    hf_cfg = json.loads((hf / "config.json").read_text())
     n = args.prompts * args.samples
-    res = {"config": vars(args), "steps": steps}
-    phases = {k: spread([m.get(k, 0.0) for m in steps]) for k in PHASES + ("time/step",)}
+    res = {"config": vars(args), "device": torch.cuda.get_device_name(0), "runs": {}}
+    for mode in args.async_modes.split(","):
+        run_dir = work / f"run_{mode}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        run_dir.mkdir(parents=True)
+        r = run_training(args, hf, run_dir, mode)
+        steps = [m for m in r["metrics"] if "time/step" in m][1:]  # the first step is the warm-up
+        r["steps"] = steps
+        r["phases"] = {k: spread([m.get(k, 0.0) for m in steps]) for k in PHASES + ("time/step",)}
+        res["runs"][mode] = r
+        say(f"{mode}: step {r['phases']['time/step']['median']:.2f} s median over {len(steps)} steps")
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    first = res["runs"][args.async_modes.split(",")[0]]
+    steps = first["steps"]
     gen_tokens = [m["response_len/mean"] * n for m in steps]
-    prompt_len = round(statistics.mean(m["prompt_len/mean"] for m in steps))  # the floors' requests: the run's shape
+    prompt_len = round(statistics.mean(m["prompt_len/mean"] for m in steps))
     response_len = round(statistics.mean(m["response_len/mean"] for m in steps))
-    floors = {}
-    floors["rollout"] = rollout_floor(args, hf, prompt_len, n)
-    floors["train"] = spread(train_floor(args, hf, prompt_len, response_len, n))
-    floors["sync"] = spread(copy_floor(int(statistics.median(m["sync/bytes"] for m in steps))))
-    roll_tok_s = floors["rollout"][str(n)]["median_tok_s"]
-    f_roll = statistics.mean(gen_tokens) / roll_tok_s
-    f_train, f_sync = floors["train"]["median"], floors["sync"]["median"]
-    res.update(phases=phases, floors=floors, floor_s={"rollout": f_roll, "train": f_train, "sync": f_sync})
-    step = phases["time/step"]["median"]
-    res["step_over_floors"] = step / (f_roll + f_train + f_sync)
-    res["tokens_per_s_per_gpu"] = spread([g / m["time/step"] for g, m in zip(gen_tokens, steps)])
-    lines = [f"{'phase':<16}{'run median (min-max) s':>28}{'floor s':>10}{'ratio':>8}"]
-    for label, key, floor in (("rollout", "time/rollout", f_roll), ("logprobs+train", None, f_train),
-                              ("sync", "time/sync", f_sync), ("release memory", "time/release_memory", None),
-                              ("resume memory", "time/resume_memory", None), ("step", "time/step",
-                                                                             f_roll + f_train + f_sync)):
-        if key is None:
-            xs = [m["time/logprobs"] + m["time/train"] - m.get("time/release_memory", 0.0) for m in steps]
-            s = spread(xs)
-        else:
-            s = phases[key]
-        ratio = f"{s['median'] / floor:.2f}" if floor else "-"
-        lines.append(f"{label:<16}{s['median']:>12.3f} ({s['min']:.3f}-{s['max']:.3f}){'':>2}"
-                     f"{(floor or 0):>10.3f}{ratio:>8}")
-    tps = res["tokens_per_s_per_gpu"]
-    lines.append(f"end to end: {tps['median']:.0f} generated tokens/s/GPU ({tps['min']:.0f}-{tps['max']:.0f}), "
-                 f"{n} samples x {response_len} response tokens (mean), prompt {prompt_len}; "
-                 f"step / sum of floors = {res['step_over_floors']:.2f}")
+    lines = []
+    if not args.no_floors:
+        _phase[0] = "rollout floor: standalone SGLang engine"
+        roll = rollout_floor(args, hf, prompt_len, n)
+        say(f"rollout floor: {roll[str(n)]}")
+        _phase[0] = "copy and matmul floors"
+        sync_bytes = int(statistics.median(m["sync/bytes"] for m in steps))
+        cp = copy_floor(sync_bytes)
+        tflops = matmul_tflops()
+        torch.cuda.empty_cache()
+        say(f"copy of {sync_bytes / 2**30:.2f} GiB: {statistics.median(cp) * 1e3:.1f} ms; bf16 matmul {tflops:.0f} TFLOP/s")
+        tr = trainer_floors(args, hf, prompt_len, response_len, n)
+        res["floors"] = {"rollout": roll, "trainer": tr, "sync_copy_s": cp, "matmul_tflops": tflops,
+                         "sync_bytes": sync_bytes}
+        f = {"rollout": statistics.mean(gen_tokens) / roll[str(n)]["median_tok_s"],
+             "logprobs": statistics.median(tr["bare_forward"]), "train": statistics.median(tr["bare_train"]),
+             "sync": statistics.median(cp)}
+        ph = first["phases"]
+        logprob_run = spread([m["time/logprobs"] - m.get("time/release_memory", 0.0) for m in steps])
+        rows = [("rollout", ph["time/rollout"], f["rollout"]), ("logprobs", logprob_run, f["logprobs"]),
+                ("train", ph["time/train"], f["train"]), ("sync", ph["time/sync"], f["sync"]),
+                ("release memory", ph["time/release_memory"], None), ("resume memory", ph["time/resume_memory"], None),
+                ("step", ph["time/step"], sum(f.values()))]
+        lines.append(f"{'phase':<16}{'run median (min-max) s':>30}{'floor s':>10}{'ratio':>8}")
+        for label, s, floor in rows:
+            ratio = f"{s['median'] / floor:.2f}" if floor else "-"
+            lines.append(f"{label:<16}{s['median']:>12.3f} ({s['min']:.3f}-{s['max']:.3f})  {(floor or 0):>10.3f}"
+                         f"{ratio:>8}")
+        lines.append(f"scoring alone (Actor.logprobs, same batch): {statistics.median(tr['actor_logprobs']):.3f} s; "
+                     f"training alone (Actor.train_step): {statistics.median(tr['actor_train_step']):.3f} s")
+        flops = train_flops(hf_cfg, [prompt_len + response_len] * n)
+        mfu = [flops / m["time/train"] / 1e12 for m in steps]
+        res.update(floor_s=f, step_over_floors=ph["time/step"]["median"] / sum(f.values()),
+                   logprob_over_floor=logprob_run["median"] / f["logprobs"], train_tflops=spread(mfu),
+                   mfu_vs_measured=statistics.median(mfu) / tflops, mfu_vs_datasheet=statistics.median(mfu)
+                   / DATASHEET_TFLOPS)
+        lines.append(f"train phase: {statistics.median(mfu):.0f} TFLOP/s ({min(mfu):.0f}-{max(mfu):.0f}); MFU "
+                     f"{res['mfu_vs_datasheet']:.3f} of {DATASHEET_TFLOPS:.0f}, {res['mfu_vs_measured']:.3f} of the "
+                     f"measured {tflops:.0f} TFLOP/s matmul")
+    tps = spread([g / m["time/step"] for g, m in zip(gen_tokens, steps)])
+    res["tokens_per_s_per_gpu"] = tps
+    # the generated tokens that enter the loss: every response of the groups kept (algo.filter_uniform_groups drops
+    # groups of equal rewards and logs filter/kept_groups; without it every group is kept)
+    res["trainable_share"] = statistics.mean(m.get("filter/kept_groups", args.prompts) / args.prompts for m in steps)
+    lines.append(f"end to end: {tps['median']:.0f} generated tokens/s/GPU ({tps['min']:.0f}-{tps['max']:.0f}) = "
+                 f"{tps['median'] * 86400 / 1e6:.1f} M tokens/GPU/day; {n} samples x {response_len} response tokens "
+                 f"(mean), prompt {prompt_len}; trainable share {res['trainable_share']:.2f}")
+    if "step_over_floors" in res:
+        lines.append(f"step / sum of floors = {res['step_over_floors']:.2f} (goal <= 1.15); logprob pass / bare "
+                     f"forward = {res['logprob_over_floor']:.2f} (goal <= 1.1)")
+    for mode, r in res["runs"].items():
+        lines.append(f"{mode}: step {r['phases']['time/step']['median']:.2f} s ({r['phases']['time/step']['min']:.2f}-"
+                     f"{r['phases']['time/step']['max']:.2f}); GPU peak {r['gpu_peak_bytes'] / 2**30:.1f} GiB measured"
+                     f" (NVML), plan: {(r['plan_line'] or 'none printed').split('; peak ')[-1]}")
     print("\n".join(lines), flush=True)
+    res["table"] = lines
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":

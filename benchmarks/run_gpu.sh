@@ -46,10 +46,27 @@ vlm_rollout|1|300|image rollouts on SGLang against transformers
 vlm_mt|1|300|multi-turn tool rollouts with an image on SGLang
 lora_sync|1|420|LoRA sync into SGLang: full vs load_lora_adapter_from_tensors vs direct pool write (SmolLM2 staged)
 lora_moe|1|300|expert LoRA on SGLang (tiny Qwen3-MoE): synced adapter generates as a fresh load
-e2e_train|1|600|GRPO steps of a Qwen3-4B shape end to end, 256 x 1,024 tokens (phases per step)
-e2e_floors|1|600|the floors of e2e_train's phases: standalone SGLang, the train step alone, the copy (after e2e_train)
+e2e_setup|1|300|write the e2e shapes' random bf16 weights (Qwen3-1.7B, Qwen3-4B) into /tmp (a warm machine keeps them)
+e2e_1_7b|1|600|GRPO steps of a Qwen3-1.7B shape, 32 x 8 x 1,024 tokens, and every phase's floor in the same call
+e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: engine.offload_train and full recompute, as the memory plan says)
+e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the same steps, one run per mode)
+parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds (SmolLM2 staged)
+smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
+smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
+smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
+ppo_distill|1|600|PPO and on-policy distillation on the SmolLM2 demo (gpu_ppo_distill.sh run; SmolLM2 staged)
+separate|2|600|separate placement over NCCL: shard-to-shard sync, one_step on 2 GPUs vs colocated sync on 1
 lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
 "
+
+wait_s() {  # wait_s SECONDS PID: true once PID has ended, false after SECONDS while it still runs
+    local i
+    for ((i = 0; i < $1 * 2; i++)); do
+        kill -0 "$2" 2>/dev/null || return 0
+        sleep 0.5
+    done
+    ! kill -0 "$2" 2>/dev/null
+}
 
 list() { echo "$CATALOG" | awk -F'|' 'NF==4 {printf "%-18s %s GPU  %4s s  %s\n", $1, $2, $3, $4}'; }
 
@@ -123,8 +140,19 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     vlm_mt) (cd /tmp && python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json") ;;
     lora_sync) python benchmarks/gpu_lora_sync.py --model smollm2 --rank 32 --repeats 10 ;;
     lora_moe) python benchmarks/gpu_lora_moe.py && python benchmarks/gpu_lora_moe.py --targets experts ;;
-    e2e_train) python benchmarks/gpu_e2e_step.py --budget 4096 --train-only ;;
-    e2e_floors) python benchmarks/gpu_e2e_step.py --budget 4096 --skip-train --out "$out/e2e.json" ;;
+    e2e_setup) python benchmarks/gpu_e2e_step.py --model qwen3_1_7b --write-only &&
+               python benchmarks/gpu_e2e_step.py --model qwen3_4b --write-only ;;
+    e2e_1_7b) python benchmarks/gpu_e2e_step.py --model qwen3_1_7b --out "$out/e2e_1_7b.json" ;;
+    e2e_4b) python benchmarks/gpu_e2e_step.py --model qwen3_4b --out "$out/e2e_4b.json" engine.offload_train=true \
+                train.recompute.granularity=full ;;
+    e2e_async_1_7b) python benchmarks/gpu_e2e_step.py --model qwen3_1_7b --async-modes off,one_step --no-floors \
+                        --out "$out/e2e_async_1_7b.json" ;;
+    parity) bash benchmarks/gpu_smollm2.sh parity ;;
+    smollm2_learn) bash benchmarks/gpu_smollm2.sh learn ;;
+    smollm2_probe) bash benchmarks/gpu_smollm2.sh probe ;;
+    smollm2_math) bash benchmarks/gpu_smollm2.sh math ;;
+    ppo_distill) bash benchmarks/gpu_ppo_distill.sh run ;;
+    separate) OUT=$out/separate bash benchmarks/gpu_separate_two_gpu.sh ;;
     lora_loop) OUT=$out/lora_loop STEPS=3 MODELS=llama EXTRA="model.lora.targets=qkv,o_proj,gate_up,down
                    model.lora.rank=16 model.lora.alpha=32 model.lora.lr=1e-3" bash benchmarks/gpu_rl_loop.sh ;;
     *) echo "run_gpu.sh: no benchmark named '$1' (bash benchmarks/run_gpu.sh list)" >&2; return 2 ;;
@@ -143,7 +171,14 @@ failed=0
 for name in "$@"; do
     limit=$(echo "$CATALOG" | awk -F'|' -v n="$name" '$1 == n {print $3}')
     t0=$(date +%s.%N)
-    timeout -k 15 "$limit" bash "$0" --one "$name" > "$out/log_$name.txt" 2>&1  # its own process group's limit
+    echo "== $name: started (limit $limit s, log $out/log_$name.txt)"
+    timeout -k 15 "$limit" bash "$0" --one "$name" > "$out/log_$name.txt" 2>&1 &  # its own process group's limit
+    pid=$!
+    while ! wait_s 30 "$pid"; do  # progress: the log's last line every 30 s
+        echo "   $name $(python3 -c "print(round($(date +%s.%N) - $t0))") s: $(grep -v -i warn "$out/log_$name.txt" \
+            | tail -n 1 | cut -c 1-200)"
+    done
+    wait "$pid"
     rc=$?
     [ $rc -ne 0 ] && failed=$((failed + 1))
     echo "== $name: exit $rc$([ $rc = 124 ] && echo " (limit ${limit} s)"), wall $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
