@@ -116,7 +116,9 @@ def run_overrides(args, hf: Path) -> list[str]:
             f"engine.mem_fraction_static={args.mem_fraction}", f"rollout.prompts_per_step={args.prompts}",
             f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
             "rollout.max_prompt_len=64", "rollout.temperature=1.0", f"train.max_tokens_per_micro_batch={args.budget}",
-            *args.extra]
+            # no KL reference model: its scoring would be a second forward in the logprob phase (the 2026-12-02 run
+            # had one: GRPO's preset kl_coef=0.001) and its weights a second copy on the GPU
+            "algo.kl_coef=0", *args.extra]
 
 
 def run_training(args, hf: Path, run_dir: Path, mode: str) -> dict:
@@ -160,14 +162,19 @@ def rollout_floor(args, hf: Path, prompt_len: int, n: int) -> dict:
                           mem_fraction=args.mem_fraction, prompt_len=prompt_len)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # the trainer floors also run on CPU (a smoke check with a tiny model)
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> list[float]:
     fn()  # warm-up: kernels, Adam state, allocator
     out = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         out.append(time.perf_counter() - t)
     return out
 
@@ -193,7 +200,8 @@ def trainer_floors(args, hf: Path, prompt_len: int, response_len: int, n: int) -
     cfg = load_config(str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), run_overrides(args, hf))
     init_distributed(seed=1)
     hf_cfg = json.loads((hf / "config.json").read_text())
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     actor = Actor(cfg, hf_cfg, load_weights=weight_loader(cfg, model_layout(hf_cfg, mtp=False), 0))
     batch = make_batch([(prompt_len, response_len)] * n, hf_cfg["vocab_size"], seed=0)
     micro = actor._micro(batch, {})
@@ -233,13 +241,15 @@ def trainer_floors(args, hf: Path, prompt_len: int, response_len: int, n: int) -
         _phase[0] = f"trainer floor: {name}"
         out[name] = timed(fn, args.floor_repeats)
         say(f"{name}: {statistics.median(out[name]):.3f} s median of {out[name]}")
+    if not torch.cuda.is_available():
+        return out
     out["trainer_peak_allocated"] = torch.cuda.max_memory_allocated()
     out["trainer_peak_reserved"] = torch.cuda.max_memory_reserved()
     # the old float32 logprob against the chunked one, on one micro-batch's logits
     try:
         out["logprob_ab"] = logprob_ab(model, micro[0], forward, vocab, temp)
-    except torch.cuda.OutOfMemoryError as e:  # the old path's float32 copies may not fit next to the trainer
-        out["logprob_ab"] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    except Exception as e:  # noqa: BLE001 -- e.g. the old path's float32 copies do not fit next to the trainer
+        out["logprob_ab"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         say(f"logprob A/B: {out['logprob_ab']['error']}")
     return out
 
@@ -345,8 +355,12 @@ def main() -> None:
     lines = []
     if not args.no_floors:
         _phase[0] = "rollout floor: standalone SGLang engine"
-        roll = rollout_floor(args, hf, prompt_len, n)
-        say(f"rollout floor: {roll[str(n)]}")
+        try:
+            roll = rollout_floor(args, hf, prompt_len, n)
+            say(f"rollout floor: {roll[str(n)]}")
+        except Exception as e:  # noqa: BLE001 -- the other floors are still worth their device time
+            roll = {"error": f"{type(e).__name__}: {e}"}
+            say(f"rollout floor failed: {roll['error']}")
         _phase[0] = "copy and matmul floors"
         sync_bytes = int(statistics.median(m["sync/bytes"] for m in steps))
         cp = copy_floor(sync_bytes)
@@ -356,7 +370,7 @@ def main() -> None:
         tr = trainer_floors(args, hf, prompt_len, response_len, n)
         res["floors"] = {"rollout": roll, "trainer": tr, "sync_copy_s": cp, "matmul_tflops": tflops,
                          "sync_bytes": sync_bytes}
-        f = {"rollout": statistics.mean(gen_tokens) / roll[str(n)]["median_tok_s"],
+        f = {"rollout": statistics.mean(gen_tokens) / roll[str(n)]["median_tok_s"] if str(n) in roll else float("nan"),
              "logprobs": statistics.median(tr["bare_forward"]), "train": statistics.median(tr["bare_train"]),
              "sync": statistics.median(cp)}
         ph = first["phases"]

@@ -4,6 +4,8 @@ Per training rank (the heaviest pipeline stage), in bytes:
 - weights: the rank's parameters (model.dtype), counted from the layout table (mtrain/layouts) with its tensor-,
   pipeline- and expert-parallel split;
 - gradients: fp32 (DDP's grad_reduce_in_fp32) for the trainable parameters (the adapters alone with model.lora);
+- the KL reference model (algo.kl_coef > 0): a frozen copy of the base weights (PPO's critic and a distillation
+  teacher are not counted yet);
 - main copy: fp32 master weights of bf16 trainable parameters; Adam: two fp32 moments. Both divided over data
   parallelism with the distributed optimizer, and on the host with optim.cpu_offload. Adam's moments exist from
   the first optimizer step on (torch's Adam creates them lazily);
@@ -111,11 +113,12 @@ class MemoryPlan:
     sample_tokens: int  # one sample's longest prompt + response
     engine_resident_in_training: bool
     state_at_engine_start: int = 0
+    reference: int = 0  # the frozen KL reference model's weights (algo.kl_coef > 0)
     offloaded_in_rollout: int = 0  # engine.offload_train: grads, main copy and Adam on the host while generating
 
     @property
     def state(self) -> int:
-        return self.weights + self.grads + self.main + self.adam
+        return self.weights + self.reference + self.grads + self.main + self.adam
 
     @property
     def rollout_peak(self) -> int:
@@ -132,7 +135,8 @@ class MemoryPlan:
 
     def breakdown(self) -> str:
         g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
-        out = (f"weights {g(self.weights)} + grads {g(self.grads)} + main copy {g(self.main)} + Adam {g(self.adam)} "
+        ref = f" + reference model {g(self.reference)}" if self.reference else ""
+        out = (f"weights {g(self.weights)}{ref} + grads {g(self.grads)} + main copy {g(self.main)} + Adam {g(self.adam)} "
                f"+ activations {g(self.activations)} + logits {g(self.logits)} GiB")
         if self.engine:
             out += (f"; engine {g(self.engine)} GiB (weights {g(self.engine_weights)}, KV cache for "
@@ -206,14 +210,15 @@ def plan(cfg, hf_config: dict, dp: int, device_bytes: int, colocated_engine: boo
     logits = 3 * tokens * vocab_local * 2 if stage == p.pp - 1 else 0
     out = MemoryPlan(device_bytes=device_bytes, weights=n * wbytes, grads=4 * t, main=main, adam=adam,
                      activations=act, logits=logits, engine=0, engine_weights=0, kv_tokens=0, sample_tokens=sample,
-                     engine_resident_in_training=False)
+                     engine_resident_in_training=False,
+                     reference=((n - t) if lo.targets else n) * wbytes if cfg.algo.kl_coef else 0)
     if colocated_engine:
         e = cfg.engine
         ebytes = {"fp8": 1, "float32": 4}.get(cfg.engine_dtype, 2)
         total = rank_params(layout, layout.weights, 1, 1, 1, 1, [layout.num_layers])[0]
         out.engine_weights = total * ebytes // e.tp
         # the trainer's state when the engine starts (Actor built: weights, grads, main copy; Adam not yet)
-        out.state_at_engine_start = out.weights + out.grads + out.main + CUDA_CONTEXT
+        out.state_at_engine_start = out.weights + out.reference + out.grads + out.main + CUDA_CONTEXT
         out.engine = int(e.mem_fraction_static * (device_bytes - out.state_at_engine_start))
         h = hf_config
         kv_heads = h.get("num_key_value_heads") or h["num_attention_heads"]

@@ -28,7 +28,7 @@ NORMS = 28 * (2 * 128 + 2 * 2048) + 2048
 def cfg(*over: str):
     return load_config(None, ["model.hf_path=/x", "data.task=arithmetic", "model.dtype=bfloat16", "engine.kind=sglang",
                               "rollout.max_prompt_len=64", "rollout.max_new_tokens=512",
-                              "train.max_tokens_per_micro_batch=4096", *over])
+                              "train.max_tokens_per_micro_batch=4096", "algo.kl_coef=0", *over])
 
 
 def test_parameters_per_rank():
@@ -59,6 +59,23 @@ def test_plan_arithmetic_qwen3_1_7b():
     assert p.problem() is None
     assert p.line().startswith("memory plan per GPU: weights 3.2 + grads 6.4 + main copy 6.4 + Adam 12.8 + "
                                "activations 8.3 + logits 3.5 GiB; engine ")
+
+
+def test_kl_reference_model_and_lora():
+    """algo.kl_coef > 0 keeps a frozen copy of the base weights; with model.lora only the adapters train."""
+    p = plan(cfg("algo.kl_coef=0.001"), Q17, 1, H100, colocated_engine=True)
+    assert p.reference == 2 * P17 and p.state == 20 * P17
+    assert "reference model 3.2" in p.line()
+    lay = model_layout(Q17, mtp=False)
+    from mtrain.layouts.lora import LoraSpec, lora_layout
+    adapters = sum(rank_params(lay, lora_layout(lay, LoraSpec(8, 16.0, ("qkv",))).weights, 1, 1, 1, 1, [28]))
+    # rank 8 on q, k and v: an A [8, 2048] each and B [2048 | 1024 | 1024, 8], in every one of the 28 layers
+    assert adapters == 28 * (3 * 8 * 2048 + (2048 + 1024 + 1024) * 8) == 2_293_760
+    q = load_config(None, ["model.hf_path=/x", "data.task=arithmetic", "model.dtype=bfloat16", "algo.kl_coef=0.001",
+                           "model.lora.targets=qkv", "model.lora.rank=8"])
+    lp = plan(q, Q17, 1, H100, colocated_engine=False)
+    assert lp.weights == 2 * (P17 + adapters) and lp.reference == 2 * P17
+    assert (lp.grads, lp.main, lp.adam) == (4 * adapters, 4 * adapters, 8 * adapters)
 
 
 def test_distributed_optimizer_recompute_and_async():
