@@ -54,6 +54,8 @@ parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds 
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
 smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
+smollm2_f32|1|600|a float32 trainer under the bf16 engine next to the bf16 recipe: logprob gap, step (SmolLM2 staged)
+smollm2_lora|1|600|the LoRA demo with the GPU recipe: adapter sync time, gap, step (SmolLM2 staged)
 ppo_distill|1|600|PPO and on-policy distillation on the SmolLM2 demo (gpu_ppo_distill.sh run; SmolLM2 staged)
 separate|2|600|separate placement over NCCL: shard-to-shard sync, one_step on 2 GPUs vs colocated sync on 1
 lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
@@ -150,7 +152,11 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     parity) bash benchmarks/gpu_smollm2.sh parity ;;
     smollm2_learn) bash benchmarks/gpu_smollm2.sh learn ;;
     smollm2_probe) bash benchmarks/gpu_smollm2.sh probe ;;
-    smollm2_math) bash benchmarks/gpu_smollm2.sh math ;;
+    smollm2_math) bash benchmarks/gpu_smollm2.sh math engine.mem_fraction_static=0.08 train.save_interval=-1 ;;
+    smollm2_f32) bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234,engine.mem_fraction_static=0.2 \
+                     f32:model.dtype=float32,engine.weight_dtype=bfloat16,train.seed=1234,engine.mem_fraction_static=0.2 ;;
+    smollm2_lora) bash benchmarks/gpu_smollm2.sh learn \
+                      lora:@examples/smollm2/lora.overrides,train.save_interval=-1,engine.mem_fraction_static=0.2 ;;
     ppo_distill) bash benchmarks/gpu_ppo_distill.sh run ;;
     separate) OUT=$out/separate bash benchmarks/gpu_separate_two_gpu.sh ;;
     lora_loop) OUT=$out/lora_loop STEPS=3 MODELS=llama EXTRA="model.lora.targets=qkv,o_proj,gate_up,down
