@@ -95,9 +95,10 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int, temperature: float = 1.0,
-                   vocab_start: int = 0, group=None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                   vocab_start: int = 0, group=None, chunk_bytes: int | None = None) -> torch.Tensor:
     """float32 logprob of `target` at every position: logits [B, S, local vocab] (any dtype, any strides; this
-    rank's columns from `vocab_start`), target [B, S] of global token ids; also [S, V] / [S]. Differentiable."""
+    rank's columns from `vocab_start`), target [B, S] of global token ids; also [S, V] / [S]. Differentiable.
+    chunk_bytes: float32 bytes per chunk of rows (default: the module's CHUNK_BYTES, read at each call)."""
     squeeze = logits.dim() == 2
     if squeeze:
         logits, target = logits.unsqueeze(0), target.unsqueeze(0)
@@ -105,5 +106,5 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int, tempe
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} and target {tuple(target.shape)} do not "
                          f"match ([B, S, V] and [B, S])")
     out = _TokenLogprobs.apply(logits, target, vocab, max(float(temperature), 1e-6), vocab_start, group,
-                               chunk_bytes)
+                               CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     return out[0] if squeeze else out

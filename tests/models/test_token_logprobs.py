@@ -144,3 +144,36 @@ def test_vocab_parallel_two_ranks():
     grad = torch.cat([got[0][1], got[1][1]], dim=-1)
     assert rel(grad, ref_in.grad) < 1e-2  # bf16 gradient
     assert grad[..., vocab:].abs().max() == 0
+
+
+def _actor_worker(port: int, queue) -> None:
+    """The actor's own call site, as the scoring pass and the loss call it (one rank, megatron-core's groups)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import mtrain.models.token_logprobs as chunked
+    from mtrain.dist import init_distributed
+    from mtrain.trainer.actor import token_logprobs as actor_token_logprobs
+    init_distributed(seed=1)
+    tokens, vocab = 256, 2048
+    chunked.CHUNK_BYTES = 32 * vocab * 4  # chunks of 32 rows at this small size (256 MiB at a real one)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, tokens, vocab, generator=g).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    with LargestFloat32() as seen:
+        lp = actor_token_logprobs(logits, ids, vocab, 1.0)
+        lp.sum().backward()
+    queue.put((seen.largest, rel(lp, reference(logits[:, :-1], ids[:, 1:], vocab, 1.0)), tokens * vocab))
+    dist.destroy_process_group()
+
+
+def test_actor_scoring_never_holds_tokens_by_vocab_in_float32():
+    """Before the chunked logprob the actor upcast the whole [tokens x vocab] logits (several float32 copies, 10 GB
+    each for a 16k-token micro-batch of Qwen3's vocabulary): this failed then."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_actor_worker, args=(_free_port(), queue))
+    p.start()
+    largest, err, full = queue.get(timeout=180)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert err < 1e-6
+    assert largest < full // 4, f"a float32 tensor of {largest} elements (the whole logits: {full})"
