@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mtrain.config_error import ConfigError
 from mtrain.engine_args import server_args_problems
+from mtrain.tokenizer_files import TOKENIZER_FILES  # a model dir with none: the char tokenizer of its vocab_size
 
 if TYPE_CHECKING:
     from mtrain.config_sections import RunConfig
@@ -252,10 +253,6 @@ def check_paths(cfg: RunConfig) -> None:
         path = getattr(cfg.data, key)
         _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
                f"{path} is not a file or a dataset folder")
-
-
-# files that define a HF tokenizer; a model dir with none of them uses the character tokenizer of its vocab_size
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _vocab_size(model_dir: Path) -> int | None:
