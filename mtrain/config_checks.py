@@ -67,6 +67,7 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.eval_interval")
     _at_least(cfg, -1, "train.save_interval")
+    _at_least(cfg, 1, "train.keep_checkpoints", optional=True)
     _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
     _at_least(cfg, 1, "parallel.etp", optional=True)
     _at_least(cfg, 2, "parallel.vpp", optional=True)

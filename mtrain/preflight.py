@@ -240,4 +240,6 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_resume(cfg)
     check_logging(cfg)
     check_reward_package(cfg)
+    from mtrain.preflight_models import check_reward_fn
+    check_reward_fn(cfg)  # reward.fn imports and takes (response, answer), before any model is built
     return hf_config

@@ -94,3 +94,12 @@ def finished_run(cfg: RunConfig) -> str | None:
     run = cfg.train.run_dir
     return (f"mtrain: {run} is already trained to train.steps={cfg.train.steps} (checkpoints/{latest.name}): nothing "
             f"to do. Raise train.steps to go on, or pick another train.run_dir; plot with: mtrain plot {run}")
+
+
+def check_reward_fn(cfg: RunConfig) -> None:
+    """reward.fn imports and takes (response, answer): said before any process group, not after the model loads."""
+    from mtrain.data.rewards import RewardError, load_reward_fn
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except RewardError as e:
+        raise ConfigError(f"reward.fn: {e}") from None

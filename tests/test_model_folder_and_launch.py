@@ -112,16 +112,18 @@ def test_a_layout_that_needs_the_world_size_is_checked_for_n_ranks(tmp_path, tin
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.slow  # two short runs of 2 ranks (about a minute on 2 cores)
+@pytest.mark.slow  # a 3-step run of 2 ranks and its restart (about a minute on 2 cores)
 def test_good_run_names_its_results_and_a_finished_run_has_nothing_to_do(tmp_path, tiny):
     run = tmp_path / "run"
-    args = ("train", "--nproc-per-node", 2, CONFIG, f"model.hf_path={tiny}", f"train.run_dir={run}", "train.steps=1",
-            "parallel.tp=2")
+    args = ("train", "--nproc-per-node", 2, CONFIG, f"model.hf_path={tiny}", f"train.run_dir={run}", "train.steps=3",
+            "train.save_interval=1", "parallel.tp=2")
     p = mtrain(*args, cwd=tmp_path, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count(f"done: results in {run}") == 1 and f"mtrain plot {run}" in p.stdout, p.stdout
-    assert (run / "metrics.jsonl").is_file() and (run / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    assert (run / "metrics.jsonl").is_file()
+    # train.keep_checkpoints (default 2): of the three saves, the newest two are left
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     again = mtrain(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert re.search(rf"{re.escape(str(run))} is already trained to train.steps=1 .*nothing to do", again.stdout)
+    assert re.search(rf"{re.escape(str(run))} is already trained to train.steps=3 .*nothing to do", again.stdout)
     assert "steps:" not in again.stderr  # nothing started
