@@ -108,6 +108,8 @@ def write_random_model(cfg_path: Path, out: Path) -> Path:
             shard, size, n = {}, 0, n + 1
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (out / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="bfloat16"), indent=1))
+    from mtrain.tokenizer_files import write_char_tokenizer_marker
+    write_char_tokenizer_marker(out, cfg["vocab_size"])  # random weights: mtrain's character tokenizer
     return out
 
 
@@ -194,7 +196,7 @@ def trainer_floors(args, hf: Path, prompt_len: int, response_len: int, n: int) -
     from mtrain.dist import init_distributed
     from mtrain.layouts import model_layout
     from mtrain.models.token_logprobs import token_logprobs
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.engines import weight_loader
     single_process_env()
     cfg = load_config(str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), run_overrides(args, hf))
@@ -326,7 +328,7 @@ def main() -> None:
     heartbeat()
     work = Path(args.work or f"/tmp/e2e-{args.model}")
     hf = work / "hf"
-    if not (hf / "config.json").exists():
+    if not (hf / "mtrain_char_tokenizer.json").exists():
         _phase[0] = "writing the random model"
         write_random_model(REPO / "benchmarks" / "configs" / f"{args.model}.json", hf)
         say(f"random model written to {hf}")

@@ -138,6 +138,11 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from mtrain.run_output import quiet_known_warnings
+    quiet_known_warnings(0, on_gpu=False)  # the ranks do the same (mcore_io.rank_error): no library notices
+    if getattr(args, "mcore", None):
+        from .mcore_io import weights_dir
+        args.mcore = str(weights_dir(args.mcore))  # RUN_DIR/checkpoints/step_N as well as .../step_N/mcore
     module_name = f"{__package__ or 'mtrain.converters'}.{SUBCOMMANDS[args.command]}"
     try:
         module = importlib.import_module(module_name)

@@ -74,8 +74,18 @@ def write_adapter(mcore: Path, hf: Path, out: Path) -> int:
     table = lora_layout(model_layout(cfg, mtp=False), spec)
     LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=peft_target_modules(table), lora_dropout=0.0,
                task_type="CAUSAL_LM", base_model_name_or_path=str(hf)).save_pretrained(str(out))
+    stable_adapter_config(out / "adapter_config.json")
     job = dict(cfg=cfg, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets), mcore=str(mcore), out=str(out))
     return run_ranks(adapter_rank, 1, job)[0]
+
+
+def stable_adapter_config(path: Path) -> None:
+    """PEFT keeps target_modules as a set and writes it in hash order, which changes from one process to the next:
+    sorted here (and every key), so two exports of one checkpoint are the same bytes."""
+    cfg = json.loads(path.read_text())
+    if isinstance(cfg.get("target_modules"), list):
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def merge(adapter_dir: Path, hf: Path, out: Path) -> None:

@@ -95,6 +95,9 @@ def write_fp8_release(tensors: Iterator[tuple[str, torch.Tensor]], cfg: dict, ou
                 writer.add(name, t.to(torch.float32 if name.endswith("e_score_correction_bias") else dtype))
         if side_files is not None:
             copy_side_files(side_files, writer.path)
+        else:  # random weights (--config): no tokenizer files, the tests' and demos' character tokenizer
+            from mtrain.tokenizer_files import write_char_tokenizer_marker
+            write_char_tokenizer_marker(writer.path, cfg["vocab_size"])
         cfg = dict(cfg, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                              "weight_block_size": [br, bc]})
         cfg["torch_dtype"] = dtype_name(dtype)

@@ -187,6 +187,27 @@ def megatron_layout(model, tp: int, pp: int, ep: int, etp: int | None, world: in
 
 # ------------------------------------------------------------------------------------------ dist checkpoints
 
+def weights_dir(path: str | Path) -> Path:
+    """The dist checkpoint inside a trainer checkpoint as users name it (RUN_DIR/checkpoints/step_N holds its
+    weights in mcore/); any other path as given."""
+    path = Path(path)
+    if (path / "mcore").is_dir() and not (path / "metadata.json").exists():
+        return path / "mcore"
+    return path
+
+
+def refuse_lora_checkpoint(mcore: str | Path, command: str) -> None:
+    """A LoRA run's checkpoint holds a frozen base plus adapters: exporting only the base would silently drop what
+    was trained."""
+    from mtrain.layouts.lora import read_meta
+    spec = read_meta(mcore)
+    if spec is not None:
+        raise ConvertError(f"{mcore} is a LoRA checkpoint (rank {spec.rank} on {', '.join(spec.targets)}): {command} "
+                           f"would write the base model without what was trained. Use `mtrain-convert export-lora "
+                           f"--mcore {mcore} --hf BASE_HF_DIR --out DIR` (PEFT adapters), with --merge for a full HF "
+                           f"checkpoint with the adapters merged in")
+
+
 def check_dist_checkpoint(path: str | Path, need_config: bool = True) -> Path:
     """A complete torch_dist checkpoint directory, or one CheckpointError naming what is missing or short."""
     path = Path(path)
@@ -323,6 +344,8 @@ def rank_error(fn):
     instead of a traceback per rank. functools.wraps keeps the module-level name, so spawn can pickle it."""
     @functools.wraps(fn)
     def wrapped(rank: int, world: int, *args):
+        from mtrain.run_output import quiet_known_warnings
+        quiet_known_warnings(rank)  # before megatron's imports: its TE/Apex notices need no action (run_output.py)
         from mtrain.layouts import LayoutError
         from mtrain.models import ModelConfigError
         return_freed_memory()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .mcore_io import (build_and_load, chunks_device, check_dist_checkpoint, checkpoint_facts, config_dtype, copy_side_files,
-                       dtype_name, layout_for, rank_error, run_ranks)
+                       dtype_name, layout_for, rank_error, refuse_lora_checkpoint, run_ranks)
 from .hf_config_file import complete_config_file
 from .output_dir import check_output_dir
 from .safetensors_io import ShardedWriter
@@ -76,6 +76,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *, hf_
     out = check_output_dir(out_dir, overwrite)
     hf_config_dir = Path(hf_config_dir) if hf_config_dir else None
     check_dist_checkpoint(mcore_dir, need_config=hf_config_dir is None)
+    refuse_lora_checkpoint(mcore_dir, "mcore-to-hf")
     cfg, mtp, dtype = checkpoint_facts(mcore_dir, hf_config_dir)
     layout_for(cfg, mtp)  # an unsupported model fails here, not in the spawned process
     job = dict(cfg=cfg, mtp=mtp, dtype=dtype_name(dtype), mcore=str(mcore_dir), out=str(out), overwrite=overwrite,

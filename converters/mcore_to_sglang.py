@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .mcore_io import (build_and_load, chunks_device, check_dist_checkpoint, checkpoint_facts, copy_side_files, dtype_name,
-                       layout_for, rank_error, run_ranks)
+                       layout_for, rank_error, refuse_lora_checkpoint, run_ranks)
 from .output_dir import AtomicDir
 
 
@@ -80,6 +80,7 @@ def mcore_to_sglang(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     staging = AtomicDir(out_dir, overwrite)
     try:
         check_dist_checkpoint(mcore_dir)
+        refuse_lora_checkpoint(mcore_dir, "mcore-to-sglang")
         cfg, mtp, dtype = checkpoint_facts(mcore_dir, None)
         model = layout_for(cfg, mtp)
         try:

@@ -1,6 +1,7 @@
 """`mtrain` command line: train, plot, init-tiny.
 
-    mtrain train CONFIG.yaml [a.b.c=value ...]     # under torchrun for several ranks
+    mtrain train --nproc-per-node N CONFIG.yaml [a.b.c=value ...]  # checks the config, then starts N ranks
+    mtrain train CONFIG.yaml [a.b.c=value ...]     # one rank, or each rank under torchrun
     mtrain serve CONFIG.yaml [a.b.c=value ...]     # the OpenAI front on the configured model, no training
     mtrain plot RUN_DIR [--out PNG]
     mtrain gap-probe CONFIG.yaml [a.b.c=value ...] # where the engine-vs-trainer logprob gap comes from, layer by layer
@@ -14,8 +15,12 @@ import sys
 
 
 def _train(args) -> int:
+    if args.nproc_per_node is not None:  # check once, then start the ranks through torch's elastic launcher
+        from mtrain.launch import launch
+        return launch(args.config, args.overrides, args.nproc_per_node)
     from mtrain.config import load_config
     from mtrain.preflight import preflight
+    from mtrain.preflight_models import finished_run
     from mtrain.run_output import quiet_known_warnings
     from mtrain.debug_signals import install_stack_dump_signal
     from mtrain.trainer.watchdog import stop_with_parent
@@ -24,6 +29,10 @@ def _train(args) -> int:
     quiet_known_warnings()  # before megatron is imported: most of its warnings come at import
     cfg = load_config(args.config, args.overrides)  # before importing the trainer: a bad key fails in a second
     preflight(cfg)  # files, model vs layout, batch splits: one line, exit 2, no process group
+    done = finished_run(cfg)  # started again after its last step: say so instead of loading anything
+    if done:
+        _rank0_print(done)
+        return 0
     from mtrain.trainer.separate import EngineRankTrainer, is_engine_rank
     from mtrain.trainer.loop import Trainer
     trainer = EngineRankTrainer(cfg) if is_engine_rank(cfg) else Trainer(cfg)  # engine.placement=separate
@@ -33,6 +42,8 @@ def _train(args) -> int:
         trainer.close()
         raise
     trainer.finish()
+    run = cfg.train.run_dir
+    _rank0_print(f"done: results in {run} (metrics.jsonl, checkpoints/); plot with: mtrain plot {run}")
     if torch_cuda_was_used():
         # Every file is written and every engine stopped; what is left are CUDA blocks still mapped by engines that
         # were killed (their loaders keep the last bucket open), which torch would free in its static destructors
@@ -42,6 +53,11 @@ def _train(args) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _rank0_print(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def torch_cuda_was_used() -> bool:
@@ -85,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mtrain", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run RL training from a YAML config plus a.b.c=value overrides")
+    t.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="check the config, then start N ranks on this machine (torch's elastic launcher, as torchrun)")
     t.add_argument("config", nargs="?", default=None)
     t.add_argument("overrides", nargs="*")
     t.set_defaults(fn=_train)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mtrain.config_error import ConfigError
 from mtrain.engine_args import server_args_problems
+from mtrain.tokenizer_files import TOKENIZER_FILES  # a model dir with none: the char tokenizer of its vocab_size
 
 if TYPE_CHECKING:
     from mtrain.config_sections import RunConfig
@@ -66,6 +67,7 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg, 0, "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad", "algo.kl_coef",
               "algo.entropy_coef", "data.arithmetic.num_eval", "train.eval_interval")
     _at_least(cfg, -1, "train.save_interval")
+    _at_least(cfg, 1, "train.keep_checkpoints", optional=True)
     _check(t.collective_timeout_s > 0, "train.collective_timeout_s", f"must be > 0, got {t.collective_timeout_s}")
     _at_least(cfg, 1, "parallel.etp", optional=True)
     _at_least(cfg, 2, "parallel.vpp", optional=True)
@@ -252,10 +254,6 @@ def check_paths(cfg: RunConfig) -> None:
         path = getattr(cfg.data, key)
         _check(path is None or Path(path).is_file() or Path(path).is_dir(), f"data.{key}",
                f"{path} is not a file or a dataset folder")
-
-
-# files that define a HF tokenizer; a model dir with none of them uses the character tokenizer of its vocab_size
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _vocab_size(model_dir: Path) -> int | None:

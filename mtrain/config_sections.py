@@ -354,6 +354,9 @@ class TrainConfig:
     val_before_train: bool = False
     val_only: bool = False
     resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
+    # The newest N complete checkpoints stay in RUN_DIR/checkpoints, older ones are deleted after each save (a full
+    # SmolLM2-135M checkpoint with Adam's state is ~2 GB); None keeps every one.
+    keep_checkpoints: int | None = 2
     # Bound on any one collective (every rank waits in one while the leader generates, so it must exceed the
     # longest rollout or eval): a dead or hung rank then ends the job with an error instead of a silent hang.
     collective_timeout_s: float = 1800.0

@@ -222,8 +222,11 @@ def check_lora_model(cfg, hf_config: dict) -> None:
 def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     """Run every check; returns the model's config.json. Raises ConfigError (one line) on the first problem."""
     world = world_size() if world is None else world
+    from mtrain.preflight_models import check_tokenizer, resolve_model_sources
+    resolve_model_sources(cfg)  # hub ids (ORG/NAME) -> huggingface_hub's cached folder, downloaded once
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
+    check_tokenizer(cfg)  # a real model without tokenizer files is refused, not trained through the char tokenizer
     from mtrain.job_split import check_placement_runs, split_ranks, train_world
     check_placement_runs(split_ranks(cfg, world), cfg)  # engine.placement / engine.ranks: before any process group
     dp = data_parallel_size(cfg, train_world(cfg, world))
@@ -239,4 +242,6 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_resume(cfg)
     check_logging(cfg)
     check_reward_package(cfg)
+    from mtrain.preflight_models import check_reward_fn
+    check_reward_fn(cfg)  # reward.fn imports and takes (response, answer), before any model is built
     return hf_config

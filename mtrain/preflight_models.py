@@ -47,3 +47,59 @@ def check_side_models(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     if cfg.algo.distill.teacher_path:
         key = "algo.distill.teacher_path"
         _fits(key, cfg, _hf_config(key, cfg.algo.distill.teacher_path), dp)
+
+
+# the keys that name a HF model folder (each may be a hub id: mtrain/hub_models.py)
+MODEL_PATH_KEYS = (("model", "hf_path"), ("critic", "hf_path"), ("algo.distill", "teacher_path"))
+
+
+def resolve_model_sources(cfg: RunConfig) -> None:
+    """Replace every hub id among the model paths by its local snapshot folder (downloading it once)."""
+    from mtrain.hub_models import HubModelError, looks_like_hub_id, rank0_report, resolve_hub_id
+    for section, attr in MODEL_PATH_KEYS:
+        obj = cfg
+        for part in section.split("."):
+            obj = getattr(obj, part)
+        value = getattr(obj, attr)
+        if value and looks_like_hub_id(str(value)):
+            try:
+                setattr(obj, attr, resolve_hub_id(str(value), report=rank0_report))
+            except HubModelError as e:
+                raise ConfigError(f"{section}.{attr}: {e}") from None
+
+
+def check_tokenizer(cfg: RunConfig) -> None:
+    """The policy folder has a tokenizer, or is marked as a random model for the character tokenizer: a real model
+    read through the character tokenizer trains on garbage without any error (its answers are noise, eval 0)."""
+    from mtrain.tokenizer_files import CHAR_TOKENIZER_MARKER, TOKENIZER_FILES, tokenizer_files, uses_char_tokenizer
+    hf = Path(cfg.model.hf_path)
+    if tokenizer_files(hf) or uses_char_tokenizer(hf):
+        return
+    raise ConfigError(
+        f"model.hf_path: {hf} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy them from where the "
+        f"weights came from (the model's Hugging Face repository, or the folder you converted from: `mtrain-convert "
+        f"gguf-to-hf` writes them), or give the hub id (model.hf_path=ORG/NAME); a random test model made by "
+        f"`mtrain init-tiny` carries {CHAR_TOKENIZER_MARKER} instead")
+
+
+def finished_run(cfg: RunConfig) -> str | None:
+    """The line to print instead of starting a run that is already complete (train.resume=auto finds a checkpoint at
+    train.steps or later), or None. Every rank decides alike from the same files, before any process group."""
+    if cfg.train.resume != "auto" or cfg.train.val_only:
+        return None
+    from mtrain.trainer.checkpoint import find_latest
+    latest = find_latest(cfg.train.run_dir, report=None)
+    if latest is None or int(latest.name[5:]) < cfg.train.steps:
+        return None
+    run = cfg.train.run_dir
+    return (f"mtrain: {run} is already trained to train.steps={cfg.train.steps} (checkpoints/{latest.name}): nothing "
+            f"to do. Raise train.steps to go on, or pick another train.run_dir; plot with: mtrain plot {run}")
+
+
+def check_reward_fn(cfg: RunConfig) -> None:
+    """reward.fn imports and takes (response, answer): said before any process group, not after the model loads."""
+    from mtrain.data.rewards import RewardError, load_reward_fn
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except RewardError as e:
+        raise ConfigError(f"reward.fn: {e}") from None

@@ -36,6 +36,8 @@ def write_tiny_hf(arch: str | None, out: str | Path, *, seed: int = 0, overrides
                                   else cfg)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.save_pretrained(str(out))
+    from mtrain.tokenizer_files import write_char_tokenizer_marker
+    write_char_tokenizer_marker(out, hf_cfg.vocab_size)  # no tokenizer files: trained through the char tokenizer
     from mtrain.fileperm import chmod_umask
     for f in out.iterdir():  # transformers writes model.safetensors with mode 0600 through a temp file
         chmod_umask(f)

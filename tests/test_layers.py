@@ -19,7 +19,7 @@ PKG = REPO / "mtrain"
 # Bottom to top. A unit is a subpackage or top-level module of mtrain; it may import its own layer and those below.
 LAYERS: list[set[str]] = [
     {"compat", "fileperm", "debug_signals", "dist", "metrics", "wandb_log", "plot", "run_output", "tiny_configs", "tiny_vlm",
-     "tiny_hf"},                                    # plain utilities: no knowledge of models or training
+     "tiny_hf", "tokenizer_files"},                                    # plain utilities: no knowledge of models or training
     {"config", "config_sections", "config_checks", "config_error", "engine_args", "job_split"},  # the dataclass tree; every layer may read it
     {"kernels"},                                    # Triton/torch kernels on plain tensors
     {"layouts"},                                    # per-architecture weight-layout tables
@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"rollout"},                                    # engines, the pool, trajectories, agents
     {"serve"},                                      # the OpenAI front
     {"trainer", "memory_plan"},                     # the RL loop; each GPU's memory planned from the config
-    {"__main__", "preflight", "preflight_models", "serve_command", "gap_probe"},     # commands: parse, check, start
+    {"__main__", "preflight", "preflight_models", "serve_command", "gap_probe", "hub_models", "launch"},     # commands: parse, check, start
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -10,6 +10,7 @@ run before any work, with its file and line named.
 """
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -80,9 +81,26 @@ def _records_parquet(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, d
     for key in keys:  # a missing column is one error for the file, not one per row
         if key.split(".")[0] not in columns:
             raise DatasetError(f"{path}: missing column '{key.split('.')[0]}' (for key '{key}'); "
-                               f"columns: {columns}")
+                               f"columns: {columns}" + _key_hint(key, keys[0], list(columns)))
     for i, rec in enumerate(table.to_pylist()):
         yield f"{path}: row {i}", rec
+
+
+# the names prompt and answer fields often have in public data sets, for the hint below
+_USUAL = {"prompt": ("question", "problem", "input", "query", "instruction", "text", "messages"),
+          "answer": ("solution", "output", "target", "label", "ground_truth", "response", "completion")}
+
+
+def _key_hint(key: str, prompt_key: str, present: list[str]) -> str:
+    """'; set data.prompt_key=question' -- the override that names the record's field (a guess among its keys)."""
+    which = "prompt" if key == prompt_key else "answer"
+    guess = next((k for k in _USUAL[which] if k in present), None)
+    if guess is None:
+        close = difflib.get_close_matches(key, present, n=1, cutoff=0.5)
+        guess = close[0] if close else None
+    setting = f"data.{which}_key"
+    return (f"; name the field with {setting}={guess}" if guess else
+            f"; name the field with {setting}=KEY (dotted for nested records)")
 
 
 def _check_images(rec: dict, prompt: Any, path: Path, where: str, key: str, max_pixels: int | None
@@ -144,7 +162,8 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
             v = _get(rec, key)
             if v is _MISSING or v is None:
                 what = "missing key" if v is _MISSING else "null value for key"
-                raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})")
+                raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})"
+                                   + _key_hint(key, prompt_key, sorted(rec)))
             values.append(v)
         prompt = _check_prompt(values[0], where, prompt_key)
         prompt, values[1] = _prompt_and_answer(prompt, values[1], prompt_key == answer_key)

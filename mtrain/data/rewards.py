@@ -112,8 +112,9 @@ def exact_match_reward(response: str, answer: Any, **_: Any) -> float:
 def load_object(spec: str, what: str = "reward function", error: type[Exception] = RewardError) -> Any:
     """Resolve "package.module:name" or "path/to/file.py:name" (reward functions, rollout functions, tools)."""
     if ":" not in spec:
-        raise error(f"{what} {spec!r} must look like 'package.module:function' "
-                    f"or 'path/to/file.py:function'")
+        example = f"{spec}:FUNCTION" if spec.endswith(".py") else "path/to/file.py:function"
+        raise error(f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function' "
+                    f"(here: '{example}')")
     module_name, attr = spec.rsplit(":", 1)
     if module_name.endswith(".py"):
         path = Path(module_name)
@@ -130,7 +131,10 @@ def load_object(spec: str, what: str = "reward function", error: type[Exception]
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise error(f"{what} {spec!r}: cannot import module '{module_name}': {e}") from e
+            as_file = Path(*module_name.split(".")).with_suffix(".py")
+            hint = (f"; a file is named by its path: '{as_file}:{attr}'" if as_file.is_file() else
+                    "; a file of your own is named by its path: 'path/to/file.py:function'")
+            raise error(f"{what} {spec!r}: cannot import module '{module_name}': {e}{hint}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]

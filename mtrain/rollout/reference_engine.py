@@ -10,106 +10,36 @@ Vision-language configs (a `vision_config` and an `image_token_id`: Qwen2.5-VL) 
 (Qwen2_5_VLForConditionalGeneration): a request's `vision` (mtrain.data.vision.VisionInputs, computed once by the
 processor) gives the pixel values and patch grids of the prefill, and positions are the model's own multimodal
 RoPE indices (transformers' get_rope_index), continued through decoding with each row's rope delta.
+
+The engine is split by responsibility: the HF-model helpers (reference_engine_hf.py), sampling
+(reference_engine_sampling.py), the decoding loop (reference_engine_decode.py), weights and memory
+(reference_engine_weights.py) and LoRA adapter slots (reference_engine_lora.py); this file holds the engine's state,
+its life cycle and request handling.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import difflib
 import glob
 import os
 import threading
-import time
-import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PretrainedConfig
-from transformers.core_model_loading import revert_weight_conversion
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from mtrain.rollout.batcher import Batcher
 from mtrain.rollout.lora_adapters import AdapterVersions
-from mtrain.rollout.protocol import (MEMORY_TAGS, Completion, EngineError, Request, RolloutEngine, SamplingParams,
-                                     TokenDelta, emit_tokens, routed_start_error)
-from mtrain.rollout.vision_requests import check_vision_request, vision_prefill
+from mtrain.rollout.protocol import (Completion, EngineError, Request, RolloutEngine, SamplingParams,
+                                     routed_start_error)
+from mtrain.rollout.reference_engine_decode import ReferenceDecoding
+from mtrain.rollout.reference_engine_hf import as_hf_config, hf_disk_views, peft_plain_name  # noqa: F401 - re-exported
+from mtrain.rollout.reference_engine_lora import ReferenceLoraSlots
+from mtrain.rollout.reference_engine_sampling import sample_token, top_alternatives  # noqa: F401 - re-exported
+from mtrain.rollout.reference_engine_weights import ReferenceWeights
+from mtrain.rollout.vision_requests import check_vision_request
 
 
-def as_hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
-    """A HF config from a `config.json` dict (or a PretrainedConfig, returned as is)."""
-    if isinstance(config, PretrainedConfig):
-        return config
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise EngineError(f"ReferenceEngine needs a HF config dict with a 'model_type' or a PretrainedConfig, "
-                          f"got {type(config).__name__}")
-    rest = {k: v for k, v in config.items() if k != "model_type"}
-    return AutoConfig.for_model(config["model_type"], **rest)
-
-
-def peft_plain_name(name: str) -> str:
-    """A PEFT-injected module's parameter name as HF/PEFT files spell it: q_proj.base_layer.weight -> q_proj.weight,
-    q_proj.lora_A.default.weight -> q_proj.lora_A.weight (the adapter table's HF names, mtrain/layouts/lora.py)."""
-    return name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-
-
-def hf_disk_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """On-disk (checkpoint) name -> a tensor sharing memory with the live model, for every stored weight.
-
-    transformers 5 keeps MoE experts fused in memory (`experts.gate_up_proj [E, 2I, H]`) while checkpoints
-    store `experts.{e}.gate_proj.weight`. We reuse transformers' own save-time conversion
-    (`revert_weight_conversion`, the reverse of the load-time `WeightConverter`s): applied to the live
-    parameters its reverse ops (chunk/unbind) return *views*, so copying into a view writes the fused
-    parameter. Tied aliases (lm_head when tie_word_embeddings) are dropped, as save_pretrained does.
-    """
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    state, seen = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters + persistent buffers
-        if name in tied or id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        state[peft_plain_name(name)] = tensor
-    views = revert_weight_conversion(model, state)
-    live = {t.untyped_storage().data_ptr() for t in state.values()}
-    for name, view in views.items():
-        # A conversion that concatenates on save would hand us a copy: writes would be lost silently.
-        if view.untyped_storage().data_ptr() not in live:
-            raise EngineError(f"weight {name!r}: transformers' conversion yields a copy, not a view of the "
-                              f"model's memory; the reference engine cannot write it in place")
-    return views
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """One token from a float32 [vocab] logits row; returns (token, logprob before top-k/top-p).
-
-    Sampling convention (SGLang's torch path): sort probs descending (stable), zero ranks >= top_k, zero
-    tokens whose preceding cumulative prob already exceeds top_p, then inverse-CDF with ONE float64 uniform
-    drawn from the request's own generator: the draw count is fixed per step, so results are reproducible
-    and independent of batching.
-    """
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs, order = torch.sort(logp.exp(), descending=True, stable=True)
-    if params.top_k != -1:
-        probs[params.top_k:] = 0.0
-    if params.top_p < 1.0:
-        probs[(torch.cumsum(probs, dim=0) - probs) > params.top_p] = 0.0
-    cdf = torch.cumsum(probs.double(), dim=0)
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    pos = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=probs.numel() - 1))
-    token = int(order[pos])
-    return token, float(logp[token])
-
-
-def top_alternatives(logits: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
-    """The `params.top_logprobs` most likely (token, logprob) of a float32 [vocab] logits row, in the distribution
-    `sample_token`'s logprob comes from (log_softmax(logits / T); T = 1 when greedy), most likely first."""
-    logp = torch.log_softmax(logits if params.greedy else logits / params.temperature, dim=-1)
-    values, ids = torch.topk(logp, params.top_logprobs)
-    return [(int(i), float(v)) for i, v in zip(ids, values)]
-
-
-class ReferenceEngine(RolloutEngine):
+class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, RolloutEngine):
     """A HF model on CPU generating with a KV cache, one request group per prompt length (no padding).
 
     Requests of equal prompt length decode together and stay aligned (finished ones are dropped from the
@@ -199,234 +129,6 @@ class ReferenceEngine(RolloutEngine):
             engine.update_weights([bucket])
         engine.finish_weight_update(0)
         return engine
-
-    # ---------------------------------------------------------------- weights
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def hf_config(self) -> PretrainedConfig:
-        return self._config
-
-    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """HF on-disk name -> (shape, dtype) of every weight update_weights accepts (tied lm_head absent)."""
-        return {name: (tuple(v.shape), v.dtype) for name, v in self._views.items()}
-
-    def update_weights(self, rank_tensors: list[list[tuple[str, torch.Tensor]]]) -> None:
-        self._check_alive("update_weights")
-        if not isinstance(rank_tensors, (list, tuple)) or len(rank_tensors) != 1:
-            n = len(rank_tensors) if isinstance(rank_tensors, (list, tuple)) else type(rank_tensors).__name__
-            raise EngineError(f"update_weights: the reference engine has tp_size=1, expected tensors for 1 rank, got {n}")
-        with self._model_lock:
-            if "weights" in self._released:
-                raise EngineError("update_weights: weights are released; call resume_memory(('weights',)) first")
-            bucket = list(rank_tensors[0])
-            seen: set[str] = set()
-            for item in bucket:  # check the whole bucket before writing any of it
-                name, tensor = item
-                self._check_tensor(name, tensor, seen)
-                seen.add(name)
-            with torch.no_grad():
-                for name, tensor in bucket:
-                    self._views[name].copy_(tensor)
-            self._stale -= seen
-            self._sync_open = True
-
-    # ---------------------------------------------------------------- LoRA adapters
-    # Adapters live in PEFT adapter slots ("slot0", "slot1", ...: injected once each, reused), as SGLang's live in its
-    # LoRA memory pool: a load writes a free slot in place (a copy of A/B, no module construction), an unload frees it.
-    def load_lora_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-        """Add adapter `name`: tensors by the adapter table's HF names (q_proj.lora_A.weight, full shapes), config
-        PEFT's adapter_config (r, lora_alpha, target_modules as this engine was built with). Nothing is written
-        unless every adapter weight is given once with the right shape."""
-        self._check_alive("load_lora_adapter")
-        if self._lora is None:
-            raise EngineError("load_lora_adapter: this engine was built without LoRA (lora=None)")
-        want = {k: config.get(k) for k in ("r", "lora_alpha", "target_modules")}
-        have = {"r": self._lora["r"], "lora_alpha": float(self._lora["lora_alpha"]),
-                "target_modules": list(self._lora["target_modules"])}
-        if {**want, "lora_alpha": float(want["lora_alpha"] or 0)} != have:
-            raise EngineError(f"load_lora_adapter({name!r}): config {want} differs from the engine's {have}")
-        with self._model_lock:
-            if name in self._slot_of:
-                raise EngineError(f"load_lora_adapter: adapter {name!r} is already loaded")
-            slot = self._free_slot()
-            params = self._slot_params(slot)
-            extra, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
-            if extra or missing:
-                raise EngineError(f"load_lora_adapter({name!r}): unknown {extra[:3]}, missing {missing[:3]} "
-                                  f"(of {len(params)} adapter weights)")
-            for k, t in tensors.items():
-                if tuple(t.shape) != tuple(params[k].shape):
-                    raise EngineError(f"load_lora_adapter({name!r}): {k!r} has shape {tuple(t.shape)}, "
-                                      f"the adapter holds {tuple(params[k].shape)}")
-            with torch.no_grad():
-                for k, t in tensors.items():
-                    params[k].copy_(t)
-            self._slot_of[name] = slot
-
-    def unload_lora_adapter(self, name: str) -> None:
-        self._check_alive("unload_lora_adapter")
-        with self._model_lock:
-            if name == self.adapters.active:
-                raise EngineError(f"unload_lora_adapter: {name!r} is the active adapter")
-            if name not in self._slot_of:
-                raise EngineError(f"unload_lora_adapter: no adapter {name!r} (loaded: {self._adapter_names()})")
-            del self._slot_of[name]
-
-    def adapter_state(self, name: str | None = None) -> dict[str, torch.Tensor]:
-        """HF name -> tensor of adapter `name` (default: the active one), as the engine holds it."""
-        name = name or self.adapters.active
-        return {k: v.detach() for k, v in self._slot_params(self._slot_of[name]).items()} if name else {}
-
-    def _adapter_names(self) -> list[str]:
-        return sorted(self._slot_of)
-
-    def _free_slot(self) -> str:
-        """A PEFT adapter slot no loaded adapter holds; a new one is injected when all are taken."""
-        import peft
-        free = [s for s in self._slot_cache if s not in self._slot_of.values()]
-        if free:
-            return free[0]
-        slot = f"slot{len(self._slot_cache)}"
-        with warnings.catch_warnings():  # "multiple adapters in the model": one slot per live version, on purpose
-            warnings.simplefilter("ignore", UserWarning)
-            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
-                                         adapter_name=slot)
-        self._model.to(self._dtype).requires_grad_(False)
-        self._slot_params(slot)  # every injected slot is in _slot_cache from here on
-        return slot
-
-    def _slot_params(self, slot: str) -> dict[str, torch.nn.Parameter]:
-        """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot` (built once per slot)."""
-        if slot in self._slot_cache:
-            return self._slot_cache[slot]
-        out = self._slot_cache[slot] = {}
-        for pname, p in self._model.named_parameters():
-            for ab in ("lora_A", "lora_B"):
-                tag = f".{ab}.{slot}."
-                if tag in pname:
-                    out[pname.replace(".base_layer.", ".").replace(tag, f".{ab}.")] = p
-        return out
-
-    def _use_adapter(self, name: str | None) -> None:
-        """PEFT layers compute with adapter `name` (None: the base alone). Called under the model lock."""
-        from peft.tuners.lora import LoraLayer
-        for m in self._model.modules():
-            if isinstance(m, LoraLayer):
-                if name is None:
-                    m.enable_adapters(False)
-                else:
-                    m.enable_adapters(True)
-                    m.set_adapter(self._slot_of[name])
-        self._model.requires_grad_(False)  # set_adapter marks the adapter trainable
-
-    def pull_weights(self, jobs: list, version: int | None = None) -> None:
-        """Pull mode: the same engine-side code SGLang's loader runs (`pull_protocol.run_pull`), on this engine's
-        HF-layout parameters, in-process (no IPC). Casts like the kernel does (fp32/bf16/fp16)."""
-        from mtrain.reshard.targets import LoaderError
-        from mtrain.reshard.pull_protocol import PullSender, PullState, run_pull
-
-        self._check_alive("pull_weights")
-        if not isinstance(jobs, (list, tuple)) or len(jobs) != 1:
-            raise EngineError(f"pull_weights: the reference engine has tp_size=1, expected 1 job, got {jobs!r:.60}")
-        if self._pull is None:
-            self._pull = (PullSender(1), PullState())
-        sender, state = self._pull
-        with self._model_lock:
-            if "weights" in self._released:
-                raise EngineError("pull_weights: weights are released; call resume_memory(('weights',)) first")
-            if jobs[0] is not None:
-                try:
-                    names, _ = run_pull(self._views, sender.payload(0, jobs[0], False, torch.empty(0)), state)
-                except LoaderError as e:
-                    sender.forget()
-                    raise EngineError(f"pull_weights: {e}") from None
-                sender.confirm(0, jobs[0])
-                self._stale -= set(names)
-                self._sync_open = True
-        if version is not None:
-            self.finish_weight_update(version)
-
-    def _check_tensor(self, name: str, tensor: Any, seen: set[str]) -> None:
-        if name not in self._views:
-            close = difflib.get_close_matches(str(name), list(self._views), n=3)
-            tied = " (tied to the embedding, not a separate weight)" if name in (
-                getattr(self._model, "all_tied_weights_keys", None) or {}) else ""
-            raise EngineError(f"update_weights: unknown parameter {name!r}{tied}; closest HF names: {close}")
-        if name in seen:
-            raise EngineError(f"update_weights: parameter {name!r} appears twice in one bucket")
-        if not isinstance(tensor, torch.Tensor):
-            raise EngineError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        want = self._views[name]
-        if tuple(tensor.shape) != tuple(want.shape):
-            raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                              f"the engine expects {tuple(want.shape)}")
-        if tensor.dtype != want.dtype and not self._allow_dtype_cast:
-            raise EngineError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine holds {want.dtype} "
-                              f"(pass allow_dtype_cast=True to cast)")
-
-    def finish_weight_update(self, version: int) -> None:
-        self._check_alive("finish_weight_update")
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise EngineError(f"finish_weight_update: version must be an int, got {version!r}")
-        with self._model_lock:
-            if "weights" in self._released:
-                raise EngineError("finish_weight_update: weights are released; resume and push them first")
-            if self._stale:
-                missing = sorted(self._stale)
-                raise EngineError(f"finish_weight_update({version}): {len(missing)} parameters were not written since "
-                                  f"the weights were resumed: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-            self._version = version
-            self._sync_open = False
-
-    # ---------------------------------------------------------------- memory
-    def release_memory(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        tags = self._check_tags("release_memory", tags)
-        if not self._model_lock.acquire(blocking=False):  # SGLang also requires an idle engine
-            raise EngineError("release_memory: generate() or a weight update is running")
-        try:
-            for tag in tags:
-                if tag in self._released:
-                    raise EngineError(f"release_memory: {tag!r} is already released")
-            if "weights" in tags:
-                for tensor, _ in self._storages:
-                    tensor.untyped_storage().resize_(0)  # really gives the bytes back
-            # kv_cache: KV lives only inside one generate() call, so there is nothing left to drop; the tag is
-            # tracked so that generating without resuming it fails here as it would in SGLang.
-            self._released.update(tags)
-        finally:
-            self._model_lock.release()
-
-    def resume_memory(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        tags = self._check_tags("resume_memory", tags)
-        with self._model_lock:
-            for tag in tags:
-                if tag not in self._released:
-                    raise EngineError(f"resume_memory: {tag!r} was not released")
-            if "weights" in tags:
-                with torch.no_grad():
-                    for tensor, nbytes in self._storages:
-                        tensor.untyped_storage().resize_(nbytes)
-                        # garbage until pushed (SGLang without a CPU backup); NaN makes misuse visible
-                        tensor.fill_(float("nan") if tensor.is_floating_point() else 0)
-                self._stale = set(self._views)
-            self._released.difference_update(tags)
-
-    def _check_tags(self, op: str, tags: Iterable[str]) -> tuple[str, ...]:
-        self._check_alive(op)
-        tags = (tags,) if isinstance(tags, str) else tuple(tags)
-        if not tags:
-            raise EngineError(f"{op}: no tags given (use {MEMORY_TAGS})")
-        for tag in tags:
-            if tag not in MEMORY_TAGS:
-                raise EngineError(f"{op}: unknown memory tag {tag!r}; known: {MEMORY_TAGS}")
-        return tags
-
-    def flush_cache(self) -> None:
-        # No prefix cache survives a generate() call here, so KV from old weights can never be reused.
-        self._check_alive("flush_cache")
 
     def shutdown(self) -> None:
         if self._shut:
@@ -614,101 +316,3 @@ class ReferenceEngine(RolloutEngine):
                 logits = self._model(input_ids=ids, use_cache=False).logits[0]
         logp = torch.log_softmax(logits[:-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         return {"taps": taps.captures, "logprobs": logp.gather(1, ids[0, 1:, None])[:, 0]}
-
-    def _is_aborted(self, rid: str) -> bool:
-        with self._abort_lock:
-            return rid in self._aborted
-
-    @torch.no_grad()
-    def _generate_group(self, reqs: list[Request]) -> list[Completion]:
-        """Decode requests that share one prompt length, in lock step, with one KV cache."""
-        outputs: list[list[int]] = [[] for _ in reqs]
-        logprobs: list[list[float]] = [[] for _ in reqs]
-        versions: list[list[int]] = [[] for _ in reqs]  # per token: the weights that produced it (pause_in_place)
-        tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
-        finish: list[str | None] = [None] * len(reqs)
-        gens = []
-        for req in reqs:
-            seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
-            gens.append(torch.Generator().manual_seed(seed))
-        alive = list(range(len(reqs)))  # rows of the current batch -> request index
-        cache = DynamicCache(config=self._model.config)
-        length = len(reqs[0].prompt_ids)
-        input_ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
-        positions = torch.arange(length).unsqueeze(0)
-        vision_kwargs, deltas = {}, None
-        routed: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: [tokens, L, k] per forward
-        while True:
-            self._gate()  # a pause in place stops here; the KV cache of every row is kept across it
-            # abort is checked between decoding steps (and before the prefill of a queued group)
-            for i in alive:  # a request that finished last step stays finished (its stop token is in the output)
-                if finish[i] is None and self._is_aborted(reqs[i].rid):
-                    finish[i] = "abort"
-            keep = [row for row, i in enumerate(alive) if finish[i] is None]
-            if len(keep) != len(alive):
-                if not keep:
-                    break
-                if cache.get_seq_length() > 0:
-                    cache.batch_select_indices(torch.tensor(keep))
-                input_ids, alive = input_ids[keep], [alive[row] for row in keep]
-                if deltas is not None:
-                    deltas = deltas[keep]
-            prefill = cache.get_seq_length() == 0
-            if self._vlm and prefill:  # [3, B, L] multimodal positions of the rows still alive; images enter here only
-                vision_kwargs, position_ids, deltas = vision_prefill(self._model, [reqs[i] for i in alive], input_ids)
-            elif self._vlm:
-                position_ids = (positions + deltas).view(1, -1, 1).expand(3, -1, -1)
-                vision_kwargs = {}
-            else:
-                position_ids = positions.expand(len(alive), -1)
-            if self._routing is not None:
-                self._routing.start(input_ids.shape)
-            logits = self._model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                                 logits_to_keep=1, **vision_kwargs).logits[:, -1, :].float()
-            if self._routing is not None:
-                for row, rows in enumerate(self._routing.finish()):
-                    routed[alive[row]].append(rows)
-            next_ids = []
-            for row, i in enumerate(alive):
-                params = reqs[i].params
-                token, logprob = sample_token(logits[row], params, gens[i])
-                outputs[i].append(token)
-                logprobs[i].append(logprob)
-                versions[i].append(self._version)
-                if tops[i] is not None:
-                    tops[i].append(top_alternatives(logits[row], params))
-                next_ids.append(token)
-                if token in params.stop_token_ids:
-                    finish[i] = "stop"
-                elif len(outputs[i]) >= params.max_new_tokens:
-                    finish[i] = "length"
-            with self._abort_lock:
-                for i in alive:
-                    self._progress[reqs[i].rid] = len(outputs[i])
-            for i in alive:  # streaming: this step's token of every request that asked for deltas
-                if reqs[i].on_tokens is not None:
-                    emit_tokens(reqs[i], TokenDelta([outputs[i][-1]], [logprobs[i][-1]],
-                                                    [tops[i][-1]] if tops[i] is not None else None))
-            if self._decode_delay_s:
-                time.sleep(self._decode_delay_s)
-            input_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
-            positions = torch.tensor([[length]])
-            length += 1
-            if all(finish[i] is not None for i in alive):
-                break
-        return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
-                           finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
-                           # only when an update in place fell inside the request (else all weight_version)
-                           token_versions=versions[i] if any(v != self._version for v in versions[i]) else None,
-                           top_logprobs=tops[i], vision=r.vision,
-                           # none for a request aborted before its prefill, as SGLang gives none for one aborted in its queue
-                           routed_experts=self._routed_from(routed[i], r.routed_experts_start),
-                           routed_experts_start=r.routed_experts_start)
-                for i, r in enumerate(reqs)]
-
-    def _routed_from(self, per_forward: list[torch.Tensor], start: int) -> torch.Tensor | None:
-        """A request's rows from input position `start` on, as SGLang's routed_experts_start_len returns them. Every
-        row is recorded anyway (the forward routes every token): the saving is in what the caller receives."""
-        if self._routing is None or not per_forward:
-            return None
-        return torch.cat(per_forward)[start:].clone()

@@ -98,8 +98,23 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
         tmp = root / f".latest.{os.getpid()}"
         tmp.write_text(final.name)
         os.replace(tmp, root / "latest")
+        prune_checkpoints(root, actor.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(root: Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (train.keep_checkpoints; None keeps all). Runs after
+    `latest` points at the new one, so a crash mid-delete leaves at least the newest intact; a checkpoint without
+    COMPLETE (or a .partial_ save) is never counted as one of the kept ones and never deleted here."""
+    if keep is None:
+        return []
+    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "COMPLETE").is_file()),
+                   key=lambda p: int(p.name[5:]))
+    old = steps[:-keep] if keep > 0 else []
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
 
 
 def save_without_model(run_dir: str | Path, step: int) -> None:

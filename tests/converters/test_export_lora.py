@@ -109,3 +109,36 @@ def test_export_refuses_checkpoint_without_adapters(saved, tmp_path):
     (plain / "lora.json").unlink()
     p = _cli("export-lora", "--mcore", str(plain), "--hf", str(saved / "hf"), "--out", str(tmp_path / "x"))
     assert p.returncode == 2 and "no lora.json" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def _cli_seed(seed: str, *args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONHASHSEED=seed)
+    return subprocess.run([sys.executable, "-m", "mtrain.converters", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_export_is_byte_reproducible_and_takes_a_trainer_checkpoint_as_named(saved, tmp_path):
+    """Two exports of one checkpoint are the same bytes (PEFT wrote target_modules in set order, which follows the
+    process's hash seed); the second names the checkpoint as a run writes it (RUN_DIR/checkpoints/step_N, weights
+    in its mcore/), which used to be refused as 'incomplete'. No library warnings on the way."""
+    import shutil
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(saved / "mcore", step / "mcore")
+    (step / "COMPLETE").write_text("2")
+    a = _cli_seed("1", "export-lora", "--mcore", str(saved / "mcore"), "--hf", str(saved / "hf"), "--out",
+                  str(tmp_path / "a"))
+    b = _cli_seed("2", "export-lora", "--mcore", str(step), "--hf", str(saved / "hf"), "--out", str(tmp_path / "b"))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert "warnings.warn" not in a.stderr + b.stderr, a.stderr
+
+
+def test_mcore_to_hf_refuses_a_lora_checkpoint(saved, tmp_path):
+    """It used to write the base model alone, silently dropping the trained adapters."""
+    p = _cli("mcore-to-hf", "--mcore", str(saved / "mcore"), "--hf-config", str(saved / "hf"), "--out",
+             str(tmp_path / "x"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert "is a LoRA checkpoint" in line and "mtrain-convert export-lora" in line and "--merge" in line, line
+    assert not (tmp_path / "x").exists()

@@ -151,7 +151,7 @@ def _actor_worker(port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import mtrain.models.token_logprobs as chunked
     from mtrain.dist import init_distributed
-    from mtrain.trainer.actor import token_logprobs as actor_token_logprobs
+    from mtrain.trainer.learner.actor import token_logprobs as actor_token_logprobs
     init_distributed(seed=1)
     tokens, vocab = 256, 2048
     chunked.CHUNK_BYTES = 32 * vocab * 4  # chunks of 32 rows at this small size (256 MiB at a real one)
