@@ -154,11 +154,11 @@ def rollout_floor(args, hf: Path, prompt_len: int, n: int) -> dict:
     """A standalone sglang.Engine with the server arguments the run's engine got, n requests of --new-tokens."""
     from gpu_engine_parity import run_standalone
     from mtrain.config import load_config
-    from mtrain.trainer.engines import production_server_args
-    cfg = load_config(None, [f"model.hf_path={hf}", "data.task=arithmetic", "model.dtype=bfloat16",
-                             "engine.kind=sglang", f"rollout.prompts_per_step={args.prompts}",
-                             f"rollout.samples_per_prompt={args.samples}"])
-    extra = {"dtype": "bfloat16", **production_server_args(cfg)}
+    from mtrain.trainer.engines import engine_concurrency, production_server_args
+    cfg = load_config(str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"), run_overrides(args, hf))
+    # the run keeps at most engine_concurrency requests in flight (its decode graphs go that far): so does the
+    # floor (given all 256 at once, SGLang decoded past its captured graphs at half the run's rate, 2026-12-06)
+    extra = {"dtype": "bfloat16", **production_server_args(cfg), "max_running_requests": engine_concurrency(cfg)}
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     return run_standalone(str(hf), extra, [n], args.new_tokens, args.floor_repeats, vocab,
                           mem_fraction=args.mem_fraction, prompt_len=prompt_len)
@@ -238,8 +238,10 @@ def trainer_floors(args, hf: Path, prompt_len: int, response_len: int, n: int) -
     def actor_train():
         actor.train_step(batch, old[0], adv, None, norms)
 
-    for name, fn in (("bare_forward", bare_forward), ("actor_logprobs", scoring), ("bare_train", bare_train),
-                     ("actor_train_step", actor_train)):
+    timings = [("bare_forward", bare_forward), ("actor_logprobs", scoring), ("bare_train", bare_train)]
+    if args.actor_train:  # the Actor's step alone: ~16 s per repeat on the 1.7B shape, past one 10-minute call
+        timings.append(("actor_train_step", actor_train))
+    for name, fn in timings:
         _phase[0] = f"trainer floor: {name}"
         out[name] = timed(fn, args.floor_repeats)
         say(f"{name}: {statistics.median(out[name]):.3f} s median of {out[name]}")
@@ -319,7 +321,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="training steps; the first is the warm-up")
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="engine.mem_fraction_static")
     ap.add_argument("--async-modes", default="off", help="rollout.async modes, one run each (the table: the first)")
-    ap.add_argument("--floor-repeats", type=int, default=3)
+    ap.add_argument("--floor-repeats", type=int, default=2, help="timed repeats of each floor, after a warm-up")
+    ap.add_argument("--actor-train", action="store_true", help="also time the Actor's training step alone")
     ap.add_argument("--no-floors", action="store_true", help="the run(s) only")
     ap.add_argument("--write-only", action="store_true", help="write the random model into --work and stop")
     ap.add_argument("--out", default=None)
@@ -386,8 +389,7 @@ def main() -> None:
             ratio = f"{s['median'] / floor:.2f}" if floor else "-"
             lines.append(f"{label:<16}{s['median']:>12.3f} ({s['min']:.3f}-{s['max']:.3f})  {(floor or 0):>10.3f}"
                          f"{ratio:>8}")
-        lines.append(f"scoring alone (Actor.logprobs, same batch): {statistics.median(tr['actor_logprobs']):.3f} s; "
-                     f"training alone (Actor.train_step): {statistics.median(tr['actor_train_step']):.3f} s")
+        lines.append(f"scoring alone (Actor.logprobs, same batch): {statistics.median(tr['actor_logprobs']):.3f} s")
         flops = train_flops(hf_cfg, [prompt_len + response_len] * n)
         mfu = [flops / m["time/train"] / 1e12 for m in steps]
         res.update(floor_s=f, step_over_floors=ph["time/step"]["median"] / sum(f.values()),
