@@ -121,6 +121,8 @@ def make_transformer_config(
         # Sequence parallel saves activation memory with TP>1, but the local spec's WrappedTorchNorm
         # refuses it: on only with Transformer Engine.
         sequence_parallel=use_te and par["tensor_model_parallel_size"] > 1,
+        # Which backend Megatron's own resolvers (0.19's MLA Q/KV-norm resolver) build from: the one the specs use.
+        transformer_impl="transformer_engine" if use_te else "local",
     )
     if use_te and kwargs.get("num_moe_experts"):
         kwargs["moe_grouped_gemm"] = True  # TEGroupedMLP: one grouped GEMM per layer instead of E linears
