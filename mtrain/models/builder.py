@@ -243,9 +243,9 @@ def model_sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
 
 
 def hybrid_optimizer_classes() -> list:
-    """The optimizer classes a trainer checkpoint written with optim.cpu_offload names in its common.pt
+    """The optimizer classes a trainer checkpoint written with optim.cpu_offload names in its common state
     (megatron-core's HybridDeviceOptimizer keeps cpu_optimizer_cls/gpu_optimizer_cls in its param groups), which
-    megatron's load_common (torch.load, weights_only) refuses unless allowed: megatron-core's choices for them."""
+    megatron reads with torch.load (weights_only) and refuses unless allowed: megatron-core's choices for them."""
     import megatron.core.optimizer as mopt
     return [c for c in {torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, mopt.Adam, mopt.SGD}
             if isinstance(c, type)]
