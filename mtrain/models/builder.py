@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from mtrain.compat import cpu_shim, no_te
+from mtrain.compat import cpu_shim
 from mtrain.models.hf_config import ModelConfigError, dtype_flags, map_hf_config, padded_vocab_size
 from mtrain.models.specs import build_specs, te_available
 
@@ -150,7 +150,6 @@ def build_model(
     ``config_overrides`` sets any TransformerConfig field after the mapping (e.g. recompute settings).
     """
     cpu_shim.apply()
-    no_te.apply()
     if use_te is None:
         use_te = te_available()
     elif use_te and not te_available():
