@@ -52,6 +52,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, tempe
     return -tensor_parallel.vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
 
 
+def head_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """[b, s, K] log softmax(logits / T) at token ids [b, s, K] (score centering's head), TP-vocab-parallel: each
+    rank gathers the ids in its vocabulary slice, the log-normaliser and the gathered values are summed over TP."""
+    lg = _masked_vocab_logits(logits, vocab, temperature)
+    m = lg.detach().max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    lse = torch.log(tensor_parallel.reduce_from_tensor_model_parallel_region(torch.exp(lg - m).sum(-1))) + m.squeeze(-1)
+    local = lg.shape[-1]
+    shifted = ids - ps.get_tensor_model_parallel_rank() * local
+    mine = (shifted >= 0) & (shifted < local)
+    picked = torch.where(mine, lg.gather(-1, shifted.clamp(0, local - 1)), lg.new_zeros(()))
+    return tensor_parallel.reduce_from_tensor_model_parallel_region(picked) - lse.unsqueeze(-1)
+
+
 def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
     """[b, s-1] entropy of softmax(logits[:, :-1] / T), TP-vocab-parallel."""
     return position_entropy(logits[:, :-1], vocab, temperature)
@@ -311,6 +325,11 @@ class Actor:
             return vocab_parallel_entropy(logits, self.vocab, temp)
         return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
 
+    def _head_logprobs(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        """[n, T-1, K] the trainer's logprobs of the engine's top-k tokens in the row layout (score centering)."""
+        ids = mb["packed/engine_head_ids"][:-1].unsqueeze(0) if "pack" in mb else mb["head_ids"]
+        return self._rows(mb, head_logprobs(logits[:, :-1], ids, self.vocab, self.cfg.rollout.temperature))
+
     def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
         """[b, t] values of this CP rank's positions -> [b, W-1] along the whole stream (packed, b = 1) or along
         each padded row, on every CP rank. Each CP rank then computes the same loss of the whole micro-batch; the
@@ -381,14 +400,20 @@ class Actor:
         # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
         extra = {k: v for k, v in {"old": old_lp, "adv": adv, "engine": batch.engine_logprobs, "ref": ref_lp}.items()
                  if v is not None}
+        if algo.score_centering:  # the engine's top-k per token (docs/design-score-centering.md)
+            if batch.engine_head_ids is None:
+                raise ValueError("algo.score_centering is on but the batch has no engine top-k logprobs")
+            extra.update(head_ids=batch.engine_head_ids, engine_head=batch.engine_head_logprobs)
         micro = self._micro(batch, extra)
 
         def loss_fn(mb, logits):
             lp = self._rows(mb, self._logprobs(mb, logits))
             ent = self._rows(mb, self._entropy(mb, logits)) if algo.entropy_coef else None
+            head = self._head_logprobs(mb, logits) if algo.score_centering else None
             loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
                                         entropy=ent, rollout_logprobs=mb["engine"],
-                                        norm_len=self.cfg.rollout.max_new_tokens, **norms)
+                                        norm_len=self.cfg.rollout.max_new_tokens, head_logprobs=head,
+                                        engine_head_logprobs=mb.get("engine_head"), **norms)
             # Megatron divides by the number of micro batches and DDP averages over DP: undo both, the
             # normalisers already cover the whole global batch. (DDP's extra 1/CP is undone by Megatron's own
             # loss * cp in forward_step; every CP rank computes the whole loss, its gradients covering its own
