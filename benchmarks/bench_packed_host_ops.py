@@ -114,7 +114,7 @@ def build(layers: int, budget: int, fixed_len: int, n_micro: int, dtype: str):
     configs of the two modes."""
     from bench_train_throughput import LLAMA, MODELS, REPO, make_batch
     from mtrain.config import load_config
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     hf = dict(LLAMA, **dict(MODELS["tiny"], num_hidden_layers=layers))
     per_micro = budget // fixed_len
     base = [f"model.hf_path={REPO}", f"model.dtype={dtype}", "rollout.max_prompt_len=8",

@@ -122,7 +122,7 @@ def main() -> int:
     from mtrain.reshard.planner import build_plan
     from mtrain.rollout.sglang_engine import SGLangEngine
     from mtrain.rollout.groups import EngineGroups
-    from mtrain.trainer.sync import WeightSync
+    from mtrain.trainer.publishers.colocated import WeightSync
 
     cfg = CONFIGS[args.model]
     res: dict = {"model": args.model, "config": cfg, "device": torch.cuda.get_device_name()}

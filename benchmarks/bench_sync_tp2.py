@@ -53,7 +53,7 @@ def main() -> int:
     from mtrain.reshard.placement import HFLayout
     from mtrain.reshard.planner import build_plan
     from mtrain.rollout.groups import EngineGroups
-    from mtrain.trainer.sync import WeightSync
+    from mtrain.trainer.publishers.colocated import WeightSync
 
     cfg = CONFIGS[args.model]
     init_distributed(tp=2)

@@ -140,7 +140,7 @@ def _unwrapped(chunk):
 def float32_reference_logprobs(actor, cfg_ref, hf: dict, batch) -> torch.Tensor:
     """Logprobs of the same weights (the trained model's bf16 values, exactly) in float32 on the padded path:
     the yardstick for both bf16 paths' rounding."""
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
 
     def load(chunks):
         for dst, src in zip(chunks, actor.chunks):
@@ -223,7 +223,7 @@ def main() -> None:
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
     from mtrain.models import varlen_attention
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()

@@ -104,7 +104,7 @@ def train_floor(args, hf: Path, prompt_len: int, response_len: int, n: int) -> l
     from bench_train_throughput import make_batch, one_step, single_process_env
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.engines import weight_loader
     from mtrain.layouts import model_layout
     single_process_env()

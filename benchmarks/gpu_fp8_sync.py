@@ -323,7 +323,7 @@ def main() -> int:
     from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_config
     from mtrain.rollout.groups import EngineGroups
     from mtrain.rollout.sglang_engine import SGLangEngine
-    from mtrain.trainer.sync import WeightSync
+    from mtrain.trainer.publishers.colocated import WeightSync
 
     cfg = CONFIGS[args.model]
     n_layers = int(cfg["num_hidden_layers"])

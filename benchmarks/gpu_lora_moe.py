@@ -39,7 +39,7 @@ def main() -> None:
     from mtrain.rollout.protocol import Request, SamplingParams
     from mtrain.rollout.sglang_engine import SGLangEngine
     from mtrain.tiny_hf import write_tiny_hf
-    from mtrain.trainer.lora_sync import engine_lora_args
+    from mtrain.trainer.publishers.lora import engine_lora_args
 
     work = Path(tempfile.mkdtemp(prefix="lora-moe-"))
     # head size 64: SGLang 0.5.17 has fused RoPE kernels for 64/128/256/512 only; mtrain's engine preflight refuses

@@ -89,7 +89,7 @@ def sync_check(model_dir: Path, cpu: bool, repeats: int) -> dict:
     from mtrain.models import build_model
     from mtrain.reshard.megatron_side import load_hf_into_megatron
     from mtrain.rollout.groups import EngineGroups
-    from mtrain.trainer.sync import WeightSync
+    from mtrain.trainer.publishers.colocated import WeightSync
 
     res: dict = {}
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -145,7 +145,7 @@ def sync_timing_7b(work: Path, repeats: int) -> dict:
     from mtrain.rollout.groups import EngineGroups
     from mtrain.rollout.sglang_engine import SGLangEngine
     from mtrain.tiny_vlm import write_tiny_vlm_processor
-    from mtrain.trainer.sync import WeightSync
+    from mtrain.trainer.publishers.colocated import WeightSync
 
     cfg = json.loads((CONFIG.parent / "qwen2_5_vl_7b_config.json").read_text())
     d = work / "qwen2_5_vl_7b"

@@ -165,7 +165,7 @@ def test_check_files_finds_missing_model_and_data(tmp_path):
 def test_run_decisions():
     """The machine-dependent decisions, made once (mtrain.trainer.decisions) for given cuda/te answers."""
     from mtrain.trainer.decisions import decide
-    from mtrain.trainer.sync import sync_mode
+    from mtrain.trainer.publishers.colocated import sync_mode
 
     def cfg(*o):
         return load_config(None, ["model.hf_path=x", "data.task=arithmetic", *o])

@@ -22,7 +22,7 @@ def adapter_name(version: int) -> str:
 
 def peft_config(lora: dict) -> dict:
     """PEFT's adapter_config fields for an engine's adapter: lora = {r, lora_alpha, target_modules}
-    (mtrain.trainer.lora_sync.engine_lora_args). SGLang's load_lora_adapter_from_tensors takes this dict."""
+    (mtrain.trainer.publishers.lora.engine_lora_args). SGLang's load_lora_adapter_from_tensors takes this dict."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0,
             "r": int(lora["r"]), "lora_alpha": float(lora["lora_alpha"]),
             "target_modules": list(lora["target_modules"])}

@@ -111,7 +111,7 @@ class RolloutPool:
         self.store = store if store is not None else default_store()
         self.namespace = namespace
         # A pool driven from a thread of its own (rollout.async) gathers over its own gloo group, never the one the
-        # training collectives use at the same time (mtrain/trainer/async_step.py).
+        # training collectives use at the same time (mtrain/trainer/sources/one_step.py).
         self.pg = process_group
         self.client = LocalClient(engine) if engine is not None else None
         self._calls = 0

@@ -12,7 +12,7 @@ import torch
 from mtrain.config import ConfigError
 from mtrain.engine_args import refuse_on_reference_engine
 from mtrain.rollout.groups import EngineGroups, EngineLayoutError
-from mtrain.trainer.sync import sync_mode
+from mtrain.trainer.publishers.colocated import sync_mode
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
 from mtrain.models.lora import spec_of as lora_spec_of
-from mtrain.trainer.lora_sync import engine_lora_args
+from mtrain.trainer.publishers.lora import engine_lora_args
 from mtrain.rollout.routing import routing_shape
 
 
@@ -37,7 +37,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
-        lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/lora_sync.py)
+        lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/publishers/lora.py)
         lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
         return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)

@@ -30,22 +30,22 @@ from mtrain.metrics import MetricsWriter
 from mtrain.wandb_log import wandb_sink
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
-from mtrain.trainer.actor import Actor
+from mtrain.trainer.learner.actor import Actor
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_rows
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer.decisions import decide
 from mtrain.trainer.evaluation import evaluate_in_chunks
 from mtrain.trainer.engines import load_tokenizer, make_engine, weight_loader
-from mtrain.trainer.routing_replay import routing_metrics
-from mtrain.trainer.offload import TrainOffload
-from mtrain.trainer.side_models import SideModels
-from mtrain.trainer.partial_step import PartialRollout
-from mtrain.trainer.rollout_step import run_multi_turn_rollout, run_rollout, tool_metrics
+from mtrain.trainer.learner.routing_replay import routing_metrics
+from mtrain.trainer.learner.offload import TrainOffload
+from mtrain.trainer.learner.side_models import SideModels
+from mtrain.trainer.sources.partial import PartialRollout
+from mtrain.trainer.generation.rollouts import run_multi_turn_rollout, run_rollout, tool_metrics
 from mtrain.rollout.trajectory import to_batch
-from mtrain.trainer.sync import WeightSync
-from mtrain.trainer.teacher import Distiller, build_teacher
-from mtrain.trainer.lora_sync import AdapterSync
+from mtrain.trainer.publishers.colocated import WeightSync
+from mtrain.trainer.learner.teacher import Distiller, build_teacher
+from mtrain.trainer.publishers.lora import AdapterSync
 from mtrain.models.lora import spec_of as lora_spec_of
 
 log = logging.getLogger("mtrain")
@@ -82,7 +82,7 @@ class Trainer:
         self.actor = Actor(cfg, self.train_config, load_weights=load, overrides=arch)
         self.ref = Actor(cfg, self.train_config, load_weights=load, trainable=False,
                          overrides=arch) if cfg.algo.kl_coef else None
-        teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/teacher.py)
+        teacher = build_teacher(cfg, self.rank, arch)  # algo.distill: on-policy distillation (trainer/learner/teacher.py)
         self.distill = Distiller(cfg, teacher, d.offload_train) if teacher is not None else None
         self.offload = TrainOffload(self.actor, d.offload_train)
         if cfg.rollout.async_mode != "off" and cfg.engine.placement == "colocated":  # engine + trainer resident
@@ -101,7 +101,7 @@ class Trainer:
                                       self.reward_fn) if cfg.rollout.partial else None
         self.agents = None
         if cfg.serve.agent:  # server-based RL: openai-client agents through each leader's front (agent_step.py)
-            from mtrain.trainer.agent_step import AgentRollout
+            from mtrain.trainer.generation.agents import AgentRollout
             self.agents = AgentRollout(cfg, self.pool, self.tokenizer, max_positions=self.max_positions or 4096,
                                        model_name=cfg.serve.model_name or hf_dir.name)
         self.tools = self.rollout_fn = None
@@ -112,10 +112,10 @@ class Trainer:
                 self.partial.use_multi_turn(self.tools, self.rollout_fn, self.max_positions)
         self.async_rollout = None
         if cfg.rollout.async_mode == "one_step":  # step N+1 generated with weights N while step N trains
-            from mtrain.trainer.async_step import OneStepRollout
+            from mtrain.trainer.sources.one_step import OneStepRollout
             self.async_rollout = OneStepRollout(self)
-        elif cfg.rollout.async_mode == "stream":  # engines generate on; updates go in place (trainer/stream_step.py)
-            from mtrain.trainer.stream_step import StreamRollout
+        elif cfg.rollout.async_mode == "stream":  # engines generate on; updates go in place (trainer/sources/stream.py)
+            from mtrain.trainer.sources.stream import StreamRollout
             self.async_rollout = StreamRollout(self)
         def make_sync(table, **over):  # over: engine / engine_kind / mode for the adapter plan (lora_sync.py)
             kw = {"engine": self.engine, "engine_kind": d.engine_layout, "mode": d.sync_mode, **over}
@@ -123,9 +123,9 @@ class Trainer:
                               first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
                               dtype=d.engine_dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                               device=d.device, engine_fp8=d.engine_fp8, **kw)
-        lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/lora_sync.py)
+        lora = lora_spec_of(cfg)  # LoRA: the base once, then a named adapter per step (mtrain/trainer/publishers/lora.py)
         if separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
-            from mtrain.trainer.separate_sync import SeparateSync
+            from mtrain.trainer.publishers.separate import SeparateSync
             self.sync = SeparateSync(cfg, d, self.layout, self.rank, chunks=self.actor.chunks, dtype=d.engine_dtype)
         else:
             self.sync = make_sync(self.layout) if lora is None else AdapterSync(make_sync, self.layout, lora,
@@ -301,10 +301,10 @@ class Trainer:
         stale = {}
         if self.async_rollout is not None:
             if cfg.rollout.async_mode == "stream":  # whole groups with a too-old token leave the loss (counted)
-                from mtrain.trainer.stream_step import drop_stale_groups
+                from mtrain.trainer.sources.stream import drop_stale_groups
                 stale = drop_stale_groups(full, self.step, cfg.rollout, n)
             else:
-                from mtrain.trainer.async_step import offpolicy_mask
+                from mtrain.trainer.sources.one_step import offpolicy_mask
                 stale = offpolicy_mask(full, self.step, cfg.rollout)
         batch, rows, local = full, full.size, dict(stale)
         if cfg.algo.filter_uniform_groups:

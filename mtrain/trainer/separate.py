@@ -31,7 +31,7 @@ from mtrain.rollout.pool import RolloutPool
 from mtrain.trainer import checkpoint
 from mtrain.trainer.engines import make_engine
 from mtrain.trainer.loop import Trainer, _reduce_metrics
-from mtrain.trainer.separate_sync import SeparateSync
+from mtrain.trainer.publishers.separate import SeparateSync
 
 
 # default-group gathers in megatron-core 0.16.1's get_megatron_optimizer without overlapped parameter gathers
@@ -60,10 +60,10 @@ class EngineRankTrainer(Trainer):
             self.tools, self.rollout_fn = build_tool_server(cfg.multi_turn), load_rollout_fn(cfg.multi_turn.rollout_fn)
         self.async_rollout = None
         if cfg.rollout.async_mode == "one_step":
-            from mtrain.trainer.async_step import OneStepRollout
+            from mtrain.trainer.sources.one_step import OneStepRollout
             self.async_rollout = OneStepRollout(self)  # the same new_group calls, in the same order, as training ranks
         elif cfg.rollout.async_mode == "stream":
-            from mtrain.trainer.stream_step import StreamRollout
+            from mtrain.trainer.sources.stream import StreamRollout
             self.async_rollout = StreamRollout(self)
         self.sync = SeparateSync(cfg, d, self.layout, self.rank, engine=self.engine, dtype=d.engine_dtype)
         self.metrics, self.offload, self.side = None, _Nothing(), _Nothing()

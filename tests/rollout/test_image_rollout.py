@@ -36,7 +36,7 @@ def _rollout(rank, world, model_dir):
     groups = EngineGroups(world, 1, world)
     engine = ReferenceEngine.from_pretrained(model_dir)
     pool = RolloutPool(groups, rank, engine, max_groups_in_flight=1)
-    from mtrain.trainer.rollout_step import run_rollout
+    from mtrain.trainer.generation.rollouts import run_rollout
     res = run_rollout(pool, proc, train, cfg, count_shapes_reward, n=N, seed=5, rid_prefix="s0")
     batch = build_batch(res.completions, res.rewards, pad_id=proc.pad_token_id)
     engine.shutdown()

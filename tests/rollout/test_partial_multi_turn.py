@@ -59,7 +59,7 @@ def _steps(rank, world, weights):
     from mtrain.rollout.groups import EngineGroups
     from mtrain.rollout.pool import RolloutPool
     from mtrain.rollout.agents.setup import build_tool_server
-    from mtrain.trainer.partial_step import PartialRollout
+    from mtrain.trainer.sources.partial import PartialRollout
     from scripted_model import CONFIG
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -160,7 +160,7 @@ def test_a_buffer_of_the_other_kind_is_refused():
     import pytest
 
     from mtrain.config import ConfigError
-    from mtrain.trainer.partial_step import PartialRollout
+    from mtrain.trainer.sources.partial import PartialRollout
     single = PartialRollout(None, None, TOK, DATA, None, reward)
     with pytest.raises(ConfigError, match="holds multi_turn groups; this run is single_turn"):
         single.load_state_dict({"kind": "multi_turn", "buffer": [], "next_uid": 0})

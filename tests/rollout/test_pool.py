@@ -38,7 +38,7 @@ def _setup(rank, world, tp, delay_rank=None, delay_s=0.0):
 
 def _group_fn(max_new=8):
     from mtrain.rollout.protocol import SamplingParams
-    from mtrain.trainer.rollout_step import group_requests
+    from mtrain.trainer.generation.rollouts import group_requests
 
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
 

@@ -105,7 +105,7 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, modes: tuple[bool, ...
 
     from mtrain.dist import init_distributed
     from mtrain.layouts import model_layout
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.engines import weight_loader
 
     init_distributed(**layout)

@@ -73,7 +73,7 @@ def run(rank: int, world: int, hf_dir: str, layout: dict, ref: torch.Tensor, ret
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
     from mtrain.layouts import model_layout
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.batch import dp_rows
     from mtrain.trainer.engines import weight_loader
 

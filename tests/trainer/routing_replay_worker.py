@@ -114,7 +114,7 @@ def _config(hf_dir: str, layout: dict, *extra: str):
 
 def _actor(cfg, hf_config: dict, rank: int, trainable: bool = True):
     from mtrain.layouts import model_layout
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.engines import weight_loader
     return Actor(cfg, hf_config, load_weights=weight_loader(cfg, model_layout(dict(hf_config, num_nextn_predict_layers=0),
                                                                                 mtp=False), rank), trainable=trainable)

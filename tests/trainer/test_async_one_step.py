@@ -58,7 +58,7 @@ def test_mask_drops_tokens_older_than_max_staleness():
     positions off the response (version -1) keep their mask."""
     import torch
     from types import SimpleNamespace
-    from mtrain.trainer.async_step import offpolicy_mask
+    from mtrain.trainer.sources.one_step import offpolicy_mask
     versions = torch.tensor([[-1, 5, 4, 3, 2]])
     for staleness, want in ((None, [1, 1, 1, 0, 0]), (2, [1, 1, 1, 1, 0]), (1, [1, 1, 1, 0, 0])):
         batch = SimpleNamespace(versions=versions, response_mask=torch.ones(1, 5))

@@ -32,7 +32,7 @@ class _Bf16IsDevice(torch.overrides.TorchFunctionMode):
 
 
 def _run(rank, world, hf, run_dir, steps, resume):
-    import mtrain.trainer.actor as actor_mod
+    import mtrain.trainer.learner.actor as actor_mod
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     from mtrain.config import load_config
     from mtrain.trainer.loop import Trainer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from mtrain.trainer.offload import TrainOffload, _storages
+from mtrain.trainer.learner.offload import TrainOffload, _storages
 
 
 def _actor():

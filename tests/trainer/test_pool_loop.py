@@ -100,7 +100,7 @@ def _offload_steps(rank, world, hf, run_dir, offload):
     rollout = t._rollout
 
     def during_rollout(*a, **k):  # while the engines generate, the offloaded storages hold no bytes
-        from mtrain.trainer.offload import _storages
+        from mtrain.trainer.learner.offload import _storages
         seen["sizes"] = [s.untyped_storage().nbytes() for s in _storages(t.actor)] if not t.offload.offloaded \
             else [h[0].untyped_storage().nbytes() for h in t.offload._held]
         return rollout(*a, **k)

@@ -22,7 +22,7 @@ def test_groups_lead_engines_on_the_last_ranks_only():
 
 
 def test_training_world_and_layout():
-    from mtrain.trainer.separate_sync import training_layout
+    from mtrain.trainer.publishers.separate import training_layout
     cfg = load_config(CONFIG, BASE + ["parallel.tp=2"])
     assert train_world(cfg, 6) == 4 and split_ranks(cfg, 6).train_ranks == (0, 1, 2, 3)
     lay = training_layout(cfg, 4)

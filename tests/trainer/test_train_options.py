@@ -40,7 +40,7 @@ def _train_once(cfg, hf_config: dict) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from mtrain.trainer.actor import Actor
+    from mtrain.trainer.learner.actor import Actor
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
     actor = Actor(cfg, hf_config)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from mtrain.layouts import model_layout
-from mtrain.trainer.offload import TrainOffload
-from mtrain.trainer.ppo_step import CriticStep
+from mtrain.trainer.learner.offload import TrainOffload
+from mtrain.trainer.learner.ppo_step import CriticStep
 
 
 class SideModels:
@@ -16,7 +16,7 @@ class SideModels:
         self.critic = self.critic_step = None
         self._critic_offload = None
         if cfg.algo.name == "ppo":
-            from mtrain.trainer.critic import Critic, critic_config
+            from mtrain.trainer.learner.critic import Critic, critic_config
             from mtrain.trainer.engines import weight_loader
             hf_config, load = train_config, policy_loader
             if cfg.critic.hf_path is not None:  # its own weights (and architecture), on the policy's layout

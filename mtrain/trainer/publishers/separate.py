@@ -9,7 +9,7 @@ import torch
 
 from mtrain.reshard.placement import MegatronLayout
 from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
-from mtrain.trainer.sync import agree_on_errors, engine_layout
+from mtrain.trainer.publishers.colocated import agree_on_errors, engine_layout
 
 
 def training_layout(cfg, n_train: int) -> MegatronLayout:

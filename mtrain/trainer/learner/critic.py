@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from mtrain.algorithms.value_loss import clipped_value_loss
-from mtrain.trainer.actor import Actor
+from mtrain.trainer.learner.actor import Actor
 from mtrain.trainer.batch import RolloutBatch
 
 HEAD_SEED = 20_16  # the head's initial weight: the same on every rank and every run

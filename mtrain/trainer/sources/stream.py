@@ -29,8 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mtrain.trainer.async_step import OneStepRollout, lag_metrics, rollout_for_step
-from mtrain.trainer.rollout_step import RolloutResult
+from mtrain.trainer.sources.one_step import OneStepRollout, lag_metrics, rollout_for_step
+from mtrain.trainer.generation.rollouts import RolloutResult
 
 STREAM_STALENESS = 1  # rollout.max_staleness when unset
 

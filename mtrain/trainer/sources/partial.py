@@ -20,7 +20,7 @@ from mtrain.data.rewards import score_responses
 from mtrain.rollout import partial
 from mtrain.rollout import partial_multi_turn as pmt
 from mtrain.rollout.protocol import SamplingParams
-from mtrain.trainer.rollout_step import RolloutResult, head_size, sample_params, stop_ids
+from mtrain.trainer.generation.rollouts import RolloutResult, head_size, sample_params, stop_ids
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ leader hands them to its engine as the adapter `policy-v{version}`: SGLang's loa
 LoRA registry and memory pool), the reference engine's PEFT layers, the same protocol
 (mtrain/rollout/lora_adapters.py: load the new, route new requests to it, unload the old once unused). The engine
 keeps its base weights between steps (the loop does not release them with LoRA: they never change). Both plans go
-through the same planner and executor as a full sync (mtrain/trainer/sync.py); the adapter plan in push mode into
+through the same planner and executor as a full sync (mtrain/trainer/publishers/colocated.py); the adapter plan in push mode into
 the HF layout, since both engines take whole adapter tensors and slice them per rank themselves.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
 from mtrain.trainer.weight_change import WeightChange
-from mtrain.trainer.routing_replay import RouterReplayFeeder
+from mtrain.trainer.learner.routing_replay import RouterReplayFeeder
 from mtrain.trainer.train_options import cpu_offload_options, optimizer_config, recompute_overrides
 
 
@@ -103,7 +103,7 @@ class Actor:
             self.vision = VisionBatcher(hf_config)
         elif cfg.model.train_vision:
             raise ModelConfigError(f"model.train_vision=true but {hf_config.get('model_type')} has no vision tower")
-        # algo.routing_replay (mtrain/trainer/routing_replay.py): rollout = every MoE router replays the engine's
+        # algo.routing_replay (mtrain/trainer/learner/routing_replay.py): rollout = every MoE router replays the engine's
         # experts, which the batch carries (self.routing: their shape); trainer = the update replays the scoring
         # pass's own choice (the frozen reference model has no update: it routes itself)
         mode = cfg.algo.routing_replay

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
-from mtrain.trainer.rollout_step import RolloutResult, run_multi_turn_rollout, run_rollout
+from mtrain.trainer.generation.rollouts import RolloutResult, run_multi_turn_rollout, run_rollout
 
 ONE_STEP_STALENESS = 1
 # run_dir file: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart

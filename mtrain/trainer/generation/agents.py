@@ -13,7 +13,7 @@ import inspect
 from mtrain.config import ConfigError
 from mtrain.data.rewards import load_object
 from mtrain.rollout.pool import RolloutPool
-from mtrain.trainer.rollout_step import RolloutResult
+from mtrain.trainer.generation.rollouts import RolloutResult
 
 
 def load_agent(spec: str, model_name: str):

@@ -14,9 +14,9 @@ import torch
 
 from mtrain.algorithms.distill import distill_advantages
 from mtrain.layouts import model_layout
-from mtrain.trainer.actor import Actor
+from mtrain.trainer.learner.actor import Actor
 from mtrain.trainer.engines import weight_loader
-from mtrain.trainer.offload import TrainOffload
+from mtrain.trainer.learner.offload import TrainOffload
 
 
 def build_teacher(cfg, rank: int, overrides: dict) -> Actor | None:
