@@ -92,6 +92,7 @@ def validate(cfg: RunConfig) -> None:
     _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
     _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
     check_score_centering(cfg)
+    check_shared_prefix(cfg)
     _check(r.over_sample is None or r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight "
            f"/ groups trained), got {r.over_sample}")
     _check(r.partial or r.over_sample is None, "rollout.over_sample", "needs rollout.partial=true")
@@ -334,3 +335,15 @@ def check_score_centering(cfg: RunConfig) -> None:
 
 
 MAX_SCORE_CENTERING_K = 1024
+
+
+def check_shared_prefix(cfg: RunConfig) -> None:
+    """train.shared_prefix (docs/design-shared-prefix.md): a packed stream with per-token positions."""
+    t = cfg.train
+    _check(isinstance(t.shared_prefix, bool), "train.shared_prefix", f"must be true or false, got {t.shared_prefix!r}")
+    if not t.shared_prefix:
+        return
+    _check(t.max_tokens_per_micro_batch is not None, "train.shared_prefix",
+           "needs packed micro-batches (set train.max_tokens_per_micro_batch)")
+    _check(cfg.parallel.cp == 1, "train.shared_prefix", f"is not supported with context parallelism "
+           f"(parallel.cp={cfg.parallel.cp})")

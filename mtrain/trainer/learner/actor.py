@@ -28,6 +28,7 @@ from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
+from mtrain.trainer.prefix_tree import make_tree_pack, plan_shared_micro_batches, shared_rows
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
@@ -129,6 +130,9 @@ class Actor:
         self.rope_per_token = (self.host_cu_seqlens and c.context_parallel_size == 1 and self.vision is None
                                and os.environ.get("MTRAIN_ROPE_PER_TOKEN", "1") != "0"
                                and packed_rope.install(chunks))
+        if cfg.train.shared_prefix and not self.rope_per_token:  # the tree stream's positions need per-token RoPE
+            raise ModelConfigError("train.shared_prefix needs mtrain's local attention with per-token RoPE (no "
+                                   "Transformer Engine, parallel.cp=1, plain RoPE, no vision tower)")
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
@@ -236,6 +240,10 @@ class Actor:
             plan = plan_micro_batches(slots, n * cp, budget_name=f"train.max_tokens_per_micro_batch={n} x parallel.cp="
                                       f"{cp}" if cp > 1 else None,
                                       count_multiple=ps.get_pipeline_model_parallel_world_size() if vpp else 1)
+            shared = shared_rows(batch) if self.cfg.train.shared_prefix else None  # mtrain/trainer/prefix_tree.py
+            if shared is not None:  # a group's rows in one micro-batch, its prompt once
+                plan = plan_shared_micro_batches(*shared, n, count_multiple=ps.get_pipeline_model_parallel_world_size()
+                                                 if vpp else 1)
             groups = [torch.tensor(g, dtype=torch.long) for g in plan]
             # With variable lengths the interleaved (VPP) schedule's receives came out mis-sized (gloo: "received
             # data size doesn't match"): pad every packed micro-batch of this call to the longest one instead.
@@ -256,7 +264,8 @@ class Actor:
             d["rows"] = rows
             if self.packed:
                 pk = make_pack(rows, batch.seq_lens[rows], min_total=common, pad_to_multiple=align,
-                               seq_multiple=2 * cp if cp > 1 else 1)
+                               seq_multiple=2 * cp if cp > 1 else 1) if shared is None else make_tree_pack(
+                    rows, [shared[0][i] for i in rows], [shared[1][i] for i in rows], align, common)
                 width = batch.tokens.shape[1]
                 for name in RolloutBatch.PER_TOKEN:
                     if getattr(batch, name) is not None:
