@@ -93,6 +93,8 @@ def validate(cfg: RunConfig) -> None:
            f"must be > 1 or null, got {a.dual_clip_c}")
     _check(a.adv_eps > 0.0, "algo.adv_eps", f"must be > 0, got {a.adv_eps}")
     _check(a.tis_cap is None or a.tis_cap > 0, "algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    check_score_centering(cfg)
+    check_shared_prefix(cfg)
     _check(r.over_sample is None or r.over_sample >= 1.0, "rollout.over_sample", f"must be >= 1 (groups in flight "
            f"/ groups trained), got {r.over_sample}")
     _check(r.partial or r.over_sample is None, "rollout.over_sample", "needs rollout.partial=true")
@@ -310,3 +312,36 @@ def check_critic(cfg: RunConfig) -> None:
             k = f.name
             _check(getattr(c, k) == f.default, f"critic.{k}",
                    f"is set but algo.name={a.name} has no critic (critic.* is read by algo.name=ppo only)")
+
+
+def check_score_centering(cfg: RunConfig) -> None:
+    """algo.score_centering (docs/design-score-centering.md): the head the engines record and what it can correct."""
+    a, r = cfg.algo, cfg.rollout
+    _check(isinstance(a.score_centering, bool), "algo.score_centering", f"must be true or false, got {a.score_centering!r}")
+    _check(isinstance(a.score_centering_k, int) and not isinstance(a.score_centering_k, bool)
+           and 1 <= a.score_centering_k <= MAX_SCORE_CENTERING_K, "algo.score_centering_k",
+           f"must be an int in [1, {MAX_SCORE_CENTERING_K}] (the sampler's top-k logprobs per token), "
+           f"got {a.score_centering_k!r}")
+    if not a.score_centering:
+        return
+    _check(r.top_p == 1.0 and r.top_k == -1, "algo.score_centering",
+           f"needs untruncated sampling (rollout.top_p=1, rollout.top_k=-1; got {r.top_p}, {r.top_k}): the "
+           f"recorded-support variant for top-p/top-k sampling is not built")
+    _check(r.temperature > 0, "algo.score_centering", "needs sampling (rollout.temperature > 0), not greedy decoding")
+    _check(cfg.parallel.cp == 1, "algo.score_centering", "is not supported with context parallelism "
+           f"(parallel.cp={cfg.parallel.cp}) yet")
+
+
+MAX_SCORE_CENTERING_K = 1024
+
+
+def check_shared_prefix(cfg: RunConfig) -> None:
+    """train.shared_prefix (docs/design-shared-prefix.md): a packed stream with per-token positions."""
+    t = cfg.train
+    _check(isinstance(t.shared_prefix, bool), "train.shared_prefix", f"must be true or false, got {t.shared_prefix!r}")
+    if not t.shared_prefix:
+        return
+    _check(t.max_tokens_per_micro_batch is not None, "train.shared_prefix",
+           "needs packed micro-batches (set train.max_tokens_per_micro_batch)")
+    _check(cfg.parallel.cp == 1, "train.shared_prefix", f"is not supported with context parallelism "
+           f"(parallel.cp={cfg.parallel.cp})")

@@ -213,6 +213,10 @@ class AlgoConfig:
     # and the trainer's routers replay them in the logprob pass and the update; "trainer" = the update replays the
     # old-policy scoring pass's own routing; "off" = each forward routes itself
     routing_replay: Literal["off", "rollout", "trainer"] = "off"
+    # score centering (docs/design-score-centering.md): engines return each token's top-k logprobs and the loss gets
+    # the additive term that cancels the sampler/trainer drift (composes with tis_cap); k = score_centering_k
+    score_centering: bool = False
+    score_centering_k: int = 128
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
@@ -371,6 +375,9 @@ class TrainConfig:
     # float32 main copy and the model copy have moved since the first step (a copy of the weights is kept for it)
     log_weight_change: bool = False
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    # a group's shared prompt computed once per micro-batch, its samples attending to it (packed micro-batches;
+    # docs/design-shared-prefix.md)
+    shared_prefix: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ from mtrain.algorithms.advantages import group_advantages, reinforce_pp_baseline
 from mtrain.algorithms.kl import kl_estimate
 from mtrain.algorithms.losses import gspo_loss, ppo_clip_loss, truncated_is_weights
 from mtrain.algorithms.masked import AlgorithmInputError, aggregate_loss, check_same_shape, masked_mean
+from mtrain.algorithms.score_centering import score_centering_loss
 
 
 def _resolved(algo: Any, *names: str) -> None:
@@ -39,11 +40,14 @@ def policy_loss(algo: Any, logprobs: Tensor, old_logprobs: Tensor, advantages: T
                 ref_logprobs: Tensor | None = None, entropy: Tensor | None = None,
                 rollout_logprobs: Tensor | None = None, norm_len: int | None = None,
                 num_tokens: float | Tensor | None = None,
-                num_seqs: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                num_seqs: float | Tensor | None = None, head_logprobs: Tensor | None = None,
+                engine_head_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient loss (+ kl_coef * KL to the reference, - entropy_coef * entropy), aggregated with
     algo.loss_agg. ref_logprobs is required when kl_coef > 0 (and gives the kl/mean metric otherwise);
     entropy ([B, T], e.g. entropy_from_logits) is required when entropy_coef > 0; rollout_logprobs (the
-    engine's) is required when tis_cap is set. Metrics are detached 0-d tensors."""
+    engine's) is required when tis_cap is set; head_logprobs / engine_head_logprobs ([B, T, K]: the trainer's
+    and the engine's logprobs of the engine's top-k tokens) when algo.score_centering is on.
+    Metrics are detached 0-d tensors."""
     _resolved(algo, "clip_eps_low", "clip_eps_high", "kl_coef", "kl_estimator", "loss_agg")
     mask = check_same_shape(mask, ref_logprobs=ref_logprobs, entropy=entropy, rollout_logprobs=rollout_logprobs)
     agg = dict(norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs)
@@ -66,6 +70,14 @@ def policy_loss(algo: Any, logprobs: Tensor, old_logprobs: Tensor, advantages: T
         # the share of tokens whose engine/trainer ratio the cap truncated: how much of the mismatch TIS cannot
         # correct (the FP8-engine and partial-rollout runs report it beside logprob_diff/*)
         metrics["tis/capped_frac"] = masked_mean((is_weights >= algo.tis_cap).to(is_weights.dtype), mask).detach()
+    if getattr(algo, "score_centering", False):
+        if head_logprobs is None or engine_head_logprobs is None:
+            raise AlgorithmInputError("algo.score_centering is on but the engine's top-k logprobs (and the trainer's "
+                                      "of the same tokens) were not given")
+        sc, sc_metrics = score_centering_loss(head_logprobs, engine_head_logprobs, advantages, mask,
+                                              loss_agg=algo.loss_agg, tis_cap=algo.tis_cap, **agg)
+        metrics.update(sc_metrics)
+        loss = loss + sc
     if algo.kl_coef > 0 and ref_logprobs is None:
         raise AlgorithmInputError(f"algo.kl_coef={algo.kl_coef} needs ref_logprobs (the reference model's); "
                                   f"set algo.kl_coef=0 to train without a reference model")

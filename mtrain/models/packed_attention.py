@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from mtrain.models.tree_attention import tree_attention
 from mtrain.models.varlen_attention import causal_packed_attention
 
 
@@ -67,6 +68,10 @@ class PackedDotProductAttention(DotProductAttention):
         query, key, value = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         cu = host_cu_seqlens(packed_seq_params)
+        tree = getattr(packed_seq_params, "mtrain_tree", None)
+        if tree is not None:  # train.shared_prefix: continuations attend to their group's prompt (tree_attention.py)
+            ctx = tree_attention(query, key, value, tree, self.softmax_scale, groups > 1)
+            return ctx.reshape(ctx.shape[0], 1, -1)
         if self.config.context_parallel_size > 1:
             return self._context_parallel(query, key, value, cu, groups)
         # One varlen flash launch per layer on a GPU, else fused SDPA per sequence (mtrain/models/varlen_attention.py);

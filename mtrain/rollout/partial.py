@@ -36,6 +36,7 @@ class SampleState:
     # tokens (a resume re-feeds every earlier token under its weights); None when the engine records none
     routing: Any = None
     routing_rows_received: int = 0  # rows the engine sent over all its requests (the traffic metric)
+    top_logprobs: list | None = None  # score centering: per output token the engine's top-k (id, logprob) pairs
 
 
 @dataclass
@@ -63,7 +64,8 @@ class GroupState:
                            logprobs=list(s.logprobs), finish_reason=s.finish_reason or "abort",
                            weight_version=max(s.versions, default=0), token_versions=list(s.versions),
                            routed_experts=s.routing if s.output_ids else None,
-                           routed_rows_received=s.routing_rows_received, vision=self.vision)
+                           routed_rows_received=s.routing_rows_received, vision=self.vision,
+                           top_logprobs=s.top_logprobs)
                 for j, s in enumerate(self.samples)]
 
 
@@ -96,7 +98,7 @@ def resume_request(group: GroupState, j: int, params: SamplingParams, rid_prefix
     return Request(rid=f"{rid_prefix}-g{group.uid}-{j}-", prompt_ids=list(group.prompt_ids) + list(s.output_ids),
                    params=SamplingParams(max_new_tokens=left, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, stop_token_ids=params.stop_token_ids,
-                                         seed=s.seed + 7919 * s.resumes),
+                                         seed=s.seed + 7919 * s.resumes, top_logprobs=params.top_logprobs),
                    routed_experts_start=0, vision=group.vision)
 
 
@@ -111,6 +113,8 @@ def apply(group: GroupState, j: int, c: Completion) -> None:
     s.output_ids += list(c.output_ids)
     s.logprobs += list(c.logprobs)
     s.versions += c.versions
+    if c.top_logprobs is not None:
+        s.top_logprobs = (s.top_logprobs or []) + [list(map(list, row)) for row in c.top_logprobs]
     if c.finish_reason == "abort":
         s.resumes += 1  # its next request continues it
     else:

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; SGLang has none, the front and the engines share this one
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs: the front's requests (mtrain/serve/schemas.py)
+# the engines' own: score centering (algo.score_centering_k, docs/design-score-centering.md) asks for up to this many
+MAX_ENGINE_TOP_LOGPROBS = 1024
 
 
 class EngineError(RuntimeError):
@@ -42,7 +44,7 @@ class SamplingParams:
         SGLang also stops on the config's / generation_config's eos_token_id; with EOS listed, both agree.
     seed: seeds this request's own sampler so results do not depend on batching; None = engine's choice.
     top_logprobs: per output token, also return the this-many most likely tokens with their logprobs (same
-        distribution as `Completion.logprobs`; OpenAI's limit, 0..20). 0 = none.
+        distribution as `Completion.logprobs`; 0..MAX_ENGINE_TOP_LOGPROBS, the front allows 20). 0 = none.
     """
 
     max_new_tokens: int = 64
@@ -70,8 +72,8 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
-                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"SamplingParams.top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], "
+                0 <= self.top_logprobs <= MAX_ENGINE_TOP_LOGPROBS):
+            raise ValueError(f"SamplingParams.top_logprobs must be an int in [0, {MAX_ENGINE_TOP_LOGPROBS}], "
                              f"got {self.top_logprobs!r}")
 
     @property

@@ -32,8 +32,13 @@ class RolloutBatch:
     # routing replay: [B, T, layers, top_k] the engine's routed experts of every input token (mtrain/rollout/routing.py;
     # positions without a record hold RoutingShape.filler()); None when the run does not replay
     routed_experts: torch.Tensor | None = None
+    # score centering (algo.score_centering): [B, T-1, K] the engine's top-k token ids and their logprobs at each
+    # predicting position of a model token (absent entries: id 0, logprob -inf); None when not recorded
+    engine_head_ids: torch.Tensor | None = None
+    engine_head_logprobs: torch.Tensor | None = None
 
-    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions", "routed_experts")
+    PER_TOKEN = ("tokens", "response_mask", "engine_logprobs", "versions", "routed_experts", "engine_head_ids",
+                 "engine_head_logprobs")
 
     @property
     def size(self) -> int:

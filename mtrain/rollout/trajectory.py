@@ -29,6 +29,8 @@ class Segment:
     logprobs: list[float] | None = None  # model segments only
     versions: list[int] | None = None  # model segments only: weight version per token
     text: str = ""  # model: the decoded turn; env: the rendered text the ids encode
+    # model segments, score centering: per token the engine's top-k (token id, logprob) pairs; None when not asked
+    top_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("prompt", "model", "env"):
@@ -39,7 +41,9 @@ class Segment:
             if not len(self.ids) == len(self.logprobs) == len(self.versions):
                 raise ValueError(f"model segment: {len(self.ids)} ids, {len(self.logprobs)} logprobs, "
                                  f"{len(self.versions)} versions")
-        elif self.logprobs is not None or self.versions is not None:
+            if self.top_logprobs is not None and len(self.top_logprobs) != len(self.ids):
+                raise ValueError(f"model segment: {len(self.ids)} ids, {len(self.top_logprobs)} top-logprob lists")
+        elif self.logprobs is not None or self.versions is not None or self.top_logprobs is not None:
             raise ValueError(f"a {self.kind} segment carries no logprobs or versions (it is not trained)")
 
     @property
@@ -101,7 +105,7 @@ class Trajectory:
         return ""
 
     def add_model_tokens(self, ids: list[int], logprobs: list[float], version: int, text: str = "", *,
-                         continue_last: bool = False) -> None:
+                         continue_last: bool = False, top_logprobs: list | None = None) -> None:
         """Append generated tokens as a new model turn, or (continue_last: a turn resumed after an abort) extend
         the last model segment; each token keeps the weight version it was sampled under."""
         if continue_last:
@@ -112,8 +116,11 @@ class Trajectory:
             s.logprobs += logprobs
             s.versions += [version] * len(ids)
             s.text += text
+            if top_logprobs is not None or s.top_logprobs is not None:  # a side without a head: empty lists
+                s.top_logprobs = (s.top_logprobs or [[]] * (len(s.ids) - len(ids))) + list(top_logprobs or [[]] * len(ids))
         else:
-            self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text))
+            self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text,
+                                         None if top_logprobs is None else list(top_logprobs)))
 
     @property
     def routing_start(self) -> int:
@@ -188,9 +195,31 @@ def to_batch(trajectories: list[Trajectory], pad_id: int, pad_to_multiple: int =
                     versions[i, pos - 1:pos - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
             pos += n
     routed = None if routing is None else _batch_routing(trajectories, lengths, width, routing)
+    head_ids, head_lp = _batch_heads(trajectories, width)
     return RolloutBatch(tokens, mask, engine_lp, torch.tensor(rewards, dtype=torch.float32),
                         torch.tensor([n - t.prompt_len for n, t in zip(lengths, trajectories)]),
-                        torch.tensor(lengths), versions, vision_rows([t.vision for t in trajectories]), routed)
+                        torch.tensor(lengths), versions, vision_rows([t.vision for t in trajectories]), routed,
+                        engine_head_ids=head_ids, engine_head_logprobs=head_lp)
+
+
+def _batch_heads(trajectories: list[Trajectory], width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Score centering: [B, width - 1, K] the engine's top-k token ids and logprobs at each predicting position of a
+    model token (K: the longest list; absent entries: id 0, logprob -inf); (None, None) when no segment has any."""
+    k = max((len(row) for t in trajectories for s in t.segments if s.top_logprobs for row in s.top_logprobs), default=0)
+    if k == 0:
+        return None, None
+    ids = torch.zeros((len(trajectories), width - 1, k), dtype=torch.long)
+    lps = torch.full((len(trajectories), width - 1, k), float("-inf"))
+    for i, t in enumerate(trajectories):
+        pos = 0
+        for s in t.segments:
+            if s.top_logprobs is not None:
+                for j, row in enumerate(s.top_logprobs):  # token pos + j is predicted from position pos + j - 1
+                    if row:
+                        ids[i, pos + j - 1, :len(row)] = torch.tensor([int(r[0]) for r in row])
+                        lps[i, pos + j - 1, :len(row)] = torch.tensor([float(r[1]) for r in row])
+            pos += len(s.ids)
+    return ids, lps
 
 
 def _batch_routing(trajectories: list[Trajectory], lengths: list[int], width: int, shape) -> torch.Tensor:

@@ -24,7 +24,8 @@ def build_batch(completions: list[Completion], rewards: list[float], pad_id: int
                              f"{c.routed_experts_start} on, not a whole sample's; merge them into the sample's "
                              f"routing first (mtrain.rollout.routing.merge_resumed)")
     trajectories = [Trajectory(c.rid, [Segment("prompt", list(c.prompt_ids)),
-                                       Segment("model", list(c.output_ids), list(c.logprobs), c.versions)],
+                                       Segment("model", list(c.output_ids), list(c.logprobs), c.versions,
+                                                       top_logprobs=c.top_logprobs)],
                                vision=c.vision, routed_experts=c.routed_experts,
                                routing_rows_received=held_rows(c.routed_experts) if c.routed_rows_received is None
                                else c.routed_rows_received) for c in completions]

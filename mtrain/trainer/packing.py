@@ -163,9 +163,13 @@ def make_pack(rows: torch.Tensor | list[int], lengths: torch.Tensor | list[int],
                 max_seqlen=int(max(slots.max().item(), total - used)))
 
 
-def _row_positions(pack: Pack, width: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _row_positions(pack: Pack, width: int, shift: int, writing: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row index into the row layout, column, packed position) of every valid element of a width-W field;
-    a row holds lengths - shift valid values (shift 1 for per-predicting-position fields)."""
+    a row holds lengths - shift valid values (shift 1 for per-predicting-position fields). A shared-prefix stream
+    (mtrain/trainer/prefix_tree.py TreePack) says where its rows sit itself (writing: who fills a shared prefix)."""
+    if hasattr(pack, "row_positions"):
+        return pack.row_positions(width, shift, writing)
     counts = (pack.lengths - shift).clamp(min=0).clamp(max=width)
     local = torch.repeat_interleave(torch.arange(len(counts)), counts)
     starts = torch.cumsum(counts, 0) - counts
@@ -185,7 +189,7 @@ def _shift(width: int, seq_width: int, name: str) -> int:
 def pack(pack_: Pack, x: torch.Tensor, seq_width: int, name: str = "field") -> torch.Tensor:
     """Row layout [B, W, ...] (indexed by pack_.rows) -> packed [S, ...]; 0 where a row has no value."""
     shift = _shift(x.shape[1], seq_width, name)
-    local, col, dst = _row_positions(pack_, x.shape[1], shift)
+    local, col, dst = _row_positions(pack_, x.shape[1], shift, writing=True)
     out = x.new_zeros((pack_.total, *x.shape[2:]))
     out[dst.to(x.device)] = x[pack_.rows[local].to(x.device), col.to(x.device)]
     return out

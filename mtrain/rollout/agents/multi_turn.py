@@ -168,7 +168,7 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
         done_in_turn = len(partial.ids) if partial is not None else 0
         room = min(ctx.params.max_new_tokens - done_in_turn, budget)
         if room <= 0:  # the aborted turn had already used its max_new_tokens
-            comp_ids, comp_lp, finish, version = [], [], "length", client.weight_version
+            comp_ids, comp_lp, finish, version, comp_top = [], [], "length", client.weight_version, None
         else:
             aborts = int(traj.metrics.get("aborts", 0))  # a resumed turn samples from a fresh seed
             # routing replay: only the rows the trajectory lacks (its earlier turns' rows, recorded under the same
@@ -181,7 +181,8 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
                           vision=traj.vision)  # the same images every turn: the engine prefills them again
             comp = await client.generate(req)
             comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
-        traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming)
+            comp_top = comp.top_logprobs  # score centering's head (None unless asked for)
+        traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming, top_logprobs=comp_top)
         if room > 0:
             # routing replay: None unless the engine records routing
             traj.record_routing(comp.routed_experts, comp.routed_experts_start, comp.weight_version)

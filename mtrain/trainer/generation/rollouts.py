@@ -69,7 +69,8 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
                                   f"{max_positions}); shorten the prompt or lower rollout.max_new_tokens")
     params = SamplingParams(max_new_tokens=budget, temperature=0.0 if greedy else r.temperature,
                             top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
-                            stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
+                            stop_token_ids=stop_ids(tokenizer, r.stop_token_ids),
+                            top_logprobs=0 if greedy else head_size(cfg))
     stops = set(params.stop_token_ids)
     width = len(str(max(len(prompts) - 1, 0)))
 
@@ -98,6 +99,11 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
     return out
 
 
+def head_size(cfg) -> int:
+    """Top-k logprobs per generated token the engines return: algo.score_centering_k with score centering, else 0."""
+    return cfg.algo.score_centering_k if cfg.algo.score_centering else 0
+
+
 def broadcast_result(value, src: int, group=None):
     """Every rank (of `group`) gets the value of rank `src`; an exception there is raised on every rank."""
     box = [value if dist.get_rank() == src else None]
@@ -122,7 +128,8 @@ def run_multi_turn_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn
         raise PromptError(f"sample {with_images[0]} has images but the model has no vision tower (its config.json "
                           f"has no vision_config/image_token_id)")
     params = SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids(tokenizer, r.stop_token_ids))
+                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids(tokenizer, r.stop_token_ids),
+                            top_logprobs=0 if greedy else head_size(cfg))
     width = len(str(max(len(samples) - 1, 0)))
 
     async def one_group(i: int, client: EngineClient):

@@ -29,6 +29,7 @@ from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.token_logprobs import token_logprobs as chunked_token_logprobs
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.trainer.batch import RolloutBatch
+from mtrain.trainer.prefix_tree import make_tree_pack, plan_shared_micro_batches, shared_rows
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
 from mtrain.rollout.routing import RoutingError, routing_shape
 from mtrain.trainer.memory_stats import memory_metrics
@@ -56,6 +57,20 @@ def _chunked_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, te
     """No float32 copy of the whole logits (mtrain/models/token_logprobs.py: a 16k-token micro-batch's was 10 GB)."""
     return chunked_token_logprobs(logits, labels, vocab, temperature, ps.get_tensor_model_parallel_rank()
                                   * logits.shape[-1], ps.get_tensor_model_parallel_group())
+
+
+def head_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """[b, s, K] log softmax(logits / T) at token ids [b, s, K] (score centering's head), TP-vocab-parallel: each
+    rank gathers the ids in its vocabulary slice, the log-normaliser and the gathered values are summed over TP."""
+    lg = _masked_vocab_logits(logits, vocab, temperature)
+    m = lg.detach().max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    lse = torch.log(tensor_parallel.reduce_from_tensor_model_parallel_region(torch.exp(lg - m).sum(-1))) + m.squeeze(-1)
+    local = lg.shape[-1]
+    shifted = ids - ps.get_tensor_model_parallel_rank() * local
+    mine = (shifted >= 0) & (shifted < local)
+    picked = torch.where(mine, lg.gather(-1, shifted.clamp(0, local - 1)), lg.new_zeros(()))
+    return tensor_parallel.reduce_from_tensor_model_parallel_region(picked) - lse.unsqueeze(-1)
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -121,6 +136,9 @@ class Actor:
         self.rope_per_token = (self.host_cu_seqlens and c.context_parallel_size == 1 and self.vision is None
                                and os.environ.get("MTRAIN_ROPE_PER_TOKEN", "1") != "0"
                                and packed_rope.install(chunks))
+        if cfg.train.shared_prefix and not self.rope_per_token:  # the tree stream's positions need per-token RoPE
+            raise ModelConfigError("train.shared_prefix needs mtrain's local attention with per-token RoPE (no "
+                                   "Transformer Engine, parallel.cp=1, plain RoPE, no vision tower)")
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
@@ -228,6 +246,10 @@ class Actor:
             plan = plan_micro_batches(slots, n * cp, budget_name=f"train.max_tokens_per_micro_batch={n} x parallel.cp="
                                       f"{cp}" if cp > 1 else None,
                                       count_multiple=ps.get_pipeline_model_parallel_world_size() if vpp else 1)
+            shared = shared_rows(batch) if self.cfg.train.shared_prefix else None  # mtrain/trainer/prefix_tree.py
+            if shared is not None:  # a group's rows in one micro-batch, its prompt once
+                plan = plan_shared_micro_batches(*shared, n, count_multiple=ps.get_pipeline_model_parallel_world_size()
+                                                 if vpp else 1)
             groups = [torch.tensor(g, dtype=torch.long) for g in plan]
             # With variable lengths the interleaved (VPP) schedule's receives came out mis-sized (gloo: "received
             # data size doesn't match"): pad every packed micro-batch of this call to the longest one instead.
@@ -248,7 +270,8 @@ class Actor:
             d["rows"] = rows
             if self.packed:
                 pk = make_pack(rows, batch.seq_lens[rows], min_total=common, pad_to_multiple=align,
-                               seq_multiple=2 * cp if cp > 1 else 1)
+                               seq_multiple=2 * cp if cp > 1 else 1) if shared is None else make_tree_pack(
+                    rows, [shared[0][i] for i in rows], [shared[1][i] for i in rows], align, common)
                 width = batch.tokens.shape[1]
                 for name in RolloutBatch.PER_TOKEN:
                     if getattr(batch, name) is not None:
@@ -316,6 +339,11 @@ class Actor:
         if "cp_index" not in mb:
             return vocab_parallel_entropy(logits, self.vocab, temp)
         return self._cp_stream(mb, position_entropy(logits, self.vocab, temp))
+
+    def _head_logprobs(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
+        """[n, T-1, K] the trainer's logprobs of the engine's top-k tokens in the row layout (score centering)."""
+        ids = mb["packed/engine_head_ids"][:-1].unsqueeze(0) if "pack" in mb else mb["head_ids"]
+        return self._rows(mb, head_logprobs(logits[:, :-1], ids, self.vocab, self.cfg.rollout.temperature))
 
     def _cp_stream(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
         """[b, t] values of this CP rank's positions -> [b, W-1] along the whole stream (packed, b = 1) or along
@@ -387,14 +415,20 @@ class Actor:
         # old/ref logprobs exist on the last pipeline stage only, which is also the only one computing a loss.
         extra = {k: v for k, v in {"old": old_lp, "adv": adv, "engine": batch.engine_logprobs, "ref": ref_lp}.items()
                  if v is not None}
+        if algo.score_centering:  # the engine's top-k per token (docs/design-score-centering.md)
+            if batch.engine_head_ids is None:
+                raise ValueError("algo.score_centering is on but the batch has no engine top-k logprobs")
+            extra.update(head_ids=batch.engine_head_ids, engine_head=batch.engine_head_logprobs)
         micro = self._micro(batch, extra)
 
         def loss_fn(mb, logits):
             lp = self._rows(mb, self._logprobs(mb, logits))
             ent = self._rows(mb, self._entropy(mb, logits)) if algo.entropy_coef else None
+            head = self._head_logprobs(mb, logits) if algo.score_centering else None
             loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),
                                         entropy=ent, rollout_logprobs=mb["engine"],
-                                        norm_len=self.cfg.rollout.max_new_tokens, **norms)
+                                        norm_len=self.cfg.rollout.max_new_tokens, head_logprobs=head,
+                                        engine_head_logprobs=mb.get("engine_head"), **norms)
             # Megatron divides by the number of micro batches and DDP averages over DP: undo both, the
             # normalisers already cover the whole global batch. (DDP's extra 1/CP is undone by Megatron's own
             # loss * cp in forward_step; every CP rank computes the whole loss, its gradients covering its own

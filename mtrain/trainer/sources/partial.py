@@ -20,7 +20,7 @@ from mtrain.data.rewards import score_responses
 from mtrain.rollout import partial
 from mtrain.rollout import partial_multi_turn as pmt
 from mtrain.rollout.protocol import SamplingParams
-from mtrain.trainer.generation.rollouts import RolloutResult, sample_params, stop_ids
+from mtrain.trainer.generation.rollouts import RolloutResult, head_size, sample_params, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ class PartialRollout:
         metrics["rollout/resume_prefill_tokens"] = sum(resumed)  # what resuming them prefills again
         budget = partial.length_budget(r, step)
         params = SamplingParams(max_new_tokens=budget, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                stop_token_ids=stop_ids(self.tokenizer, r.stop_token_ids))
+                                stop_token_ids=stop_ids(self.tokenizer, r.stop_token_ids),
+                                top_logprobs=head_size(self.cfg))
         prefix = f"s{step}"
 
         n = r.samples_per_prompt
