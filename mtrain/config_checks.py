@@ -197,6 +197,9 @@ def validate(cfg: RunConfig) -> None:
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
     _check_distill(cfg)
     _check_lora(cfg)
+    _check(not cfg.sync.delta or cfg.engine.placement == "separate", "sync.delta",
+           "applies to engine.placement=separate (weights sent to engines on other ranks); colocated engines read "
+           "the trainer's memory, where nothing travels: set sync.delta=false or engine.placement=separate")
 
 
 def _check_distill(cfg: RunConfig) -> None:

@@ -388,6 +388,9 @@ class SyncConfig:
     # the trainer's tensors in place (one pass, one engine call; engine.tp == 1 for now); auto: pull where it
     # applies. docs/design-resharding.md, "Pull mode".
     mode: Literal["auto", "pull", "push"] = "auto"
+    # engine.placement=separate: send each engine rank only the elements whose bits changed since the last sync
+    # (indices + values), whole buffers where that is not smaller; bit-exact. docs/design-delta-sync.md.
+    delta: bool = False
 
 
 @dataclass

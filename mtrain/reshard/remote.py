@@ -81,17 +81,18 @@ class RemoteSync:
 
     def __init__(self, plans: list[Plan], engines: EngineRanks, rank: int,
                  sources: Callable[[TensorRef], torch.Tensor] | None = None, *, dtype: torch.dtype,
-                 bucket_bytes: int, backend: str = "auto", device="cpu", group=None):
+                 bucket_bytes: int, backend: str = "auto", device="cpu", group=None, executor=Executor):
+        """`executor`: the Executor class or a factory with its signature (mtrain/reshard/delta.py: sync.delta)."""
         self.engines, self.rank = engines, rank
         self.where = engines.engine_of(rank)
         lookup = sources or self._no_sources
         if self.where is None:
-            self.executors = [Executor(p, rank, lookup, dtype=dtype, bucket_bytes=bucket_bytes, backend=backend,
+            self.executors = [executor(p, rank, lookup, dtype=dtype, bucket_bytes=bucket_bytes, backend=backend,
                                        device=device, group=group) for p in plans]
             self.pull = None
         else:
             g, _ = self.where
-            ex = Executor(plans[g], rank, lookup, dtype=dtype, bucket_bytes=bucket_bytes, backend=backend,
+            ex = executor(plans[g], rank, lookup, dtype=dtype, bucket_bytes=bucket_bytes, backend=backend,
                           device=device, group=group)
             self.executors = [ex]
             self.pull = PullPlan(ex)  # persistent receive buffers + tables built once

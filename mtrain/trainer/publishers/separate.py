@@ -3,10 +3,13 @@ engine rank the pieces of their shards it needs (mtrain/reshard/remote.py). Kept
 (the engine ranks' side of the loop), which builds on the loop: the loop builds this sync."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
+from mtrain.reshard.delta import DeltaExecutor, DeltaSender, delta_metrics
+from mtrain.reshard.executor import Executor
 from mtrain.reshard.placement import MegatronLayout
 from mtrain.reshard.remote import EngineRanks, RemoteSync, RemoteSyncError, engine_plans
 from mtrain.trainer.publishers.colocated import agree_on_errors, engine_layout
@@ -31,9 +34,14 @@ class SeparateSync:
         dst_tp = 1 if decisions.engine_layout == "hf" else g.tp
         dst = engine_layout(decisions.engine_layout, dst_tp, cfg.engine.ep, decisions.engine_fp8)
         plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
+        executor, self.delta = Executor, None
+        if cfg.sync.delta:  # only what changed travels (mtrain/reshard/delta.py, docs/design-delta-sync.md)
+            self.delta = DeltaSender() if chunks is not None else None
+            executor = functools.partial(DeltaExecutor, sender=self.delta)
         self.remote = RemoteSync(plans, self.engines, rank, tensor_lookup(chunks) if chunks is not None else None,
                                  dtype=dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
-                                 device=decisions.device)
+                                 device=decisions.device, executor=executor)
+        self.delta_on = cfg.sync.delta
 
     @torch.no_grad()
     def sync(self, version: int) -> dict[str, float]:
@@ -43,6 +51,8 @@ class SeparateSync:
         def write(job, final):  # the engine executes the bucket's table in its own layout
             self.engine.pull_weights([job], version=version if final else None)
 
+        if self.delta is not None:
+            self.delta.begin()
         try:
             out = self.remote.run(write if self.engine is not None else None)
         except Exception as e:  # noqa: BLE001 - every rank must hear it (below), or the others wait forever
@@ -52,5 +62,7 @@ class SeparateSync:
         if isinstance(error, RemoteSyncError):
             raise error
         agree_on_errors(error, self.rank)
+        if self.delta_on:
+            out.update(delta_metrics(self.delta, self.remote.executors))
         out["time/sync"] = time.perf_counter() - t0
         return out
