@@ -88,9 +88,10 @@ def test_host_sync_ops_per_micro_batch_do_not_grow_with_layers_or_sequences(tmp_
         return sum(c for k, c in runs[key]["sync_sites"].items() if not any(o in k for o in outside))
     packed = {k: in_model(k) for k in runs if k.endswith("/packed")}
     padded = {k: in_model(k) for k in runs if k.endswith("/padded")}
-    # the same at 1 and 2 layers, 4 and 8 sequences: megatron's vocab-parallel cross entropy reads 2 scalars per
-    # forward (recompute + train: 4 per micro-batch), and the step's one scalar outside any named site
-    assert set(packed.values()) == {5}, (packed, runs["2/16/packed"]["sync_sites"])
+    # the same at 1 and 2 layers, 4 and 8 sequences: the step's one scalar outside any named site (the sampled
+    # token's logprob, mtrain/models/token_logprobs.py, reads no scalar on the host; megatron's vocab-parallel cross
+    # entropy, which it replaced, read 2 per forward)
+    assert set(packed.values()) == {1}, (packed, runs["2/16/packed"]["sync_sites"])
     assert all(packed[k.replace("padded", "packed")] <= padded[k] for k in padded), (packed, padded)
     # aten ops of the packed step: no term in layers x sequences (megatron's THD RoPE split / slice / cat per
     # sequence in every layer, before mtrain/models/packed_rope.py)
