@@ -41,6 +41,7 @@ dsv3_small|2|540|the DeepSeek-V3 recipe at reduced size: PP2 training, one TP2xE
 pool|2|600|engine pool: one GPU/one engine vs two GPUs/two engines; TP2 pull sync
 kernels_preflight|1|240|SGLang kernels no engine run reached yet, against float64
 smoke|1|300|mtrain's SGLang engine against HF transformers
+in_place_cache|1|300|after an update in place, a new request on a cached prompt gets the new weights (version-keyed prefix cache)
 vlm|1|400|Qwen2.5-VL: sync bit-equal to a fresh load, then GRPO with images
 vlm_rollout|1|300|image rollouts on SGLang against transformers
 vlm_mt|1|300|multi-turn tool rollouts with an image on SGLang
@@ -137,6 +138,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     pool) OUT=$out/pool bash benchmarks/gpu_pool_runs.sh ;;
     kernels_preflight) python benchmarks/gpu_kernel_preflight.py --out "$out/kernel_preflight.json" ;;
     smoke) python benchmarks/gpu_sglang_smoke.py ;;
+    in_place_cache) python benchmarks/gpu_in_place_cache.py ;;
     vlm) (cd /tmp && python "$repo/benchmarks/gpu_vlm.py" --out "$out/vlm") ;;
     vlm_rollout) (cd /tmp && python "$repo/benchmarks/gpu_vlm_rollout.py") ;;
     vlm_mt) (cd /tmp && python "$repo/benchmarks/gpu_vlm_multi_turn.py" --out "$out/vlm_multi_turn.json") ;;

@@ -65,10 +65,10 @@ class SGLangRequests:
             kwargs["lora_path"] = adapter
         try:
             if req.on_tokens is None:
-                return await self._engine.async_generate(**kwargs)
+                return await self._versioned_generate(kwargs, stream=False)
             # Streaming (Request.on_tokens): SGLang's cumulative chunks as deltas; the output is the same dict a
             # non-streamed call returns (sglang_stream.py says which SGLang facts this rests on).
-            chunks = await self._engine.async_generate(**kwargs, stream=True)  # an async generator (ENG:535-536)
+            chunks = await self._versioned_generate(kwargs, stream=True)  # an async generator
             assembler = StreamAssembler(req)
             async for chunk in chunks:
                 delta = assembler.feed(chunk)
@@ -80,6 +80,18 @@ class SGLangRequests:
             return assembler.output(aborted=True) if assembler is not None else None
         finally:
             self.adapters.release(adapter)
+
+    async def _versioned_generate(self, kwargs: dict, stream: bool) -> Any:
+        """Engine.async_generate (ENG:444-538) with the radix-cache key namespaced by the weight version the request
+        starts on. An update in place finishes with flush_cache=False (the flush needs an idle scheduler), so the
+        prefix cache still holds KV the old weights computed; without the namespace a request started after the
+        update reuses that KV while its tokens are recorded as the new version. SGLang keys its radix tree by
+        (extra_key, token ids) (radix_cache.py RadixKey; io_struct.py GenerateReqInput.extra_key; a LoRA id is
+        appended to it, schedule_batch.py Req.__init__), so prefixes are shared within a version and never across
+        versions. Engine.async_generate does not pass extra_key on, hence the request object built here."""
+        obj = self._io.GenerateReqInput(**kwargs, stream=stream, extra_key=f"mtrain-weights-v{self._weight_version}")
+        generator = self._engine.tokenizer_manager.generate_request(obj, None)
+        return generator if stream else await generator.__anext__()
 
     def submit(self, request: Request) -> concurrent.futures.Future:
         """One request onto engine.loop, where SGLang batches it with every other running request."""
