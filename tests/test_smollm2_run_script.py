@@ -45,6 +45,8 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
     assert digest(TRACKED) == before  # the user's run left the committed figures alone
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["eval_curve"][0]["step"] == 0
+    # the run says what ran it, from its own config and machine (the same script sums up GPU runs)
+    assert "CPU reference engine" in summary["what"] and "no GPU" in summary["machine"]
     assert (run / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "update_docs.sh" in p.stdout
     # The explicit command refuses a directory without results, and changes nothing then.

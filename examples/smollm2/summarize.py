@@ -34,6 +34,26 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _engine_words(cfg: dict) -> str:
+    """What ran the rollouts and the training, from the run's own config (the same script sums up CPU and GPU runs)."""
+    engine = cfg.get("engine", {})
+    kind = "SGLang" if engine.get("kind") == "sglang" else "the CPU reference engine"
+    return f"{kind} + Megatron-core ({cfg.get('model', {}).get('dtype', 'bfloat16')} training)"
+
+
+def _machine_words() -> str:
+    """The machine this summary is written on (the run's own machine: run.sh calls it at the end of the run)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return f"{torch.cuda.device_count()} x {', '.join(names)}, {os.cpu_count()} CPU cores"
+    except Exception:  # a torch without CUDA support, or a driver that cannot answer: say what is certain
+        pass
+    return f"{os.cpu_count()} CPU cores ({_cpu_model()}), no GPU, shared with other jobs"
+
+
 def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
     records = read_metrics(run_dir)
     evals = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
@@ -48,7 +68,7 @@ def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
     step_times = [sum(r.get(f"time/{p}", 0.0) for p in ("rollout", "logprobs", "train", "sync"))
                   for r in records if "reward/mean" in r]
     return {
-        "what": "GRPO on two-number addition, SmolLM2-135M-Instruct, CPU reference engine + Megatron-core on CPU",
+        "what": f"GRPO on two-number addition, SmolLM2-135M-Instruct, {_engine_words(cfg)}",
         "eval_metric": "eval/reward_mean: exact match of the greedy answer on held-out prompts",
         "eval_prompts": cfg["data"]["arithmetic"]["num_eval"],
         "accuracy_before": evals[0][1],
@@ -62,8 +82,7 @@ def summarize(run_dir: Path, wall_s: float, command: str) -> dict:
         "samples_per_step": cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"],
         "mean_step_s": sum(step_times) / len(step_times),
         "wall_time_s": round(wall_s, 1),
-        "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), no GPU, shared with other jobs; "
-                   f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
+        "machine": f"{_machine_words()}; {platform.system()} {platform.machine()}, Python {platform.python_version()}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "config": cfg,
