@@ -49,6 +49,7 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
     assert "CPU reference engine" in summary["what"] and "no GPU" in summary["machine"]
     assert (run / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "update_docs.sh" in p.stdout
+    assert "accuracy_after: " in p.stdout and "eval_curve" not in p.stdout  # single figures on screen, curves in the JSON
     # The explicit command refuses a directory without results, and changes nothing then.
     bad = subprocess.run(["bash", str(REPO / "examples" / "smollm2" / "update_docs.sh"), str(tmp_path / "hf")],
                          env=script_env(tmp_path), capture_output=True, text=True, timeout=60)

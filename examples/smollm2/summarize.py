@@ -114,7 +114,10 @@ def main(summarize_fn=None, plot_keys=None, hide: tuple[str, ...] = ("config",),
     summary = summarize_fn(args.run_dir, args.wall_s, args.command)
     _write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     plot_run(args.run_dir, args.png, keys=plot_keys)
-    print(json.dumps({k: v for k, v in summary.items() if k not in hide}, indent=2))
+    # On screen only the single figures, one per line; the curves, the config and the command are in the JSON.
+    for k, v in summary.items():
+        if k not in hide and not isinstance(v, (list, dict)) and k != "command":
+            print(f"{k}: {round(v, 4) if isinstance(v, float) else v}")
 
 
 if __name__ == "__main__":
