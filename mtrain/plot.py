@@ -20,6 +20,19 @@ DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
 # a KL reference (algo.kl_coef=0) logs no kl/mean: the default panels then leave it out.
 ALGO_KEYS = ("critic/value_loss", "critic/explained_var", "critic/vpred_mean", "distill/reverse_kl")
 OVERLAYS = {"reward/mean": "eval/reward_mean"}
+# What each panel shows, in words a reader of the PNG alone understands (the metric's name stays in the y label).
+TITLES = {
+    "reward/mean": "training reward (step mean)",
+    "eval/reward_mean": "held-out eval",
+    "kl/mean": "KL of the policy from the reference model",
+    "logprob_diff/max_abs": "engine vs trainer logprob, largest gap (growing = sync off)",
+    "logprob_diff/mean_abs": "engine vs trainer logprob, mean gap per token",
+    "response_len/mean": "response length (tokens, mean)",
+    "critic/value_loss": "critic value loss",
+    "critic/explained_var": "critic explained variance (1 = perfect, 0 = no better than the mean)",
+    "critic/vpred_mean": "critic value prediction (mean)",
+    "distill/reverse_kl": "reverse KL to the teacher",
+}
 WIDTH_IN, ROW_HEIGHT_IN, DPI = 8.0, 2.6, 100  # the PNG is 800 x (260 * rows) pixels
 
 
@@ -35,6 +48,26 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
             steps.append(r["step"])
             values.append(float(v))
     return steps, values
+
+
+PERCENT_KEYS = ("reward/mean", "eval/reward_mean")  # rewards in [0, 1] read as shares (accuracy, pass rate)
+
+
+def _fmt(v: float, key: str) -> str:
+    """A reward in [0, 1] as a percentage; anything else with 3 significant digits."""
+    return f"{100 * v:.1f} %" if key in PERCENT_KEYS and 0.0 <= v <= 1.0 else f"{v:.3g}"
+
+
+def panel_title(key: str, series: tuple[list[int], list[float]],
+                overlay: tuple[str | None, tuple[list[int], list[float]]] = (None, ([], []))) -> str:
+    """A panel's title: what it shows in words, its first and last values and steps, and its overlay's (evals)."""
+    steps, values = series
+    title = (f"{TITLES.get(key, key)}: {_fmt(values[0], key)} at step {steps[0]} -> "
+             f"{_fmt(values[-1], key)} at step {steps[-1]}")
+    name, (o_steps, o_values) = overlay
+    if name and o_steps:
+        title += f"; {TITLES.get(name, name)} {_fmt(o_values[0], name)} -> {_fmt(o_values[-1], name)}"
+    return title
 
 
 def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = None,
@@ -67,11 +100,15 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
         steps, values = series[key]
         ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
         overlay = OVERLAYS.get(key)
-        if overlay:
-            o_steps, o_values = _series(records, overlay)
-            if o_steps:
-                ax.plot(o_steps, o_values, marker="o", linestyle="--", label=overlay)
-                ax.legend(loc="best", fontsize="small")
+        o_steps, o_values = _series(records, overlay) if overlay else ([], [])
+        ax.set_title(panel_title(key, series[key], (overlay, (o_steps, o_values))), fontsize="small", loc="left")
+        if o_steps:
+            # evals are a few separate measurements: points with their values, not a line through them
+            ax.plot(o_steps, o_values, marker="o", linestyle="none", label=f"{overlay} ({TITLES.get(overlay, overlay)})")
+            for x, y in zip(o_steps, o_values):
+                ax.annotate(_fmt(y, overlay), (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize="x-small")
+            ax.legend(loc="best", fontsize="small")
         ax.set_ylabel(key)
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("step")

@@ -62,3 +62,14 @@ def test_init_tiny_follows_the_umask(tmp_path, umask_027):
     from mtrain.tiny_hf import write_tiny_hf
     out = write_tiny_hf("llama", tmp_path / "hf")
     assert {f.name: mode(f) for f in out.iterdir()} == {f.name: umask_027 for f in out.iterdir()}
+
+
+def test_panel_titles_say_what_a_panel_shows_and_its_first_and_last_values():
+    from mtrain.plot import panel_title
+
+    title = panel_title("reward/mean", ([1, 2, 28], [0.24, 0.5, 0.78]), ("eval/reward_mean", ([0, 28], [0.336, 0.766])))
+    assert title == ("training reward (step mean): 24.0 % at step 1 -> 78.0 % at step 28; "
+                     "held-out eval 33.6 % -> 76.6 %")
+    # a gap is a number, not a share; an unknown key keeps its name
+    assert panel_title("logprob_diff/max_abs", ([1, 2], [6e-05, 3e-05])).endswith(": 6e-05 at step 1 -> 3e-05 at step 2")
+    assert panel_title("my/metric", ([3], [2.5])) == "my/metric: 2.5 at step 3 -> 2.5 at step 3"
