@@ -17,8 +17,10 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only for the conversion: fetching and staging the GGUF run without it
+    import torch
 
 from .errors import FetchError
 
@@ -84,10 +86,14 @@ def _converter_fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
-def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """A HF checkpoint directory of SmolLM2-135M-Instruct (converted from the GGUF once, then cached)."""
+def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None) -> Path:
+    """A HF checkpoint directory of SmolLM2-135M-Instruct (converted from the GGUF once, then cached); float32 unless
+    `dtype` says otherwise."""
+    import torch
+
     from .gguf_to_hf import gguf_to_hf
 
+    dtype = torch.float32 if dtype is None else dtype
     gguf = fetch_smollm2_gguf(cache_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     out = cache_root(cache_dir) / "smollm2" / f"hf-{GGUF_SHA256[:12]}-{_converter_fingerprint()}-{dtype_name}"
