@@ -60,10 +60,15 @@ def shell(line: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedPro
     return p
 
 
+def is_run(line: str) -> bool:
+    """A training run as the README writes it: mtrain's own launcher (or a plain torchrun)."""
+    return line.startswith(("mtrain train --nproc-per-node", "torchrun"))
+
+
 def test_the_readme_has_both_blocks():
     blocks = readme_blocks()
     assert any(b[0].startswith("mtrain-convert gguf-to-hf") for b in blocks), blocks
-    assert any(any(x.startswith("torchrun") for x in b) for b in blocks), blocks
+    assert any(any(is_run(x) for x in b) for b in blocks), blocks
 
 
 def test_converter_block_sizes_fit_smollm2():
@@ -101,10 +106,10 @@ def test_converter_block_runs_as_written(tmp_path):
         assert target is None or any(target.iterdir()), line
 
 
-@pytest.mark.slow  # the same torchrun command shape runs by default in tests/trainer/test_loop_torchrun.py
+@pytest.mark.slow  # the launcher runs by default in tests/test_model_folder_and_launch.py
 def test_run_blocks_run_as_written(tmp_path):
-    """The tiny run (init-tiny, torchrun, plot), then the own-data command, which reuses its model."""
-    blocks = [b for b in readme_blocks() if any(x.startswith("torchrun") for x in b)]
+    """The tiny run (init-tiny, mtrain train --nproc-per-node 2, plot), then the own-data command, which reuses its model."""
+    blocks = [b for b in readme_blocks() if any(is_run(x) for x in b)]
     assert blocks[0][0].startswith("mtrain init-tiny"), blocks
     for block in blocks:
         for rel in {m for line in block for m in re.findall(r"(?:mtrain/configs|examples)/\S+", line)}:
