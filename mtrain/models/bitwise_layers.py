@@ -120,7 +120,9 @@ class BitwiseCoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:  # THD: [t, 1, heads, hn], sequences delimited by cu_seqlens
-            cu = packed_seq_params.cu_seqlens_q.tolist()
+            if getattr(packed_seq_params, "mtrain_tree", None) is not None:
+                raise ValueError("numerics.on_policy=bitwise: shared-prefix (tree) attention is not built for it")
+            cu = getattr(packed_seq_params, "mtrain_host_cu_seqlens", None) or packed_seq_params.cu_seqlens_q.tolist()
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             parts = [self._one(q[a:b], k[a:b], v[a:b]) for a, b in zip(cu[:-1], cu[1:]) if b > a]
             out = torch.cat(parts)[:, None]

@@ -158,8 +158,10 @@ def build_model(
     mapped = map_hf_config(hf_config)
     bitwise = on_policy == "bitwise"
     if bitwise:
+        from mtrain.models import token_logprobs
         from mtrain.models.bitwise_layers import bitwise_mapped
         use_te, (mapped, rope_theta) = False, bitwise_mapped(mapped)
+        token_logprobs.BITWISE = True  # the trainer's logprobs: the engine's fixed-order log-softmax
     config = make_transformer_config(
         hf_config, params_dtype=params_dtype, vpp=vpp, use_te=use_te, config_overrides=config_overrides
     )

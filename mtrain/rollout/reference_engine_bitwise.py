@@ -25,6 +25,11 @@ from mtrain.rollout.reference_engine_sampling import sample_token, top_alternati
 SUPPORTED = ("llama", "qwen3", "mistral")
 
 
+def reference_engine_class(on_policy: str) -> type[ReferenceEngine]:
+    """The reference engine of numerics.on_policy: BitwiseReferenceEngine for "bitwise", ReferenceEngine for "off"."""
+    return BitwiseReferenceEngine if on_policy == "bitwise" else ReferenceEngine
+
+
 class BitwiseReferenceEngine(ReferenceEngine):
     """ReferenceEngine whose forward and sampled-token logprobs are the fixed-order ops'."""
 

@@ -5,10 +5,18 @@ Qwen3 with random weights (norms included), float32 and bf16: trainer TP1 and TP
 The default mode is checked too, as the reason for the mode: there the two sides differ (but stay close)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from mtrain.dist import run_on_ranks
+
+REPO = Path(__file__).resolve().parents[2]
 
 ARCHS = ("llama", "qwen3")
 DTYPES = ("float32", "bfloat16")
@@ -155,7 +163,51 @@ def test_default_mode_differs_but_is_close():
         assert diff < (1e-3 if "float32" in key else 0.2), f"{key}: default-mode gap {diff} is not numerical noise"
 
 
-@pytest.mark.slow
-def test_bitwise_trainer_tp2_equals_engine_tp1_and_tp2():
-    for rank_result in run_on_ranks(_compare, 2, (1, 2), True, timeout=1800):
-        _check(rank_result)
+def _torchrun(args: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'models'}")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p
+
+
+def test_bitwise_trainer_tp2_equals_engine_tp1_and_tp2(tmp_path):
+    """torchrun, 2 ranks (gloo), trainer TP2; engines TP1 and TP2 (the latter split as 2 ranks would)."""
+    _torchrun([__file__, str(tmp_path / "result")], tmp_path, timeout=900)
+    for rank in (0, 1):
+        _check(torch.load(tmp_path / f"result.{rank}", weights_only=False))
+
+
+def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path):
+    """`torchrun --nproc-per-node 2 -m mtrain train ... numerics.on_policy=bitwise parallel.tp=2`, 2 GRPO steps
+    (fp32 and bf16): logprob_diff/max_abs is exactly 0 at every step."""
+    from mtrain.tiny_hf import write_tiny_hf
+
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides={"intermediate_size": 128})
+    for dtype in ("float32", "bfloat16"):
+        run = tmp_path / f"run_{dtype}"
+        _torchrun(["-m", "mtrain", "train", str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"),
+                   f"model.hf_path={hf}", f"train.run_dir={run}", "train.steps=2", "train.save_interval=0",
+                   "train.eval_interval=0", "parallel.tp=2", "engine.kind=reference", f"model.dtype={dtype}",
+                   "numerics.on_policy=bitwise"], tmp_path, timeout=900)
+        recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = {r["step"]: r for r in recs if "weight_version" in r}
+        assert sorted(steps) == [1, 2], dtype
+        for step, r in steps.items():
+            assert r["logprob_diff/max_abs"] == 0.0, (dtype, step, r["logprob_diff/max_abs"])
+
+
+def test_bitwise_refuses_sglang_in_one_line():
+    from mtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="numerics.on_policy: bitwise with engine.kind=sglang is not built yet"):
+        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml",
+                    ["numerics.on_policy=bitwise", "engine.kind=sglang"])
+    with pytest.raises(ConfigError, match="numerics.on_policy"):
+        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml", ["numerics.on_policy=exact"])
+
+
+if __name__ == "__main__":  # one rank of the torchrun launch above: trainer TP2 against engines TP1 and TP2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.save(_compare(rank, world, (1, 2), True), f"{sys.argv[1]}.{rank}")
