@@ -22,7 +22,7 @@ from mtrain.rollout.protocol import Completion, EngineError, Request
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.reference_engine_sampling import sample_token, top_alternatives
 
-SUPPORTED = ("llama", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen3")
 
 
 def reference_engine_class(on_policy: str) -> type[ReferenceEngine]:
