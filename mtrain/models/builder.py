@@ -157,11 +157,13 @@ def build_model(
         raise ModelConfigError("use_te=True but transformer_engine is not importable")
     mapped = map_hf_config(hf_config)
     bitwise = on_policy == "bitwise"
+    from mtrain.models import token_logprobs
+    # the trainer's logprobs follow the model built last in this process: the engine's fixed-order log-softmax for a
+    # bitwise model, the chunked vocab-parallel one otherwise (so a default model after a bitwise one is default again)
+    token_logprobs.BITWISE = bitwise
     if bitwise:
-        from mtrain.models import token_logprobs
         from mtrain.models.bitwise_layers import bitwise_mapped
         use_te, (mapped, rope_theta) = False, bitwise_mapped(mapped)
-        token_logprobs.BITWISE = True  # the trainer's logprobs: the engine's fixed-order log-softmax
     config = make_transformer_config(
         hf_config, params_dtype=params_dtype, vpp=vpp, use_te=use_te, config_overrides=config_overrides
     )

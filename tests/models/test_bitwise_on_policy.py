@@ -151,6 +151,14 @@ def _check(results: dict) -> None:
         assert equal, f"{key}: trainer and engine logprobs differ (max |diff| {diff:.3e})"
 
 
+@pytest.fixture(autouse=True)
+def _default_logprobs_after():
+    """A bitwise build switches this process's trainer logprobs to the fixed-order path: later tests get the default."""
+    yield
+    from mtrain.models import token_logprobs
+    token_logprobs.BITWISE = False
+
+
 def test_bitwise_trainer_tp1_equals_engine_tp1():
     _check(run_on_ranks(_compare, 1, (1,), True, timeout=900)[0])
 
