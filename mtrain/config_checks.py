@@ -50,6 +50,7 @@ def validate(cfg: RunConfig) -> None:
     """Cross-field checks. World-size checks (tp*pp*... divides the ranks) happen where ranks are known."""
     p, e, r, a, o, d, t = (cfg.parallel, cfg.engine, cfg.rollout, cfg.algo, cfg.optim, cfg.data, cfg.train)
     check_critic(cfg)
+    check_on_policy(cfg)
     _check(bool(cfg.model.hf_path), "model.hf_path", "is required (a HF model dir with config.json)")
     _at_least(cfg, 1, "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp", "engine.tp",
               "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_prompt_len", "engine.nnodes",
@@ -244,6 +245,26 @@ def _check_lora(cfg: RunConfig) -> None:
     _check(e.kind != "sglang" or slots is None or int(slots) >= 2, "engine.server_args.max_loras_per_batch",
            f"{slots}: a LoRA sync needs 2 pool slots (the new adapter version, and the previous one while its "
            "requests finish; mtrain/rollout/lora_adapters.py)")
+
+
+def check_on_policy(cfg: RunConfig) -> None:
+    """numerics.on_policy=bitwise: refuse, in one line, what cannot be bit for bit (docs/design-on-policy.md)."""
+    if cfg.numerics.on_policy != "bitwise":
+        return
+    key, e = "numerics.on_policy", cfg.engine
+    import torch  # only in this mode: engine.kind=auto means SGLang where a GPU is
+    _check(e.kind == "reference" or (e.kind == "auto" and not torch.cuda.is_available()), key, "bitwise with engine.kind=sglang is not built yet (the GPU route is planned in "
+           "docs/design-on-policy.md); use engine.kind=reference")
+    _check(e.weight_dtype == "auto", key, f"bitwise needs the engine to hold the trainer's dtype (engine.weight_dtype="
+           f"auto), got {e.weight_dtype}")
+    _check(e.tp == 1, key, f"bitwise runs the CPU reference engine, which has engine.tp=1; got engine.tp={e.tp}")
+    _check(not cfg.model.lora.targets, key, "bitwise is not built for LoRA adapters")
+    _check(cfg.algo.routing_replay == "off", key, "bitwise is built for dense models: algo.routing_replay must be off")
+    _check(cfg.parallel.cp == 1 and cfg.parallel.pp == 1, key,
+           f"bitwise is built for tensor parallelism only (parallel.pp=1, parallel.cp=1), got pp={cfg.parallel.pp} "
+           f"cp={cfg.parallel.cp}")
+    _check(not cfg.model.fp32_lm_head, key, "bitwise computes the head its own way: model.fp32_lm_head must be false")
+    _check(not cfg.train.shared_prefix, key, "bitwise is not built for shared-prefix (tree) attention")
 
 
 def check_paths(cfg: RunConfig) -> None:

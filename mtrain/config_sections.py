@@ -416,6 +416,14 @@ class ServeConfig:
 
 
 @dataclass
+class NumericsConfig:
+    """How the trainer and the engine compute (docs/design-on-policy.md)."""
+    # bitwise: both sides run the fixed-order ops of mtrain/kernels/bitwise_ops.py, so the engine's logprob of each
+    # sampled token equals the trainer's recomputed one bit for bit (logprob_diff/* = 0); CPU reference engine only.
+    on_policy: Literal["off", "bitwise"] = "off"
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -430,6 +438,7 @@ class RunConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
 
     @property
     def rollout_batch_size(self) -> int:

@@ -138,6 +138,7 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     config_overrides: Optional[dict[str, Any]] = None,
     train_vision: bool = False,
+    on_policy: str = "off",
 ) -> tuple[list[GPTModel], TransformerConfig]:
     """Build this rank's model chunks (one per virtual stage) and the shared TransformerConfig.
 
@@ -146,6 +147,7 @@ def build_model(
 
     ``use_te=None`` picks Transformer-Engine specs when TE imports; ``use_te=True`` without TE is an error.
     ``config_overrides`` sets any TransformerConfig field after the mapping (e.g. recompute settings).
+    ``on_policy="bitwise"`` (numerics.on_policy) builds the fixed-order layers of mtrain.models.bitwise_layers.
     """
     cpu_shim.apply()
     no_te.apply()
@@ -154,6 +156,14 @@ def build_model(
     elif use_te and not te_available():
         raise ModelConfigError("use_te=True but transformer_engine is not importable")
     mapped = map_hf_config(hf_config)
+    bitwise = on_policy == "bitwise"
+    from mtrain.models import token_logprobs
+    # the trainer's logprobs follow the model built last in this process: the engine's fixed-order log-softmax for a
+    # bitwise model, the chunked vocab-parallel one otherwise (so a default model after a bitwise one is default again)
+    token_logprobs.BITWISE = bitwise
+    if bitwise:
+        from mtrain.models.bitwise_layers import bitwise_mapped
+        use_te, (mapped, rope_theta) = False, bitwise_mapped(mapped)
     config = make_transformer_config(
         hf_config, params_dtype=params_dtype, vpp=vpp, use_te=use_te, config_overrides=config_overrides
     )
@@ -167,6 +177,9 @@ def build_model(
     for chunk in range(n_chunks):
         vp_stage = chunk if n_chunks > 1 else None
         block_spec, mtp_spec = build_specs(config, use_te, vp_stage)
+        if bitwise:
+            from mtrain.models.bitwise_layers import bitwise_block_spec
+            block_spec = bitwise_block_spec(block_spec, rope_theta)
         model = model_cls(
             config=config,
             transformer_layer_spec=block_spec,
@@ -183,6 +196,9 @@ def build_model(
             model.cuda(torch.cuda.current_device())
         # Remember what forward_logits must cut the padded vocabulary back to.
         model.mtrain_vocab_size = mapped.vocab_size
+        if bitwise:
+            from mtrain.models.bitwise_layers import use_bitwise_output_layer
+            use_bitwise_output_layer(model)
         model.mtrain_model_type = mapped.model_type
         chunks.append(model)
     return chunks, config

@@ -19,6 +19,18 @@ import torch
 import torch.distributed as dist
 
 CHUNK_BYTES = 256 << 20  # float32 bytes of one chunk of rows
+# numerics.on_policy=bitwise: set by build_model(on_policy="bitwise"); logprobs then come from the full vocabulary by
+# the fixed-order log-softmax the reference engine also uses (mtrain.kernels.bitwise_ops, docs/design-on-policy.md)
+BITWISE = False
+
+
+def _bitwise(logits, target, vocab, temperature, group):
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from mtrain.kernels.bitwise_ops import token_logprobs as fixed_order
+    if group is not None and dist.get_world_size(group) > 1:
+        logits = gather_from_tensor_model_parallel_region(logits.contiguous(), group=group)
+    return fixed_order(logits[..., :vocab], target, temperature)
 
 
 def _rows(n_rows: int, local_vocab: int, chunk_bytes: int) -> int:
@@ -105,6 +117,9 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int, tempe
     if logits.dim() != 3 or target.shape != logits.shape[:2]:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} and target {tuple(target.shape)} do not "
                          f"match ([B, S, V] and [B, S])")
+    if BITWISE:
+        out = _bitwise(logits, target, vocab, max(float(temperature), 1e-6), group)
+        return out[0] if squeeze else out
     out = _TokenLogprobs.apply(logits, target, vocab, max(float(temperature), 1e-6), vocab_start, group,
                                CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     return out[0] if squeeze else out

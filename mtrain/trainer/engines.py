@@ -32,14 +32,14 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     fp8 = decisions.engine_fp8  # block-FP8 engine (mtrain/rollout/fp8_engine.py)
     replay = cfg.algo.routing_replay == "rollout"  # engines record routed experts (docs/design-routing-replay.md)
     if decisions.engine_kind == "reference":
-        from mtrain.rollout.reference_engine import ReferenceEngine
+        from mtrain.rollout.reference_engine_bitwise import reference_engine_class
         dtype = decisions.engine_dtype
         if fp8:
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
         lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/publishers/lora.py)
         lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
-        return ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
+        return reference_engine_class(cfg.numerics.on_policy)(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.engine_dtype}  # the sync casts where it differs from the trainer's (weight_dtype)

@@ -125,7 +125,7 @@ class Actor:
         lora_check_model(cfg, hf_config)
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})},
-                                           train_vision=cfg.model.train_vision)
+                                           train_vision=cfg.model.train_vision, on_policy=cfg.numerics.on_policy)
         c = self.tconfig
         # Packed streams: megatron-core gets cu_seqlens on the host when mtrain's local core attention serves it
         # (no device sync in its THD RoPE, Pack.packed_seq_params); TE's attention and MTP read it on the device.

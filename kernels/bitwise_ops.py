@@ -1,0 +1,125 @@
+"""Batch-invariant, fixed-order ops shared by the trainer's bitwise layers and the reference engine's bitwise forward.
+
+Why: the trainer (Megatron layers) and the CPU reference engine (HF transformers) compute the same model with
+different kernels, whose reduction orders depend on the kernel, the batch size and the number of rows; their
+sampled-token logprobs then differ by ~1e-6 in float32. Here every op is written once, from elementwise IEEE
+operations only (+, *, /, sqrt: exactly rounded, the same bits in any vector lane or tensor shape), so both sides
+get the same bits whatever the batch, sequence length or tensor-parallel split:
+
+- Every sum over a dimension is `tree_sum`: the dimension is zero-padded to a power of two and reduced by adding
+  adjacent pairs, level by level. Trailing zeros never change the sum (x + 0 = x), so a sum over keys 0..t is the
+  same for a 5-token prefix and a 500-token sequence; and a contiguous power-of-two shard of the dimension reduces to
+  exactly one subtree, so a row-parallel layer whose ranks each hold a power-of-two slice of K, combined in rank
+  order by the same tree, equals the single-rank sum (tensor parallelism: trainer TP2 = engine TP1).
+- Arithmetic is float32 whatever the weights' dtype (bf16 inputs are upcast, the result is rounded back once).
+- Transcendentals (exp, log, cos, sin) are evaluated in float64 and rounded to float32: torch's vectorized and
+  scalar-tail paths can differ by an ulp in float32, while their float64 results round to the same float32.
+
+Cost: a product tensor of [rows, N, K] per linear, so this is for correctness on small CPU models, not speed.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` in a fixed binary tree of adjacent pairs over the zero-padded power-of-two length."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    p = _next_pow2(n)
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.double()).float()
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x.double()).float()
+
+
+ROW_BLOCK_ELEMENTS = 1 << 24  # float32 elements of one [rows, N, K] product block (64 MiB)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in float32 with a `tree_sum` over K: each output element depends on its own row
+    and column only (batch-invariant), in blocks of rows to bound the product's memory. Differentiable."""
+    w = weight.float()
+    n, k = w.shape
+    flat = x.reshape(-1, k).float()
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, n * k))
+    outs = [tree_sum(flat[i:i + rows, None, :] * w[None, :, :]) for i in range(0, flat.shape[0], rows)]
+    out = torch.cat(outs) if outs else flat.new_zeros(0, n)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_fp32` rounded to x's dtype, then + bias (in that dtype)."""
+    out = linear_fp32(x, weight).to(x.dtype)
+    return out + bias if bias is not None else out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, float32 inside, rounded to x's dtype."""
+    xf = x.float()
+    var = tree_sum(xf * xf) / xf.shape[-1]
+    return (weight.float() * (xf / torch.sqrt(var + eps)[..., None])).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Llama/Qwen3, Megatron's non-interleaved layout) of x [T, H, D] at integer positions [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos = torch.cos(ang).float()[:, None, :]
+    sin = torch.sin(ang).float()[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's causal attention: q [T, H, D], k and v [T, Hkv, D] (grouped-query: H a multiple of Hkv);
+    returns [T, H, D] in q's dtype. Scores, softmax and the weighted sum of values are tree sums; masked keys give
+    exact zeros, so query t's result is the same for any sequence length >= t + 1."""
+    t, h, d = q.shape
+    rep = h // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    qf = q.float()
+    # [H, Tq, Tk]
+    scores = tree_sum(qf.permute(1, 0, 2)[:, :, None, :] * kf.permute(1, 0, 2)[:, None, :, :]) * scale
+    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)  # a max is exact in any order
+    e = exp(scores - m)
+    p = e / tree_sum(e)[..., None]
+    # out[h, i, :] = sum_j p[h, i, j] * v[j, h, :]
+    out = tree_sum(p[:, :, None, :] * vf.permute(1, 2, 0)[:, None, :, :])  # [H, Tq, D]
+    return out.permute(1, 0, 2).to(q.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (the SwiGLU MLP's activation), float64 silu rounded to float32, result in gate's dtype."""
+    g = gate.double()
+    silu = (g / (1.0 + torch.exp(-g))).float()
+    return (silu * up.float()).to(gate.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float32 log_softmax(logits / T)[target] over the last dimension (the full vocabulary), fixed order.
+    logits [..., V], target [...] -> [...]. Differentiable."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    z = x - x.amax(dim=-1, keepdim=True).detach()
+    lse = log(tree_sum(exp(z)))
+    return z.gather(-1, target.long()[..., None]).squeeze(-1) - lse

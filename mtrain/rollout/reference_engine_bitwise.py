@@ -1,0 +1,132 @@
+"""The CPU reference engine in bitwise on-policy mode (numerics.on_policy=bitwise).
+
+The HF model still holds the weights (so weight sync, release/resume and checkpoints are the reference engine's),
+but tokens are computed by a forward written with `mtrain.kernels.bitwise_ops`, the same ops the trainer's bitwise
+Megatron layers (mtrain/models/bitwise_layers.py) run, in the same order and dtypes: the logprob returned for each
+sampled token is then bit for bit the one the trainer recomputes.
+
+Each decoding step recomputes the whole sequence (no KV cache): the ops are batch- and length-invariant, so this
+changes no bits, and it keeps the engine's forward a single function of the tokens. `tp_size` > 1 computes every
+row-parallel layer (o_proj, down_proj) as that many ranks would, a tree over each rank's K slice then the top of
+the tree over the ranks' float32 partials, to show that the engine's split does not change the bits either.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from mtrain.kernels import bitwise_ops as ops
+from mtrain.rollout.protocol import Completion, EngineError, Request
+from mtrain.rollout.reference_engine import ReferenceEngine
+from mtrain.rollout.reference_engine_sampling import sample_token, top_alternatives
+
+SUPPORTED = ("llama", "qwen3")
+
+
+def reference_engine_class(on_policy: str) -> type[ReferenceEngine]:
+    """The reference engine of numerics.on_policy: BitwiseReferenceEngine for "bitwise", ReferenceEngine for "off"."""
+    return BitwiseReferenceEngine if on_policy == "bitwise" else ReferenceEngine
+
+
+class BitwiseReferenceEngine(ReferenceEngine):
+    """ReferenceEngine whose forward and sampled-token logprobs are the fixed-order ops'."""
+
+    def __init__(self, config, *, tp_size: int = 1, **kwargs: Any) -> None:
+        for key in ("record_routing", "lora"):
+            if kwargs.get(key):
+                raise EngineError(f"numerics.on_policy=bitwise: the reference engine's {key} is not built for it")
+        super().__init__(config, **kwargs)
+        cfg = self._config
+        rope = getattr(cfg, "rope_scaling", None) or {}
+        if cfg.model_type not in SUPPORTED or self._vlm or (rope and rope.get("rope_type", "default") != "default"):
+            raise EngineError(f"numerics.on_policy=bitwise: the reference engine computes {SUPPORTED} with plain RoPE; "
+                              f"got {cfg.model_type}")
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise EngineError("numerics.on_policy=bitwise: linear biases are not built for it")
+        self.tp_size = int(tp_size)
+        self._theta = float(getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {})["rope_theta"])
+        self._eps = float(cfg.rms_norm_eps)
+        self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return ops.linear(x, weight)
+        k = weight.shape[1] // self.tp_size
+        if k & (k - 1) or weight.shape[1] % self.tp_size:
+            raise EngineError(f"bitwise engine tp_size={self.tp_size}: K={weight.shape[1]} per rank is not a power of 2")
+        parts = [ops.linear_fp32(x[..., r * k:(r + 1) * k], weight[:, r * k:(r + 1) * k]) for r in range(self.tp_size)]
+        return ops.tree_sum(torch.stack(parts, dim=-1)).to(x.dtype)
+
+    @torch.no_grad()
+    def bitwise_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] (the model's dtype) of token rows [B, T], every row from position 0."""
+        m = self._model.model
+        h, d = self._config.num_attention_heads, self._head_dim
+        hkv = self._config.num_key_value_heads
+        rows = []
+        for row in tokens:
+            t = row.shape[0]
+            pos = torch.arange(t)
+            x = m.embed_tokens.weight[row]
+            for layer in m.layers:
+                a = layer.self_attn
+                y = ops.rms_norm(x, layer.input_layernorm.weight, self._eps)
+                q = ops.linear(y, a.q_proj.weight).view(t, h, d)
+                k = ops.linear(y, a.k_proj.weight).view(t, hkv, d)
+                v = ops.linear(y, a.v_proj.weight).view(t, hkv, d)
+                if hasattr(a, "q_norm"):
+                    q = ops.rms_norm(q, a.q_norm.weight, self._eps)
+                    k = ops.rms_norm(k, a.k_norm.weight, self._eps)
+                q, k = ops.rope(q, pos, self._theta), ops.rope(k, pos, self._theta)
+                o = ops.causal_attention(q, k, v, d ** -0.5).reshape(t, h * d)
+                x = x + self._row_parallel(o, a.o_proj.weight)
+                mlp = layer.mlp
+                y = ops.rms_norm(x, layer.post_attention_layernorm.weight, self._eps)
+                act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight), ops.linear(y, mlp.up_proj.weight))
+                x = x + self._row_parallel(act, mlp.down_proj.weight)
+            x = ops.rms_norm(x, m.norm.weight, self._eps)
+            rows.append(ops.linear(x, self._model.lm_head.weight))
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def _generate_group(self, reqs: list[Request]) -> list[Completion]:
+        """Requests of one prompt length in lock step; each step recomputes every row's sequence (see the module)."""
+        seqs = [list(r.prompt_ids) for r in reqs]
+        outputs: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[list[float]] = [[] for _ in reqs]
+        tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
+        finish: list[str | None] = [None] * len(reqs)
+        gens = [torch.Generator().manual_seed(r.params.seed if r.params.seed is not None
+                                              else int.from_bytes(os.urandom(7), "little")) for r in reqs]
+        while True:
+            self._gate()
+            for i, r in enumerate(reqs):
+                if finish[i] is None and self._is_aborted(r.rid):
+                    finish[i] = "abort"
+            alive = [i for i in range(len(reqs)) if finish[i] is None]
+            if not alive:
+                break
+            logits = self.bitwise_logits(torch.tensor([seqs[i] for i in alive]))[:, -1, :].float()
+            for row, i in enumerate(alive):
+                params = reqs[i].params
+                token, _ = sample_token(logits[row], params, gens[i])  # the choice; its logprob comes next
+                temperature = 1.0 if params.greedy else params.temperature
+                logprob = float(ops.token_logprobs(logits[row], torch.tensor(token), temperature))
+                outputs[i].append(token)
+                logprobs[i].append(logprob)
+                seqs[i].append(token)
+                if tops[i] is not None:
+                    tops[i].append(top_alternatives(logits[row], params))
+                if token in params.stop_token_ids:
+                    finish[i] = "stop"
+                elif len(outputs[i]) >= params.max_new_tokens:
+                    finish[i] = "length"
+            with self._abort_lock:
+                for i in alive:
+                    self._progress[reqs[i].rid] = len(outputs[i])
+        return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
+                           finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
+                           top_logprobs=tops[i], vision=r.vision)
+                for i, r in enumerate(reqs)]

@@ -1,0 +1,221 @@
+"""numerics.on_policy=bitwise: the logprob the reference engine returns for each sampled token equals, bit for bit
+(torch.equal), the one the trainer's Megatron model recomputes from the same weights, for a tiny Llama and a tiny
+Qwen3 with random weights (norms included), float32 and bf16: trainer TP1 and TP2 against engine TP1 and TP2.
+
+The default mode is checked too, as the reason for the mode: there the two sides differ (but stay close)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtrain.dist import run_on_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+
+ARCHS = ("llama", "qwen3")
+DTYPES = ("float32", "bfloat16")
+PROMPTS = ([5, 17, 33, 2, 91, 40], [7, 7, 120, 64, 3, 19], [11, 42, 8])  # two prompt lengths: two decode groups
+
+
+def _config(arch: str) -> dict:
+    from mtrain.tiny_configs import numerics_config
+    # power-of-two row-parallel inputs (o_proj: heads x head_dim, down_proj: intermediate), as TP2 bitwise needs
+    return numerics_config(arch, intermediate_size=128, num_hidden_layers=2)
+
+
+def _engine_rollout(arch: str, dtype: torch.dtype, engine_tp: int, bitwise: bool):
+    """(HF model, completions) of the reference engine on the HF model's random weights."""
+    from hf_reference import make_hf_model
+
+    from mtrain.rollout.protocol import Request, SamplingParams
+    from mtrain.rollout.reference_engine import ReferenceEngine
+    from mtrain.rollout.reference_engine_bitwise import BitwiseReferenceEngine
+
+    cfg = _config(arch)
+    hf = make_hf_model(cfg, seed=3)
+    engine = (BitwiseReferenceEngine(cfg, dtype=dtype, tp_size=engine_tp) if bitwise
+              else ReferenceEngine(cfg, dtype=dtype))
+    sd = hf.state_dict()
+    with torch.no_grad():
+        for name, view in engine._views.items():
+            view.copy_(sd[name].to(dtype))
+    params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=11)
+    reqs = [Request(rid=f"r{i}", prompt_ids=list(p), params=params) for i, p in enumerate(PROMPTS)]
+    out = engine.generate(reqs)
+    engine.shutdown()
+    return hf, cfg, out
+
+
+def _trainer_logprobs(hf, cfg: dict, dtype: torch.dtype, completions, bitwise: bool) -> list[torch.Tensor]:
+    """The trainer's recomputed logprob of every sampled token (Megatron model, TP of the live parallel_state)."""
+    from hf_reference import hf_to_megatron_tp1
+    from megatron.core import parallel_state as ps
+
+    from mtrain.kernels import bitwise_ops
+    from mtrain.models import build_model, forward_logits
+    from mtrain.models.token_logprobs import token_logprobs
+
+    chunks, _ = build_model(cfg, params_dtype=dtype, on_policy="bitwise" if bitwise else "off")
+    full = hf_to_megatron_tp1(hf, cfg, {k: v for k, v in _tp1_state(cfg, dtype, bitwise).items()})
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    chunks[0].load_state_dict(_shard(full, chunks[0].state_dict(), tp, rank, cfg))
+    out = []
+    for c in completions:
+        tokens = torch.tensor([c.prompt_ids + c.output_ids])
+        logits = forward_logits(chunks, tokens)[0]  # [s, vocab] float32 (full vocabulary, gathered)
+        n = len(c.prompt_ids)
+        pos = logits[n - 1:-1]
+        target = torch.tensor(c.output_ids)
+        if bitwise:
+            out.append(bitwise_ops.token_logprobs(pos, target, 0.9))
+        else:
+            out.append(token_logprobs(pos, target, vocab=pos.shape[-1], temperature=0.9))
+    return out
+
+
+def _tp1_state(cfg: dict, dtype: torch.dtype, bitwise: bool) -> dict:
+    """A TP1 Megatron state dict (names and padded shapes) of this config, built outside parallel_state's TP."""
+    from mtrain.models.hf_config import map_hf_config, padded_vocab_size
+
+    names = {}
+    mapped = map_hf_config(cfg)
+    c = mapped.config_kwargs
+    h, hd = c["hidden_size"], c["kv_channels"]
+    q, g, f = c["num_attention_heads"], c["num_query_groups"], c["ffn_hidden_size"]
+    vocab = padded_vocab_size(mapped.vocab_size, 1)
+    names["embedding.word_embeddings.weight"] = torch.zeros(vocab, h)
+    for i in range(c["num_layers"]):
+        p = f"decoder.layers.{i}."
+        names[p + "input_layernorm.weight"] = torch.zeros(h)
+        names[p + "self_attention.linear_qkv.weight"] = torch.zeros((q + 2 * g) * hd, h)
+        names[p + "self_attention.linear_proj.weight"] = torch.zeros(h, q * hd)
+        if c.get("qk_layernorm"):
+            names[p + "self_attention.q_layernorm.weight"] = torch.zeros(hd)
+            names[p + "self_attention.k_layernorm.weight"] = torch.zeros(hd)
+        names[p + "pre_mlp_layernorm.weight"] = torch.zeros(h)
+        names[p + "mlp.linear_fc1.weight"] = torch.zeros(2 * f, h)
+        names[p + "mlp.linear_fc2.weight"] = torch.zeros(h, f)
+    names["decoder.final_layernorm.weight"] = torch.zeros(h)
+    if not mapped.model_kwargs.get("share_embeddings_and_output_weights"):
+        names["output_layer.weight"] = torch.zeros(vocab, h)
+    return names
+
+
+def _shard(full: dict, local: dict, tp: int, rank: int, cfg: dict) -> dict:
+    """This TP rank's slice of a TP1 state dict: Megatron's column/row layouts (qkv per query group, fc1 gate|up)."""
+    out = {}
+    for name, target in local.items():
+        if name not in full or "_extra_state" in name:
+            out[name] = target
+            continue
+        t = full[name]
+        if tp > 1 and "linear_qkv.weight" in name:
+            t = t.view(tp, -1, t.shape[-1])[rank]  # rows are grouped by query group, groups split evenly
+        elif tp > 1 and "linear_fc1.weight" in name:
+            gate, up = t.chunk(2)
+            t = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+        elif tp > 1 and ("linear_proj.weight" in name or "linear_fc2.weight" in name):
+            t = t.chunk(tp, dim=1)[rank]
+        elif tp > 1 and ("word_embeddings" in name or "output_layer" in name):
+            t = t.chunk(tp)[rank]
+        out[name] = t.to(target.dtype).clone()
+    return out
+
+
+def _compare(rank: int, world: int, engine_tps: tuple, bitwise: bool) -> dict:
+    from mtrain.dist import init_distributed
+    init_distributed(tp=world)
+    result = {}
+    for arch in ARCHS:
+        for dname in DTYPES:
+            dtype = getattr(torch, dname)
+            for etp in engine_tps:
+                hf, cfg, completions = _engine_rollout(arch, dtype, etp, bitwise)
+                mine = _trainer_logprobs(hf, cfg, dtype, completions, bitwise)
+                theirs = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+                result[(arch, dname, etp)] = (all(torch.equal(a, b) for a, b in zip(mine, theirs)),
+                                              max(float((a - b).abs().max()) for a, b in zip(mine, theirs)),
+                                              sum(len(c.output_ids) for c in completions))
+    return result
+
+
+def _check(results: dict) -> None:
+    for key, (equal, diff, n) in results.items():
+        assert n > 0, key
+        assert equal, f"{key}: trainer and engine logprobs differ (max |diff| {diff:.3e})"
+
+
+@pytest.fixture(autouse=True)
+def _default_logprobs_after():
+    """A bitwise build switches this process's trainer logprobs to the fixed-order path: later tests get the default."""
+    yield
+    from mtrain.models import token_logprobs
+    token_logprobs.BITWISE = False
+
+
+def test_bitwise_trainer_tp1_equals_engine_tp1():
+    _check(run_on_ranks(_compare, 1, (1,), True, timeout=900)[0])
+
+
+def test_default_mode_differs_but_is_close():
+    """Without the mode the kernels differ: not all equal, all within float32/bf16 noise (the gap the mode closes)."""
+    results = run_on_ranks(_compare, 1, (1,), False, timeout=900)[0]
+    assert not all(eq for eq, _, _ in results.values()), "the default mode is already bitwise: the mode is moot"
+    for key, (_, diff, _) in results.items():
+        assert diff < (1e-3 if "float32" in key else 0.2), f"{key}: default-mode gap {diff} is not numerical noise"
+
+
+def _torchrun(args: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'models'}")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p
+
+
+def test_bitwise_trainer_tp2_equals_engine_tp1_and_tp2(tmp_path):
+    """torchrun, 2 ranks (gloo), trainer TP2; engines TP1 and TP2 (the latter split as 2 ranks would)."""
+    _torchrun([__file__, str(tmp_path / "result")], tmp_path, timeout=900)
+    for rank in (0, 1):
+        _check(torch.load(tmp_path / f"result.{rank}", weights_only=False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # ~90 s each
+def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, dtype):
+    """`torchrun --nproc-per-node 2 -m mtrain train ... numerics.on_policy=bitwise parallel.tp=2`, 2 GRPO steps:
+    logprob_diff/max_abs is exactly 0 at every step."""
+    from mtrain.tiny_hf import write_tiny_hf
+
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides={"intermediate_size": 128})
+    run = tmp_path / f"run_{dtype}"
+    _torchrun(["-m", "mtrain", "train", str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"),
+               f"model.hf_path={hf}", f"train.run_dir={run}", "train.steps=2", "train.save_interval=0",
+               "train.eval_interval=0", "parallel.tp=2", "engine.kind=reference", f"model.dtype={dtype}",
+               "numerics.on_policy=bitwise"], tmp_path, timeout=900)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = {r["step"]: r for r in recs if "weight_version" in r}
+    assert sorted(steps) == [1, 2], dtype
+    for step, r in steps.items():
+        assert r["logprob_diff/max_abs"] == 0.0, (dtype, step, r["logprob_diff/max_abs"])
+
+
+def test_bitwise_refuses_sglang_in_one_line():
+    from mtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="numerics.on_policy: bitwise with engine.kind=sglang is not built yet"):
+        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml",
+                    ["numerics.on_policy=bitwise", "engine.kind=sglang"])
+    with pytest.raises(ConfigError, match="numerics.on_policy"):
+        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml", ["numerics.on_policy=exact"])
+
+
+if __name__ == "__main__":  # one rank of the torchrun launch above: trainer TP2 against engines TP1 and TP2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.save(_compare(rank, world, (1, 2), True), f"{sys.argv[1]}.{rank}")
