@@ -23,8 +23,9 @@ TEMPLATE = "Q: {prompt} A: {answer} R: {response} Score:"
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    return write_tiny_hf("llama", tmp_path_factory.mktemp("judge") / "hf", seed=3,
-                         overrides={"max_position_embeddings": 512})
+    # initializer_range 1.0: varied enough text that the digit parser finds verdicts in some answers, not in others
+    return write_tiny_hf("llama", tmp_path_factory.mktemp("judge") / "hf", seed=0,
+                         overrides={"max_position_embeddings": 512, "initializer_range": 1.0})
 
 
 def samples_and_responses():
@@ -53,7 +54,8 @@ def greedy_reference(hf_dir, tokenizer, texts, max_new_tokens):
     return out
 
 
-@pytest.mark.parametrize("parser, pattern", [("regex", r"([0-9])"), ("regex", r"(.)"), ("yes_no", None)])
+@pytest.mark.parametrize("parser, pattern", [("regex", r"([0-9])"), ("regex", r"(.)"), ("score", None),
+                                             ("yes_no", None)])
 def test_verdicts_from_the_reference_engine_match_an_independent_decode(judge_dir, parser, pattern):
     over = [f"reward.judge.hf_path={judge_dir}", f"reward.judge.template={TEMPLATE}", f"reward.judge.parser={parser}",
             "reward.judge.batch_size=2", "reward.judge.max_new_tokens=12"]
@@ -67,9 +69,13 @@ def test_verdicts_from_the_reference_engine_match_an_independent_decode(judge_di
         assert texts[2] == "Q: 7*6=? A: 42 R: {answer} 42 Score:"  # chat prompt's user turn; response braces kept
         expected_verdicts = greedy_reference(judge_dir, judge.tokenizer, texts, 12)
         assert judge.last_verdicts == expected_verdicts
-        parse = make_parser(parser, pattern=pattern)
+        parse = make_parser(parser, pattern=pattern, score_max=10.0)
         expected = [parse(v) for v in expected_verdicts]
         assert rewards == [0.0 if e is None else e for e in expected]
+        if parser != "yes_no":  # this checkpoint writes digits in some verdicts: real rewards, not all zeros
+            assert any(e is not None and e > 0 for e in expected)
+        if pattern != r"([0-9])":  # ... and verdicts these parsers cannot read (counted below)
+            assert None in expected
         assert all(type(r) is float and 0.0 <= r <= 1.0 for r in rewards)  # floats only: no judge token leaves
         m = judge.pop_metrics()
         assert m["judge/calls"] == 5 and m["judge/unparsed"] == sum(e is None for e in expected)
