@@ -309,6 +309,7 @@ class JudgeConfig:
     batch_size: int = 32  # judge requests submitted together
     timeout_s: float = 60.0  # per judge call: past it the call is aborted, counted, and rewarded 0
     max_new_tokens: int = 16  # the verdict's length
+    apply_chat_template: bool = False  # true: the filled template is one user turn of the judge's chat template
     max_prompt_len: int = 2048  # judge prompts longer than this (tokens) are not sent: counted, rewarded 0
     mem_fraction_static: float = 0.1  # SGLang only: the judge engine's share of its GPU
 

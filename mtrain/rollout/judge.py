@@ -62,13 +62,14 @@ class JudgeReward:
     def __init__(self, engine: RolloutEngine, tokenizer: Any, *, template: str, parser: Callable[[str], float | None],
                  batch_size: int = 32, timeout_s: float = 60.0, max_new_tokens: int = 16, max_prompt_len: int = 2048,
                  combine: str = "judge", weight: float = 1.0, base_fn: RewardFn | None = None,
-                 base_timeout_s: float | None = None) -> None:
+                 base_timeout_s: float | None = None, chat: bool = False) -> None:
         if combine == "sum" and base_fn is None:
             raise ValueError("combine='sum' needs base_fn (reward.fn)")
         self.engine, self.tokenizer, self.template, self.parser = engine, tokenizer, template, parser
         self.batch_size, self.timeout_s = int(batch_size), float(timeout_s)
         self.max_new_tokens, self.max_prompt_len = int(max_new_tokens), int(max_prompt_len)
         self.combine, self.weight, self.base_fn, self.base_timeout_s = combine, float(weight), base_fn, base_timeout_s
+        self.chat = chat
         eos = getattr(tokenizer, "eos_token_id", None)
         self._params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0,
                                       stop_token_ids=(int(eos),) if isinstance(eos, int) else ())
@@ -119,7 +120,7 @@ class JudgeReward:
         counts = dict.fromkeys(COUNTERS, 0)
         counts["calls"] = len(texts)
         for i, text in enumerate(texts):
-            ids = list(self.tokenizer.encode(text))
+            ids = self.encode(text)
             if len(ids) > self.max_prompt_len:
                 counts["too_long"] += 1
                 errors.append(f"judge call {i}: prompt of {len(ids)} tokens exceeds "
@@ -165,6 +166,14 @@ class JudgeReward:
             self._verdict_sum += sum(rewards)
             self.last_errors = errors
         return rewards, verdicts
+
+    def encode(self, text: str) -> list[int]:
+        """The judge prompt's token ids: the filled template as is, or as one user turn of the chat template."""
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                     add_generation_prompt=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # newer transformers: a BatchEncoding
+        return list(self.tokenizer.encode(text))
 
     def pop_metrics(self) -> dict[str, float]:
         """judge/* counters since the last call (for the step's metrics), then reset."""

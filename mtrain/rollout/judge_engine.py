@@ -49,7 +49,8 @@ def make_judge(cfg, engine, tokenizer, base_fn: RewardFn | None = None) -> Judge
                        parser=make_parser(j.parser, score_max=j.score_max, pattern=j.pattern),
                        batch_size=j.batch_size, timeout_s=j.timeout_s, max_new_tokens=j.max_new_tokens,
                        max_prompt_len=j.max_prompt_len, combine=j.combine, weight=j.weight,
-                       base_fn=base_fn if j.combine == "sum" else None, base_timeout_s=cfg.reward.timeout_s)
+                       base_fn=base_fn if j.combine == "sum" else None, base_timeout_s=cfg.reward.timeout_s,
+                       chat=j.apply_chat_template)
 
 
 def make_reward_fn(cfg, *, engine_kind: str, engine_dtype: Any) -> RewardFn:

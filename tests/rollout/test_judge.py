@@ -35,14 +35,13 @@ def samples_and_responses():
     return [samples[0], samples[0], samples[1], samples[1], samples[1]], responses
 
 
-def greedy_reference(hf_dir, tokenizer, texts, max_new_tokens):
+def greedy_reference(hf_dir, tokenizer, prompts_ids, max_new_tokens):
     """The verdicts written from scratch: HF's model from the checkpoint, full forward each step (no cache), argmax,
     stop after eos; decoded as the judge decodes."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float64).eval()
     out = []
-    for text in texts:
-        ids = list(tokenizer.encode(text))
+    for ids in prompts_ids:
         gen = []
         with torch.no_grad():
             for _ in range(max_new_tokens):
@@ -54,11 +53,13 @@ def greedy_reference(hf_dir, tokenizer, texts, max_new_tokens):
     return out
 
 
-@pytest.mark.parametrize("parser, pattern", [("regex", r"([0-9])"), ("regex", r"(.)"), ("score", None),
-                                             ("yes_no", None)])
-def test_verdicts_from_the_reference_engine_match_an_independent_decode(judge_dir, parser, pattern):
+@pytest.mark.parametrize("parser, pattern, chat", [("regex", r"([0-9])", False), ("regex", r"(.)", False),
+                                                   ("regex", r"([0-9])", True),
+                                                   ("score", None, False), ("yes_no", None, False)])
+def test_verdicts_from_the_reference_engine_match_an_independent_decode(judge_dir, parser, pattern, chat):
     over = [f"reward.judge.hf_path={judge_dir}", f"reward.judge.template={TEMPLATE}", f"reward.judge.parser={parser}",
-            "reward.judge.batch_size=2", "reward.judge.max_new_tokens=12"]
+            "reward.judge.batch_size=2", "reward.judge.max_new_tokens=12",
+            f"reward.judge.apply_chat_template={str(chat).lower()}"]
     cfg = load_config(None, BASE + over + ([f"reward.judge.pattern={pattern}"] if pattern else []))
     judge = make_reward_fn(cfg, engine_kind="reference", engine_dtype=torch.float32)
     try:
@@ -67,7 +68,10 @@ def test_verdicts_from_the_reference_engine_match_an_independent_decode(judge_di
         rewards = score_responses(judge, samples, responses)
         texts = [render(TEMPLATE, s.prompt, r, s.answer) for s, r in zip(samples, responses)]
         assert texts[2] == "Q: 7*6=? A: 42 R: {answer} 42 Score:"  # chat prompt's user turn; response braces kept
-        expected_verdicts = greedy_reference(judge_dir, judge.tokenizer, texts, 12)
+        tok = judge.tokenizer  # the char tokenizer (no tokenizer files): its chat turn is "user: ...\nassistant:"
+        ids = [tok.encode(f"<bos>user: {t}\nassistant:" if chat else t, add_special_tokens=not chat) for t in texts]
+        assert [judge.encode(t) for t in texts] == ids
+        expected_verdicts = greedy_reference(judge_dir, tok, ids, 12)
         assert judge.last_verdicts == expected_verdicts
         parse = make_parser(parser, pattern=pattern, score_max=10.0)
         expected = [parse(v) for v in expected_verdicts]
