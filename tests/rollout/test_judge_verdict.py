@@ -16,7 +16,8 @@ HOSTILE = ["", " ", "\x00\x00", "🙂" * 500, "{response}", "NaN", "nan/10", "in
 
 
 @pytest.mark.parametrize("kind, kw", [("yes_no", {}), ("score", {"score_max": 10}),
-                                      ("regex", {"pattern": r"Score:\s*([0-9.eE+-]+)"}), ("regex", {"pattern": "(.*)"})])
+                                      ("regex", {"pattern": r"Score:\s*([0-9.eE+-]+)"}),
+                                      ("regex", {"pattern": "(.*)"})])
 @pytest.mark.parametrize("text", HOSTILE)
 def test_hostile_outputs_give_a_reward_in_range_or_none(kind, kw, text):
     value = make_parser(kind, **kw)(text)
@@ -53,7 +54,8 @@ def test_a_long_hostile_output_is_read_quickly():
     assert time.perf_counter() - t0 < 1.0
 
 
-@pytest.mark.parametrize("kind, kw, message", [("regex", {}, "needs a pattern"), ("regex", {"pattern": "("}, "not a valid"),
+@pytest.mark.parametrize("kind, kw, message", [("regex", {}, "needs a pattern"),
+                                               ("regex", {"pattern": "("}, "not a valid"),
                                                ("score", {"score_max": 0}, "score_max"), ("stars", {}, "unknown")])
 def test_bad_parser_settings_are_one_line(kind, kw, message):
     with pytest.raises(ValueError, match=message):
