@@ -358,8 +358,9 @@ def check_judge(cfg: RunConfig) -> None:
     import re
 
     j = cfg.reward.judge
-    if not j.hf_path:
+    if j.hf_path is None:
         return
+    _check(bool(j.hf_path), "reward.judge.hf_path", "is empty: the judge's HF model dir, or null for no judge")
     _check((Path(j.hf_path) / "config.json").is_file(), "reward.judge.hf_path",
            f"{j.hf_path!r} is not a HF model dir (no config.json there)")
     _check("{response}" in j.template, "reward.judge.template",

@@ -57,7 +57,7 @@ def make_reward_fn(cfg, *, engine_kind: str, engine_dtype: Any) -> RewardFn:
     """reward.fn, or the judge of reward.judge (started now) when reward.judge.hf_path is set."""
     base = load_reward_fn(cfg.reward.fn)
     j = cfg.reward.judge
-    if not j.hf_path:
+    if j.hf_path is None:
         return base
     engine = start_judge_engine(j.hf_path, engine_kind=engine_kind, engine_dtype=engine_dtype,
                                 mem_fraction_static=j.mem_fraction_static, seed=cfg.train.seed)

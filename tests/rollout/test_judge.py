@@ -4,6 +4,8 @@ engine refusal, too long, unparseable) rewarded 0 and counted, never raised; bad
 line before any engine starts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from mtrain.tiny_configs import tiny_config
 from mtrain.tiny_hf import write_tiny_hf
 
 BASE = ["model.hf_path=/models/tiny", "data.task=arithmetic"]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "judge" / "grpo_judge.yaml"
 TEMPLATE = "Q: {prompt} A: {answer} R: {response} Score:"
 
 
@@ -154,6 +157,7 @@ def test_without_a_judge_the_reward_is_reward_fn():
 
 @pytest.mark.parametrize("override, message", [
     ("reward.judge.hf_path=/nonexistent/judge", "reward.judge.hf_path: '/nonexistent/judge' is not a HF model dir"),
+    ("reward.judge.hf_path=", "reward.judge.hf_path: is empty: the judge's HF model dir, or null for no judge"),
     ("reward.judge.template=Rate {prompt}", "reward.judge.template: must contain {response}"),
     ("reward.judge.timeout_s=0", "reward.judge.timeout_s: must be a finite number > 0, got 0"),
     ("reward.judge.timeout_s=-5", "reward.judge.timeout_s: must be a finite number > 0, got -5"),
@@ -176,3 +180,17 @@ def test_bad_regex_patterns_are_refused(judge_dir, pattern, message):
         load_config(None, BASE + [f"reward.judge.hf_path={judge_dir}", "reward.judge.parser=regex",
                                   f"reward.judge.pattern={pattern}"])
     assert message in str(e.value)
+
+
+def test_the_example_config_loads_and_builds_its_judge(judge_dir):
+    cfg = load_config(str(EXAMPLE), [f"model.hf_path={judge_dir}", f"reward.judge.hf_path={judge_dir}"])
+    j = cfg.reward.judge
+    assert (j.parser, j.combine, j.apply_chat_template) == ("yes_no", "judge", True)
+    engine = ReferenceEngine.from_pretrained(str(judge_dir))
+    try:
+        judge = make_judge(cfg, engine, load_judge_tokenizer(judge_dir))
+        assert judge.chat and judge.timeout_s == 60 and judge.max_new_tokens == 4 and judge.base_fn is None
+    finally:
+        engine.shutdown()
+    with pytest.raises(ConfigError, match="reward.judge.hf_path: is empty"):  # the example needs its judge
+        load_config(str(EXAMPLE), [f"model.hf_path={judge_dir}"])
