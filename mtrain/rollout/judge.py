@@ -127,7 +127,11 @@ class JudgeReward:
                               f"reward.judge.max_prompt_len={self.max_prompt_len}; rewarded 0")
                 continue
             rid = f"judge-{batch}-{i}."  # the dot ends the rid, so aborting it as a prefix hits this call only
-            pending.append((i, rid, self.engine.submit(Request(rid=rid, prompt_ids=ids, params=self._params))))
+            try:
+                pending.append((i, rid, self.engine.submit(Request(rid=rid, prompt_ids=ids, params=self._params))))
+            except Exception as e:  # noqa: BLE001 - an engine that refuses at submission, not in its future
+                counts["errors"] += 1
+                errors.append(f"judge call {i} ({rid}): engine error {type(e).__name__}: {e}; rewarded 0")
         deadline = time.monotonic() + self.timeout_s  # one deadline per call: the calls of a chunk run together
         for i, rid, fut in pending:
             try:

@@ -194,3 +194,11 @@ def test_the_example_config_loads_and_builds_its_judge(judge_dir):
         engine.shutdown()
     with pytest.raises(ConfigError, match="reward.judge.hf_path: is empty"):  # the example needs its judge
         load_config(str(EXAMPLE), [f"model.hf_path={judge_dir}"])
+
+
+def test_a_judge_engine_that_is_gone_gives_counted_errors(judge_dir):
+    engine = ReferenceEngine(tiny_config("llama", max_position_embeddings=512))
+    judge = _judge_on(engine, load_judge_tokenizer(judge_dir), max_new_tokens=4)
+    engine.shutdown()
+    assert judge.judge(["1+1=?"] * 2, ["2", "3"], ["2"] * 2) == [0.0, 0.0]
+    assert judge.pop_metrics()["judge/errors"] == 2 and "shut down" in judge.last_errors[0]
