@@ -124,6 +124,7 @@ def validate(cfg: RunConfig) -> None:
     _check(":" in cfg.reward.fn, "reward.fn", f"must look like 'module:function', got {cfg.reward.fn!r}")
     _check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0, "reward.timeout_s",
            f"must be > 0 or null, got {cfg.reward.timeout_s}")
+    check_judge(cfg)
     _check(t.steps >= 1 or t.val_only, "train.steps", f"must be >= 1, got {t.steps}")
     gbs = t.global_batch_size if t.global_batch_size is not None else cfg.rollout_batch_size
     _check(gbs >= 1 and cfg.rollout_batch_size % gbs == 0, "train.global_batch_size",
@@ -369,3 +370,37 @@ def check_shared_prefix(cfg: RunConfig) -> None:
            "needs packed micro-batches (set train.max_tokens_per_micro_batch)")
     _check(cfg.parallel.cp == 1, "train.shared_prefix", f"is not supported with context parallelism "
            f"(parallel.cp={cfg.parallel.cp})")
+
+
+def check_judge(cfg: RunConfig) -> None:
+    """reward.judge (mtrain/rollout/judge.py): a model that exists, a template that shows the judge the response, a
+    parser that can be built, bounds that make sense; all said before any engine starts."""
+    import math
+    import re
+
+    j = cfg.reward.judge
+    if j.hf_path is None:
+        return
+    _check(bool(j.hf_path), "reward.judge.hf_path", "is empty: the judge's HF model dir, or null for no judge")
+    _check((Path(j.hf_path) / "config.json").is_file(), "reward.judge.hf_path",
+           f"{j.hf_path!r} is not a HF model dir (no config.json there)")
+    _check("{response}" in j.template, "reward.judge.template",
+           "must contain {response} (the judge must see the answer it judges); {prompt} and {answer} are optional")
+    for k in ("timeout_s", "score_max"):
+        v = getattr(j, k)
+        _check(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"reward.judge.{k}",
+               f"must be a finite number > 0, got {v!r}")
+    for k in ("batch_size", "max_new_tokens", "max_prompt_len"):
+        _check(getattr(j, k) >= 1, f"reward.judge.{k}", f"must be >= 1, got {getattr(j, k)}")
+    _check(0 < j.mem_fraction_static < 1, "reward.judge.mem_fraction_static",
+           f"must be in (0, 1), got {j.mem_fraction_static}")
+    _check(math.isfinite(j.weight), "reward.judge.weight", f"must be finite, got {j.weight}")
+    if j.parser == "regex":
+        _check(bool(j.pattern), "reward.judge.pattern", "parser=regex needs a pattern with one group")
+        try:
+            groups = re.compile(j.pattern).groups
+        except re.error as e:
+            raise ConfigError(f"reward.judge.pattern: {j.pattern!r} is not a valid regular expression: {e}") from None
+        _check(groups == 1, "reward.judge.pattern", f"{j.pattern!r} has {groups} groups; it needs exactly one")
+    else:
+        _check(j.pattern is None, "reward.judge.pattern", f"is read by parser=regex only (parser={j.parser!r})")

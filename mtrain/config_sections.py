@@ -290,10 +290,35 @@ class DataConfig:
     seed: int = 0
 
 
+DEFAULT_JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {answer}\nStudent answer: {response}\n"
+                          "Is the student answer correct? Reply yes or no.\nVerdict:")
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge served on an engine of its own (mtrain/rollout/judge.py, docs/design-judge.md): its weights are
+    read once from hf_path and never synced; its tokens are never trained."""
+    hf_path: str | None = None  # the judge model (HF dir with config.json); None = no judge
+    # {prompt} {response} {answer} are filled in; {response} is required; other braces are kept as written
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    parser: Literal["yes_no", "score", "regex"] = "yes_no"  # how the verdict text becomes a reward in [0, 1]
+    pattern: str | None = None  # parser=regex: a pattern with one group holding a number (the reward)
+    score_max: float = 10.0  # parser=score: the verdict's top score; reward = score / score_max, clipped to [0, 1]
+    combine: Literal["judge", "sum"] = "judge"  # judge: the verdict is the reward; sum: reward.fn's + weight * verdict
+    weight: float = 1.0
+    batch_size: int = 32  # judge requests submitted together
+    timeout_s: float = 60.0  # per judge call: past it the call is aborted, counted, and rewarded 0
+    max_new_tokens: int = 16  # the verdict's length
+    apply_chat_template: bool = False  # true: the filled template is one user turn of the judge's chat template
+    max_prompt_len: int = 2048  # judge prompts longer than this (tokens) are not sent: counted, rewarded 0
+    mem_fraction_static: float = 0.1  # SGLang only: the judge engine's share of its GPU
+
+
 @dataclass
 class RewardConfig:
     fn: str = "mtrain.data.rewards:exact_match_reward"  # "module:function" or "path/to/file.py:function"
     timeout_s: float | None = None  # per call; None = no limit
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -219,6 +219,15 @@ def score_responses(fn: RewardFn, samples: Sequence[PromptSample], responses: Se
     """Rewards for responses[i] to samples[i] (a group repeats its sample), through safe_reward."""
     if len(samples) != len(responses):
         raise RewardError(f"score_responses: {len(samples)} samples but {len(responses)} responses")
+    batch = getattr(fn, "score_batch", None)
+    if callable(batch):  # a reward that scores a group at once (the LLM judge, mtrain/rollout/judge.py); it keeps
+        # its own per-call timeout and turns a failed call into a counted 0, so reward.timeout_s does not wrap it
+        values = batch(list(samples), list(responses))
+        if len(values) != len(responses):
+            raise RewardError(f"{type(fn).__name__}.score_batch returned {len(values)} rewards for "
+                              f"{len(responses)} responses")
+        return [finite_reward(v, f"{type(fn).__name__} on sample {s.index} (response {i})")
+                for i, (s, v) in enumerate(zip(samples, values))]
     return [safe_reward(fn, r, s.answer, prompt=s.prompt, metadata=s.metadata, timeout_s=timeout_s,
                         sample_id=f"{s.index} (response {i})") for i, (s, r) in enumerate(zip(samples, responses))]
 
