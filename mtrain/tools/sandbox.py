@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +38,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrain.tools.sandbox_fs import chown_tree, private_dirs, remove_owned, written
+from mtrain.tools.sandbox_fs import chown_tree, private_dirs, remove_owned, remove_tree, written
 
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
 _UID_SLOTS = 256
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
+_uids_clean: set[int] | None = None  # uids seen to own nothing in the shared temporary directories (None: not swept)
 _DISK_POLL_S = 0.05  # how often a running call's written bytes and files are counted
 
 
@@ -167,10 +167,41 @@ def _acquire_uid(own_uid: bool) -> int | None:
         order = [_UID_BASE + (start + k) % _UID_SLOTS for k in range(_UID_SLOTS)]
         for free in (lambda pids: not pids, lambda pids: not _live(pids)):
             for uid in order:
-                if uid not in _uids_in_use and free(processes_of_uid(uid)):
+                if uid not in _uids_in_use and free(processes_of_uid(uid)) and _clean(uid):
                     _uids_in_use.add(uid)
                     return uid
     raise RuntimeError(f"sandbox: all {_UID_SLOTS} sandbox uids are busy")
+
+
+def _clean(uid: int) -> bool:
+    """Does `uid` own nothing in the shared temporary directories? Before this process hands out its first uid,
+    what every idle sandbox uid left there is removed (a trainer that died mid-call: the next call of any uid must
+    not read it); a uid whose clean-up failed after a call is checked again before its next use, and skipped while
+    anything of it is left. Cleaned on every release."""
+    global _uids_clean
+    if _uids_clean is None:
+        slots = set(range(_UID_BASE, _UID_BASE + _UID_SLOTS))
+        idle = slots - _uids_with_live_processes()
+        _uids_clean = idle - remove_owned(idle)
+    if uid not in _uids_clean:
+        if remove_owned(uid):
+            return False
+        _uids_clean.add(uid)
+    return True
+
+
+def _uids_with_live_processes() -> set[int]:
+    """Uids owning a process that is not a zombie (one pass over /proc)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                uid = os.stat(f"/proc/{d}").st_uid
+            except OSError:
+                continue
+            if _state(int(d)) not in ("Z", "X", None):
+                out.add(uid)
+    return out
 
 
 def _live(pids: list[int]) -> list[int]:
@@ -198,10 +229,12 @@ def _reap(uid: int) -> None:
                 pass
 
 
-def _release_uid(uid: int | None) -> None:
+def _release_uid(uid: int | None, clean: bool) -> None:
     if uid is not None:
         with _uid_lock:
             _uids_in_use.discard(uid)
+            if not clean and _uids_clean is not None:  # checked again (skipped while anything is left) first
+                _uids_clean.discard(uid)
 
 
 def _kill_all(pgid: int, uid: int | None, deadline_s: float = 5.0) -> None:
@@ -322,7 +355,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
                 break
             except subprocess.TimeoutExpired:
                 pass
-            b, n = written(scratch, uid)
+            b, n = written(scratch, uid, limits.max_files)
             if b > max_bytes or n > limits.max_files:
                 over_disk = True
                 break
@@ -346,8 +379,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
         if proc is not None and proc.poll() is None:  # an exception between Popen and wait
             _kill_all(proc.pid, uid)
             proc.wait()
-        if uid is not None:  # nothing of the uid runs any more: its files and zombies can go
-            remove_owned(uid)
-            _reap(uid)
-        _release_uid(uid)
-        shutil.rmtree(scratch, ignore_errors=True)
+        clean = False
+        try:  # nothing of the uid runs any more: its files and zombies can go
+            clean = remove_tree(scratch)
+            if uid is not None:
+                clean = not remove_owned(uid) and clean
+                _reap(uid)
+        finally:  # whatever the clean-up met, the uid is free again (and checked before it is reused)
+            _release_uid(uid, clean)

@@ -197,3 +197,61 @@ def test_an_api_key_on_the_command_line_is_refused_with_the_remedy(tmp_path):
     assert p.returncode != 0
     assert "serve.api_key: a secret on the command line" in p.stderr and "MTRAIN_API_KEY" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+DEEP = textwrap.dedent("""
+    import os, sys
+    where = sys.stdin.read().strip() or "."
+    os.chdir(where)
+    top = os.path.abspath("deep-" + str(os.getpid()))
+    os.mkdir(top)
+    os.chdir(top)
+    for _ in range(3000):   # deeper than Python's recursion limit: a recursive walk or rmtree raises
+        os.mkdir("d")
+        os.chdir("d")
+    os.symlink("/etc", "link")   # never followed by the clean-up
+    print(top)
+""")
+
+
+@own_uid
+@pytest.mark.parametrize("where", ["", "/tmp", "/dev/shm"])
+def test_deeply_nested_folders_are_removed_and_the_uid_released(where):
+    """Model code nesting 3,000 folders (scratch, /tmp, /dev/shm): the call returns, its trees go, its uid is free
+    again, and the next call is served. Before: RecursionError out of the clean-up, the uid and tree leaked."""
+    from mtrain.tools import sandbox
+    before = set(_sandbox_uid_files())
+    limits = SandboxLimits(wall_s=20.0, cpu_s=10, max_files=100_000)
+    r = run_python(DEEP, limits, stdin=where)
+    assert r.ok and "/deep-" in r.stdout, r
+    assert sandbox._uids_in_use == set()
+    assert not os.path.lexists(r.stdout.strip()) and set(_sandbox_uid_files()) <= before
+    assert os.path.isfile("/etc/passwd")  # the symlink's target is untouched
+    assert PythonTool(LIMITS).call(_session(), {"code": "print('fine')"}) == "fine"
+
+
+PLANTED = textwrap.dedent("""
+    # A trainer that died mid-call left files of every sandbox uid in /dev/shm; a new trainer process starts.
+    import os, sys
+    from mtrain.tools import sandbox
+    for uid in range(sandbox._UID_BASE, sandbox._UID_BASE + sandbox._UID_SLOTS):
+        p = f"/dev/shm/left-planted-{uid}"
+        open(p, "w").write("secret")
+        os.chown(p, uid, uid)
+    r = sandbox.run_python(sys.argv[1], sandbox.SandboxLimits(wall_s=5.0, cpu_s=3))
+    print(r.stdout.strip())
+""")
+
+
+@own_uid
+def test_a_tree_left_by_a_uid_is_removed_before_that_uid_is_handed_out():
+    """What idle sandbox uids own in the shared temporary directories is removed before a process hands out its
+    first uid: no call reads what a dead trainer's calls left."""
+    try:
+        p = subprocess.run([sys.executable, "-c", PLANTED, READ], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=REPO))
+        assert p.returncode == 0 and p.stdout.strip() == "found []", p.stdout + p.stderr
+    finally:
+        for e in os.scandir("/dev/shm"):
+            if e.name.startswith("left-planted-"):
+                os.unlink(e.path)
