@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtrain.config_error import ConfigError
+from mtrain.config_sections import SECRET_KEYS  # come from the config file or the environment only, never argv
 from mtrain.engine_args import server_args_problems
 from mtrain.tokenizer_files import TOKENIZER_FILES  # a model dir with none: the char tokenizer of its vocab_size
 
@@ -20,9 +21,6 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-# Keys whose value is a secret: every process of the host (sandboxed tool code included) reads a command line in
-# /proc/PID/cmdline, so they may come from the config file or the environment only.
-SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
 
 
 def refuse_secret_overrides(overrides) -> None:
