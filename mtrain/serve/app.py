@@ -234,18 +234,16 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
 
     @app.post("/sessions/{sid}/reward")
     async def set_reward(sid: str, request: Request):
-        s = front.sessions.get(sid)
+        front.sessions.get(sid)  # 404 before reading a body for nothing
         value = (await body_of(request, RewardBody)).reward
         try:  # before anything is stored: a NaN would break GET /sessions/{id} and poison a batch
             reward = finite_reward(value, "reward")
         except RewardError:
             raise FrontError(400, f"reward: {str(value)[:40]} is not a finite number (a float64)", param="reward",
                              code="invalid_reward") from None
-        if s.reward is not None:  # one reward per session: a silent replacement would hide a buggy agent
-            raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
-                             param="reward", code="reward_already_set")
-        s.reward = reward
-        return {"id": sid, "reward": s.reward}
+        # checked again now the body is in: the session may have been deleted or taken while it arrived; one
+        # reward per session (a silent replacement would hide a buggy agent)
+        return {"id": sid, "reward": front.sessions.set_reward(sid, reward).reward}
 
     # -- the OpenAI API ---------------------------------------------------------------------------------------
     def models():

@@ -134,6 +134,21 @@ class SessionStore:
                              param="session_id", code="session_not_found")
         return s
 
+    def set_reward(self, sid: str, reward: float) -> Session:
+        """Attach the session's one reward, under the store's lock: a session deleted or taken (by the trainer)
+        before this runs gets 404, never a 200 for a reward nobody will read; a second reward gets 409."""
+        with self._lock:
+            s = self._sessions.get(sid)
+            if s is not None and not s.closed and s.reward is None:
+                s.reward = reward
+                s.last_used = time.monotonic()
+                return s
+        if s is None or s.closed:
+            raise FrontError(404, f"session {sid!r} does not exist (deleted, taken or expired); its reward is not "
+                             f"kept", param="session_id", code="session_not_found")
+        raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
+                         param="reward", code="reward_already_set")
+
     def take(self, sid: str) -> Session:
         """Remove the session and return it (the trainer collects it); later calls on it get 404."""
         with self._lock:

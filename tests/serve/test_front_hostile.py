@@ -155,3 +155,36 @@ def test_a_seed_beyond_int64_is_a_400_not_an_engine_failure(server, route, body)
     body["seed"] = 2 ** 63 - 65  # the largest seed whose choices' seeds (seed + j) stay int64
     assert httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body},
                       headers=_auth(server)).status_code == 200
+
+
+@pytest.mark.parametrize("end", ["delete", "take"])
+def test_a_reward_arriving_after_its_session_ended_is_a_404(server, end):
+    """The reward's body is still arriving when the session is deleted (DELETE) or taken (the trainer collects
+    it): the reward is answered 404, never 200 for a value nobody will read."""
+    import threading
+    import time
+    sid = _new_session(server)
+    started, answer = threading.Event(), {}
+
+    def body():
+        yield b'{"reward": '
+        started.set()
+        time.sleep(0.5)
+        yield b"1.0}"
+
+    def post():
+        answer["r"] = httpx.post(f"{server.url}/sessions/{sid}/reward", content=body(), timeout=10,
+                                 headers=dict(_auth(server), **{"Content-Type": "application/json"}))
+    t = threading.Thread(target=post)
+    t.start()
+    assert started.wait(5)
+    time.sleep(0.1)
+    if end == "delete":
+        assert httpx.delete(f"{server.url}/sessions/{sid}", headers=_auth(server)).status_code == 200
+    else:
+        taken = server.front.sessions.take(sid)
+    t.join(10)
+    r = answer["r"]
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
+    if end == "take":
+        assert taken.reward is None
