@@ -166,7 +166,8 @@ def validate(cfg: RunConfig) -> None:
     sv = cfg.serve
     _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
     _check(bool(sv.host), "serve.host", "must not be empty")
-    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions",
+              "serve.max_session_tokens")
     _check(sv.api_key is None or bool(sv.api_key.strip()), "serve.api_key",
            f"must not be empty (an empty key would turn authentication off); leave it out (null) to take "
            f"${sv.api_key_env} or a key made for this run")

@@ -418,6 +418,9 @@ class ServeConfig:
     read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
     max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
     session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
+    # tokens one session may record (every branch's full trajectory: prompt, outputs, their logprobs); a call on
+    # a session already past it gets 409 session_full (one call may pass it by at most its own output)
+    max_session_tokens: int = 4_000_000
 
 
 @dataclass

@@ -234,7 +234,11 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             await events.aclose()
 
     def session_of(sid: str | None):
-        return front.sessions.get(sid) if sid is not None else None
+        if sid is None:
+            return None
+        s = front.sessions.get(sid)
+        front.sessions.check_room(s)
+        return s
 
     def usage(res: Result) -> dict[str, int]:
         out = sum(len(c.output_ids) for c in res.choices)
@@ -322,6 +326,8 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         """Counters for a server left running (`mtrain serve`): open and expired sessions, calls and streams."""
         return {"sessions_open": len(front.sessions), "sessions_expired": front.sessions.expired,
                 "sessions_max": front.sessions.max_sessions, "sessions_ttl_s": front.sessions.ttl_s,
+                "session_max_tokens": front.sessions.max_session_tokens,
+                "sessions_refused_full": front.sessions.refused_full,
                 "requests_running": app.state.running, "streams_open": len(app.state.streams)}
 
     @app.get("/v1/models")
