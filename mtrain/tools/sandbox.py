@@ -11,7 +11,8 @@ Each call gets:
   /tmp, /dev/shm, ...), counted while it runs; beyond it the call is killed;
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
-- when we run as root: a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
+- when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
+  queues end with the call), and a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
   only this call's processes (a fork bomb hits the cap at once), the code cannot write the trainer's files, and
   after the call every process still owned by that uid is killed, even one that left the process group with
   setsid(); its files in the shared temporary directories are deleted and the zombies it left that are ours
@@ -269,6 +270,7 @@ def _state(pid: int) -> str | None:
 
 
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -282,6 +284,10 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
     os.setsid()
     if not limits.network and _libc.unshare(_CLONE_NEWNET) != 0:  # before setuid: needs CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWNET) failed")
+    # With a uid of its own (root): an IPC namespace of its own, so SysV shared memory, semaphores and message
+    # queues (and POSIX message queues) the call makes die with its last process; the next call sees none.
+    if uid is not None and _libc.unshare(_CLONE_NEWIPC) != 0:
+        raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWIPC) failed")
     mem = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     cpu = int(limits.cpu_s)
