@@ -8,7 +8,8 @@ Each call gets:
 - rlimits set in the child before exec: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
   (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; and processes (RLIMIT_NPROC);
 - a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
-  /tmp, /dev/shm, ...), counted while it runs; beyond it the call is killed;
+  /tmp, /dev/shm, ...; plus files its processes hold open after unlinking them, and memfds), counted while it
+  runs; beyond it the call is killed;
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
 - when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrain.tools.sandbox_fs import chown_tree, private_dirs, remove_owned, remove_tree, written
+from mtrain.tools.sandbox_fs import chown_tree, nameless_bytes, private_dirs, remove_owned, remove_tree, written
 
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
 _UID_SLOTS = 256
@@ -362,6 +363,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             except subprocess.TimeoutExpired:
                 pass
             b, n = written(scratch, uid, limits.max_files)
+            if b <= max_bytes:  # plus files open but unlinked, and memfds (memory): on no path, so counted by fd
+                b += nameless_bytes(processes_of_uid(uid) if uid is not None else processes_in_group(proc.pid))
             if b > max_bytes or n > limits.max_files:
                 over_disk = True
                 break

@@ -205,6 +205,30 @@ def written(scratch: Path, uid: int | None, max_files: int | None = None) -> tup
     return total, count
 
 
+def nameless_bytes(pids: list[int]) -> int:
+    """Bytes held by files of `pids` that have no name any more: a file unlinked while open, a memfd (memory).
+    Found through /proc/PID/fd (each counted once, by device and inode); the path-based count cannot see them."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            p = f"/proc/{pid}/fd/{fd}"
+            try:
+                if not os.readlink(p).endswith(" (deleted)"):  # memfds read "/memfd:NAME (deleted)"
+                    continue
+                st = os.stat(p)  # the open file itself
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += _blocks(st)
+    return total
+
+
 def remove_owned(uids: int | set[int]) -> set[int]:
     """Delete every entry `uids` own in the shared temporary directories (after the call: none of its processes
     is left to race us). Returns the uids that still own something (empty: they left nothing)."""

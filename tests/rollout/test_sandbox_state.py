@@ -282,3 +282,30 @@ def test_sysv_ipc_made_by_a_call_is_gone_for_the_next():
     assert w.ok and w.stdout.split() == ["made", "True", "True"], w
     r = run_python(SYSV, LIMITS, stdin="read")
     assert r.ok and r.stdout.split() == ["found", "False", "False"], r
+
+
+NAMELESS = textwrap.dedent("""
+    import os, sys, time
+    kind = sys.stdin.read().strip()
+    keep = []
+    for i in range(40):          # 40 x 4 MB, each on no path: past the 32 MB bound
+        if kind == "memfd":
+            fd = os.memfd_create(f"m{i}")
+        else:
+            fd = os.open(f"gone-{i}", os.O_CREAT | os.O_RDWR)
+            os.unlink(f"gone-{i}")
+        os.write(fd, b"x" * (4 << 20))
+        keep.append(fd)
+        time.sleep(0.02)
+    time.sleep(2)
+    print("not stopped")
+""")
+
+
+@pytest.mark.parametrize("kind", ["memfd", "unlinked"])
+def test_files_without_a_name_count_toward_the_write_bound(kind):
+    """A memfd or a file unlinked while open is on no path: counted through the processes' open files (before:
+    160 MB held without the call being stopped)."""
+    r = run_python(NAMELESS, SandboxLimits(wall_s=20.0, cpu_s=10, max_disk_mb=32, max_file_mb=8), stdin=kind)
+    assert r.over_disk and "not stopped" not in r.stdout, r
+    assert PythonTool(LIMITS).call(_session(), {"code": "print('fine')"}) == "fine"
