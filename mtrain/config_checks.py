@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtrain.config_error import ConfigError
+from mtrain.config_sections import SECRET_KEYS  # come from the config file or the environment only, never argv
 from mtrain.engine_args import server_args_problems
 from mtrain.tokenizer_files import TOKENIZER_FILES  # a model dir with none: the char tokenizer of its vocab_size
 
@@ -20,9 +21,6 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-# Keys whose value is a secret: every process of the host (sandboxed tool code included) reads a command line in
-# /proc/PID/cmdline, so they may come from the config file or the environment only.
-SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
 
 
 def refuse_secret_overrides(overrides) -> None:
@@ -170,12 +168,18 @@ def validate(cfg: RunConfig) -> None:
     sv = cfg.serve
     _check(0 <= sv.port <= 65535, "serve.port", f"must be in [0, 65535], got {sv.port}")
     _check(bool(sv.host), "serve.host", "must not be empty")
-    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions")
-    _at_least(cfg, 0, "serve.shutdown_grace_s")
-    for k in ("read_timeout_s", "session_ttl_s"):
-        v = getattr(sv, k)
-        _check(v is None and k == "session_ttl_s" or v is not None and v > 0, f"serve.{k}",
-               f"must be > 0{' or null' if k == 'session_ttl_s' else ''}, got {v}")
+    _at_least(cfg, 1, "serve.default_max_tokens", "serve.max_concurrency", "serve.max_body_kb", "serve.max_sessions",
+              "serve.max_session_tokens")
+    _check(sv.api_key is None or bool(sv.api_key.strip()), "serve.api_key",
+           f"must not be empty (an empty key would turn authentication off); leave it out (null) to take "
+           f"${sv.api_key_env} or a key made for this run")
+    # Seconds: finite and at most an hour (an infinite read timeout cannot be scheduled; an infinite grace skips
+    # the drain). session_ttl_s may be null (never) or up to 30 days.
+    for k, hi in (("shutdown_grace_s", 3600), ("read_timeout_s", 3600), ("session_ttl_s", 30 * 86400)):
+        v, lo = getattr(sv, k), (">= 0" if k == "shutdown_grace_s" else "> 0")
+        in_range = v is not None and (v >= 0 if k == "shutdown_grace_s" else v > 0) and v <= hi  # NaN: False
+        _check(in_range or (v is None and k == "session_ttl_s"), f"serve.{k}",
+               f"must be {lo} and <= {hi} seconds{' (or null: never)' if k == 'session_ttl_s' else ''}, got {v}")
     mt = cfg.multi_turn
     _at_least(cfg, 1, "multi_turn.max_turns", "multi_turn.max_total_tokens", "multi_turn.max_tool_calls_per_turn",
               "multi_turn.tool_output_max_chars", "multi_turn.sandbox_cpu_s", "multi_turn.sandbox_memory_mb",

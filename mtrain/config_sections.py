@@ -37,6 +37,11 @@ def _user_keys(tree: Any) -> Any:
     return tree
 
 
+# Keys whose value is a secret -> where to give it instead. Never on a command line (/proc/PID/cmdline:
+# config_checks.refuse_secret_overrides) and never in a config dump, log or tracker (RunConfig.to_dict).
+SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
+
+
 @dataclass
 class LoraConfig:
     """Low-rank adapters on the policy's linear layers (docs/design-lora.md); empty targets: full fine-tuning."""
@@ -438,6 +443,9 @@ class ServeConfig:
     read_timeout_s: float = 30.0  # a connection that sends no complete request (headers, body) within it is closed
     max_sessions: int = 10000  # open sessions at once; POST /sessions beyond it gets 429
     session_ttl_s: float | None = 3600.0  # `mtrain serve`: a session unused this long is dropped (null = never)
+    # tokens one session may record (every branch's full trajectory: prompt, outputs, their logprobs); a call on
+    # a session already past it gets 409 session_full (one call may pass it by at most its own output)
+    max_session_tokens: int = 4_000_000
 
 
 @dataclass
@@ -476,16 +484,28 @@ class RunConfig:
         return "bfloat16" if self.engine.weight_dtype == "bfloat16" else self.model.dtype
 
     def to_dict(self) -> dict[str, Any]:
-        return _user_keys(dataclasses.asdict(self))
+        """The config as the keys users write, secrets (SECRET_KEYS) set to null: this is what every dump, log
+        and tracker (config.yaml, the printed config, W&B) gets. Code that needs a secret reads the field."""
+        tree = _user_keys(dataclasses.asdict(self))
+        for key in SECRET_KEYS:
+            section, name = key.split(".", 1)
+            tree[section][name] = None
+        return tree
 
     def format_config(self) -> str:
-        """The full resolved config as YAML, for printing at start."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        """The full resolved config as YAML, for printing at start (secrets left out: a comment says which)."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        given = [k for k in SECRET_KEYS if getattr(getattr(self, k.split(".")[0]), k.split(".", 1)[1])]
+        notes = "".join(f"# {k}: set, not written here (a secret); give it through {SECRET_KEYS[k]}\n" for k in given)
+        return notes + text
 
     def dump_yaml(self, path: str | os.PathLike) -> Path:
-        """Write the full config (loadable by load_config) via a temp file + rename."""
+        """Write the full config (loadable by load_config, secrets left out) via a temp file + rename. The folder
+        it goes in is made owner-only (0700): a run folder holds checkpoints and logs that sandboxed tool code
+        (another uid on this host) must not read."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file

@@ -50,7 +50,8 @@ def serve(cfg) -> int:
         front = OpenAIFront(LocalClient(engine), tokenizer, model_name=sv.model_name or hf_dir.resolve().name,
                             max_positions=int(hf_config.get("max_position_embeddings", 4096)),
                             default_max_tokens=sv.default_max_tokens, tool_parser=sv.tool_parser)
-        front.sessions = SessionStore(max_sessions=sv.max_sessions, ttl_s=sv.session_ttl_s)  # nobody takes them
+        front.sessions = SessionStore(max_sessions=sv.max_sessions, ttl_s=sv.session_ttl_s,  # nobody takes them
+                                      max_session_tokens=sv.max_session_tokens)
         server = FrontServer(front, host=sv.host, port=sv.port, api_key=key, max_body_bytes=sv.max_body_kb * 1024,
                              max_concurrency=sv.max_concurrency, shutdown_grace_s=sv.shutdown_grace_s,
                              read_timeout_s=sv.read_timeout_s)

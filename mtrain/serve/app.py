@@ -19,6 +19,7 @@ next request is served as usual.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -104,13 +105,36 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         while (app.state.running or len(app.state.streams)) and loop.time() < end:
             await asyncio.sleep(0.02)
         open_calls = list(app.state.streams)
+        app.state.grace_over.set()  # calls still waiting (non-streamed, or before their first token): a 503
         for call in open_calls:
             call.interrupt(f"the server is stopping (its {grace_s:g} s grace period is over)")
-        end = loop.time() + 2.0  # the generators send their error event and end
-        while len(app.state.streams) and loop.time() < end:
+        end = loop.time() + 2.0  # the generators send their error event and end; the waiting calls answer
+        while (app.state.running or len(app.state.streams)) and loop.time() < end:
             await asyncio.sleep(0.01)
         return len(open_calls)
     app.state.drain = drain
+    app.state.grace_over = asyncio.Event()
+
+    async def unless_stopped(aw):
+        """Await `aw` (a call's generation, or a stream's first token) unless the server's grace period ends
+        first: then the call is cancelled (its engine requests aborted) and answered with an OpenAI-shaped 503,
+        not left to uvicorn's cut-off (a plain-text 500 or a dropped connection, and a traceback in the log)."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(app.state.grace_over.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went away
+            task.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):  # its own cancellation, or what it raised on the way out
+            await task
+        raise FrontError(503, "the server stopped before this call finished (its grace period is over)",
+                         type="server_error", code="server_shutting_down")
 
     def error(e: FrontError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -191,7 +215,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         """Start a streamed call. It keeps a slot of `max_concurrency` until its engine work ends (the handler, which
         the middleware counts, returns as soon as the stream starts)."""
         call = StreamedCall(front, job)
-        await call.start()
+        await unless_stopped(call.start())
         app.state.running += 1
         app.state.streams.add(call)
 
@@ -210,7 +234,11 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             await events.aclose()
 
     def session_of(sid: str | None):
-        return front.sessions.get(sid) if sid is not None else None
+        if sid is None:
+            return None
+        s = front.sessions.get(sid)
+        front.sessions.check_room(s)
+        return s
 
     def usage(res: Result) -> dict[str, int]:
         out = sum(len(c.output_ids) for c in res.choices)
@@ -234,18 +262,16 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
 
     @app.post("/sessions/{sid}/reward")
     async def set_reward(sid: str, request: Request):
-        s = front.sessions.get(sid)
+        front.sessions.get(sid)  # 404 before reading a body for nothing
         value = (await body_of(request, RewardBody)).reward
         try:  # before anything is stored: a NaN would break GET /sessions/{id} and poison a batch
             reward = finite_reward(value, "reward")
         except RewardError:
             raise FrontError(400, f"reward: {str(value)[:40]} is not a finite number (a float64)", param="reward",
                              code="invalid_reward") from None
-        if s.reward is not None:  # one reward per session: a silent replacement would hide a buggy agent
-            raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
-                             param="reward", code="reward_already_set")
-        s.reward = reward
-        return {"id": sid, "reward": s.reward}
+        # checked again now the body is in: the session may have been deleted or taken while it arrived; one
+        # reward per session (a silent replacement would hide a buggy agent)
+        return {"id": sid, "reward": front.sessions.set_reward(sid, reward).reward}
 
     # -- the OpenAI API ---------------------------------------------------------------------------------------
     def models():
@@ -261,7 +287,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             call = await streamed(job)
             return StreamingResponse(tracked(call, chat_events(call, req, cid, created, usage)),
                                      media_type="text/event-stream")
-        res = await front.run(job)
+        res = await unless_stopped(front.run(job))
         choices = []
         for ch in res.choices:
             msg: dict[str, Any] = {"role": "assistant", "content": ch.content}
@@ -281,7 +307,7 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
             call = await streamed(job)
             return StreamingResponse(tracked(call, completion_events(call, req, cid, created, usage)),
                                      media_type="text/event-stream")
-        res = await front.run(job)
+        res = await unless_stopped(front.run(job))
 
         def lp(ch: Choice):
             if req.logprobs is None:
@@ -300,6 +326,8 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         """Counters for a server left running (`mtrain serve`): open and expired sessions, calls and streams."""
         return {"sessions_open": len(front.sessions), "sessions_expired": front.sessions.expired,
                 "sessions_max": front.sessions.max_sessions, "sessions_ttl_s": front.sessions.ttl_s,
+                "session_max_tokens": front.sessions.max_session_tokens,
+                "sessions_refused_full": front.sessions.refused_full,
                 "requests_running": app.state.running, "streams_open": len(app.state.streams)}
 
     @app.get("/v1/models")

@@ -64,6 +64,7 @@ class Session:
     reward: float | None = None
     calls: int = 0
     closed: bool = False
+    recorded_tokens: int = 0  # every branch's trajectory tokens (what the session holds); bounded by the store
     rid_prefix: str = ""  # the engine rids of this session's calls start with it (the pool aborts by prefix)
     last_used: float = field(default_factory=time.monotonic)  # for the store's ttl: creation or the latest lookup
 
@@ -89,13 +90,16 @@ def tools_key(tools: list[dict] | None) -> str:
 class SessionStore:
     """Thread-safe: the HTTP loop records while the trainer's thread creates and takes sessions."""
 
-    def __init__(self, max_sessions: int = 100_000, ttl_s: float | None = None):
+    def __init__(self, max_sessions: int = 100_000, ttl_s: float | None = None,
+                 max_session_tokens: int = 4_000_000):
         """ttl_s: a session nobody used (created, looked up by a call or a GET) for this long is dropped, counted
-        in `expired` (`mtrain serve`, where no trainer takes them); None = kept until taken."""
+        in `expired` (`mtrain serve`, where no trainer takes them); None = kept until taken. max_session_tokens:
+        the tokens one session may record (`check_room`); calls refused for it are counted in `refused_full`."""
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+        self.max_sessions, self.ttl_s, self.max_session_tokens = max_sessions, ttl_s, max_session_tokens
         self.expired = 0
+        self.refused_full = 0
         self._swept = time.monotonic()
 
     def _sweep(self, now: float) -> None:  # under the lock
@@ -133,6 +137,31 @@ class SessionStore:
             raise FrontError(404, f"session {sid!r} does not exist (create one with POST /sessions)",
                              param="session_id", code="session_not_found")
         return s
+
+    def check_room(self, s: Session) -> None:
+        """Refuse a call on a session that has recorded `max_session_tokens` already (409 session_full): an agent
+        looping on one session must not grow the server's memory without bound."""
+        if s.recorded_tokens >= self.max_session_tokens:
+            with self._lock:
+                self.refused_full += 1
+            raise FrontError(409, f"session {s.id!r} has recorded {s.recorded_tokens} tokens, its limit "
+                             f"(serve.max_session_tokens={self.max_session_tokens}); start a new session",
+                             param="session_id", code="session_full")
+
+    def set_reward(self, sid: str, reward: float) -> Session:
+        """Attach the session's one reward, under the store's lock: a session deleted or taken (by the trainer)
+        before this runs gets 404, never a 200 for a reward nobody will read; a second reward gets 409."""
+        with self._lock:
+            s = self._sessions.get(sid)
+            if s is not None and not s.closed and s.reward is None:
+                s.reward = reward
+                s.last_used = time.monotonic()
+                return s
+        if s is None or s.closed:
+            raise FrontError(404, f"session {sid!r} does not exist (deleted, taken or expired); its reward is not "
+                             f"kept", param="session_id", code="session_not_found")
+        raise FrontError(409, f"session {sid!r} already has reward {s.reward}; a session takes one reward",
+                         param="reward", code="reward_already_set")
 
     def take(self, sid: str) -> Session:
         """Remove the session and return it (the trainer collects it); later calls on it get 404."""
@@ -215,6 +244,7 @@ def record(session: Session, plan: Plan, messages: list[dict[str, Any]], key: st
                plan.parent.id if plan.parent is not None else None,
                rerendered=plan.rerendered)
     session.branches.append(b)
+    session.recorded_tokens += len(traj.tokens)
     return b
 
 

@@ -13,6 +13,11 @@ json.dumps(ensure_ascii=False). normal_text is the text before the first `<tool_
 Beyond SGLang we report what was dropped (`malformed`: the raw blocks and why), so the rollout can tell the
 model its call was not understood and count the valid-call rate. One deliberate difference: a block holding
 JSON that is not an object (e.g. `[1]`) makes SGLang raise; we drop that block as malformed instead.
+
+Model output is hostile input: a parse takes time linear in the text (blocks are found with `str.find`, never a
+regex that rescans the rest of the text from every unclosed `<tool_call>`), and JSON nested deeper than
+`MAX_JSON_DEPTH` or an integer beyond Python's 4,300-digit limit is a malformed block, never an exception out of
+the parse. SGLang's parser is asked only about texts whose every `<tool_call>` is closed (its regexes rescan).
 """
 from __future__ import annotations
 
@@ -26,6 +31,47 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PARSERS = ("qwen25", "qwen", "hermes")
+MAX_JSON_DEPTH = 64  # nesting of a tool call's JSON ([ and {); deeper is malformed (json.loads would recurse)
+_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+
+
+def json_too_deep(raw: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Does `raw` nest [ and { (outside strings) deeper than `limit`? One pass over its structural characters."""
+    depth, in_string, skip = 0, False, -1
+    for m in _STRUCTURE.finditer(raw):
+        i, c = m.start(), m.group()
+        if i == skip:  # the character right after a backslash inside a string
+            continue
+        if in_string:
+            if c == "\\":
+                skip = i + 1
+            elif c == '"':
+                in_string = False
+            continue
+        if c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in "]}":
+            depth -= 1
+    return False
+
+
+def load_json(raw: str) -> tuple[Any, str | None]:
+    """(value, None), or (None, why) for text that is not JSON a tool call may carry: invalid, nested deeper than
+    MAX_JSON_DEPTH, or holding an integer past Python's digit limit. Never raises."""
+    if json_too_deep(raw):
+        return None, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so is the integer digit limit
+        return None, f"invalid JSON: {e}"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -54,18 +100,29 @@ def _base_json(action: Any, names: set[str]) -> tuple[list[ToolCall], list[tuple
     calls, bad = [], []
     for act in action if isinstance(action, list) else [action]:
         if not isinstance(act, dict):
-            raise _WouldRaise(json.dumps(act, ensure_ascii=False))
+            raise _WouldRaise(_dumps(act)[:200])
         name = act.get("name")
         if not (isinstance(name, str) and name and name in names):
-            bad.append((json.dumps(act, ensure_ascii=False), f"unknown tool {name!r}"))
+            bad.append((_dumps(act), f"unknown tool {name!r}"[:200]))
             continue
-        calls.append(ToolCall(name, json.dumps(act.get("parameters") or act.get("arguments", {}), ensure_ascii=False)))
+        calls.append(ToolCall(name, _dumps(act.get("parameters") or act.get("arguments", {}))))
     return calls, bad
 
 
 class _Qwen25:
     bot, eot = "<tool_call>\n", "\n</tool_call>"
-    pattern = re.compile(rf"{re.escape(bot)}(.*?){re.escape(eot)}", re.DOTALL)
+
+    def blocks(self, text: str) -> tuple[list[str], bool]:
+        """The text of each closed block (a `bot` to the first `eot` after it, as a lazy regex would give) and
+        whether a `bot` is left unclosed; linear time."""
+        out, pos = [], 0
+        while (start := text.find(self.bot, pos)) != -1:
+            end = text.find(self.eot, start + len(self.bot))
+            if end == -1:
+                return out, True
+            out.append(text[start + len(self.bot):end])
+            pos = end + len(self.eot)
+        return out, False
 
     def parse(self, text: str, names: set[str]) -> ParseResult:
         idx = text.find(self.bot)
@@ -75,12 +132,11 @@ class _Qwen25:
                 if "<tool_call>" in text else []
             return ParseResult(text, [], bad)
         calls, bad = [], []
-        blocks = self.pattern.findall(text)
+        blocks, _ = self.blocks(text)
         for raw in blocks:
-            try:
-                parsed = json.loads(raw.strip())
-            except json.JSONDecodeError as e:
-                bad.append((raw, f"invalid JSON: {e}"))
+            parsed, why = load_json(raw.strip())
+            if why is not None:
+                bad.append((raw, why))
                 continue
             try:
                 c, b = _base_json(parsed, names)
@@ -96,23 +152,31 @@ class _Qwen25:
 
 
 class _Hermes:
-    bot = "<tool_call>"
-    pattern = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+    bot, eot = "<tool_call>", "</tool_call>"
+
+    def blocks(self, text: str) -> tuple[list[str], bool]:
+        """Each block's text (to the first `eot` after its `bot`; a last unclosed one runs to the end of the text)
+        and whether the last is unclosed; linear time."""
+        out, pos = [], 0
+        while (start := text.find(self.bot, pos)) != -1:
+            end = text.find(self.eot, start + len(self.bot))
+            if end == -1:
+                out.append(text[start + len(self.bot):])
+                return out, True
+            out.append(text[start + len(self.bot):end])
+            pos = end + len(self.eot)
+        return out, False
 
     def parse(self, text: str, names: set[str]) -> ParseResult:
         idx = text.find(self.bot)
         if idx == -1:
             return ParseResult(text, [])
         calls, bad = [], []
-        for m in self.pattern.findall(text):
-            raw = m[0] or m[1]
+        for raw in self.blocks(text)[0]:
             if not raw:
                 continue
-            try:
-                parsed = json.loads(raw.strip())
-            except json.JSONDecodeError as e:
-                why = f"invalid JSON: {e}"
-            else:
+            parsed, why = load_json(raw.strip())
+            if why is None:
                 try:
                     c, b = _base_json(parsed, names)
                     calls += c
@@ -167,7 +231,7 @@ class ToolCallParser:
 
     def parse(self, text: str) -> ParseResult:
         ours = self._ours.parse(text, self.names)
-        if self._sglang is None:
+        if self._sglang is None or self._ours.blocks(text)[1]:  # unclosed: SGLang's regex would be quadratic
             return ours
         try:
             normal, items = self._sglang.parse_non_stream(text)

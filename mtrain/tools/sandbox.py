@@ -8,10 +8,12 @@ Each call gets:
 - rlimits set in the child before exec: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
   (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; and processes (RLIMIT_NPROC);
 - a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
-  /tmp, /dev/shm, ...), counted while it runs; beyond it the call is killed;
+  /tmp, /dev/shm, ...; plus files its processes hold open after unlinking them, and memfds), counted while it
+  runs; beyond it the call is killed;
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
-- when we run as root: a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
+- when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
+  queues end with the call), and a uid of its own (not in /etc/passwd, one per concurrent call), so RLIMIT_NPROC counts
   only this call's processes (a fork bomb hits the cap at once), the code cannot write the trainer's files, and
   after the call every process still owned by that uid is killed, even one that left the process group with
   setsid(); its files in the shared temporary directories are deleted and the zombies it left that are ours
@@ -29,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +40,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrain.tools.sandbox_fs import chown_tree, private_dirs, remove_owned, written
+from mtrain.tools.sandbox_fs import chown_tree, nameless_bytes, private_dirs, remove_owned, remove_tree, written
 
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
 _UID_SLOTS = 256
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
+_uids_clean: set[int] | None = None  # uids seen to own nothing in the shared temporary directories (None: not swept)
 _DISK_POLL_S = 0.05  # how often a running call's written bytes and files are counted
 
 
@@ -167,10 +169,41 @@ def _acquire_uid(own_uid: bool) -> int | None:
         order = [_UID_BASE + (start + k) % _UID_SLOTS for k in range(_UID_SLOTS)]
         for free in (lambda pids: not pids, lambda pids: not _live(pids)):
             for uid in order:
-                if uid not in _uids_in_use and free(processes_of_uid(uid)):
+                if uid not in _uids_in_use and free(processes_of_uid(uid)) and _clean(uid):
                     _uids_in_use.add(uid)
                     return uid
     raise RuntimeError(f"sandbox: all {_UID_SLOTS} sandbox uids are busy")
+
+
+def _clean(uid: int) -> bool:
+    """Does `uid` own nothing in the shared temporary directories? Before this process hands out its first uid,
+    what every idle sandbox uid left there is removed (a trainer that died mid-call: the next call of any uid must
+    not read it); a uid whose clean-up failed after a call is checked again before its next use, and skipped while
+    anything of it is left. Cleaned on every release."""
+    global _uids_clean
+    if _uids_clean is None:
+        slots = set(range(_UID_BASE, _UID_BASE + _UID_SLOTS))
+        idle = slots - _uids_with_live_processes()
+        _uids_clean = idle - remove_owned(idle)
+    if uid not in _uids_clean:
+        if remove_owned(uid):
+            return False
+        _uids_clean.add(uid)
+    return True
+
+
+def _uids_with_live_processes() -> set[int]:
+    """Uids owning a process that is not a zombie (one pass over /proc)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                uid = os.stat(f"/proc/{d}").st_uid
+            except OSError:
+                continue
+            if _state(int(d)) not in ("Z", "X", None):
+                out.add(uid)
+    return out
 
 
 def _live(pids: list[int]) -> list[int]:
@@ -198,10 +231,12 @@ def _reap(uid: int) -> None:
                 pass
 
 
-def _release_uid(uid: int | None) -> None:
+def _release_uid(uid: int | None, clean: bool) -> None:
     if uid is not None:
         with _uid_lock:
             _uids_in_use.discard(uid)
+            if not clean and _uids_clean is not None:  # checked again (skipped while anything is left) first
+                _uids_clean.discard(uid)
 
 
 def _kill_all(pgid: int, uid: int | None, deadline_s: float = 5.0) -> None:
@@ -236,6 +271,7 @@ def _state(pid: int) -> str | None:
 
 
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -249,6 +285,10 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
     os.setsid()
     if not limits.network and _libc.unshare(_CLONE_NEWNET) != 0:  # before setuid: needs CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWNET) failed")
+    # With a uid of its own (root): an IPC namespace of its own, so SysV shared memory, semaphores and message
+    # queues (and POSIX message queues) the call makes die with its last process; the next call sees none.
+    if uid is not None and _libc.unshare(_CLONE_NEWIPC) != 0:
+        raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWIPC) failed")
     mem = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     cpu = int(limits.cpu_s)
@@ -322,7 +362,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
                 break
             except subprocess.TimeoutExpired:
                 pass
-            b, n = written(scratch, uid)
+            b, n = written(scratch, uid, limits.max_files)
+            if b <= max_bytes:  # plus files open but unlinked, and memfds (memory): on no path, so counted by fd
+                b += nameless_bytes(processes_of_uid(uid) if uid is not None else processes_in_group(proc.pid))
             if b > max_bytes or n > limits.max_files:
                 over_disk = True
                 break
@@ -346,8 +388,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
         if proc is not None and proc.poll() is None:  # an exception between Popen and wait
             _kill_all(proc.pid, uid)
             proc.wait()
-        if uid is not None:  # nothing of the uid runs any more: its files and zombies can go
-            remove_owned(uid)
-            _reap(uid)
-        _release_uid(uid)
-        shutil.rmtree(scratch, ignore_errors=True)
+        clean = False
+        try:  # nothing of the uid runs any more: its files and zombies can go
+            clean = remove_tree(scratch)
+            if uid is not None:
+                clean = not remove_owned(uid) and clean
+                _reap(uid)
+        finally:  # whatever the clean-up met, the uid is free again (and checked before it is reused)
+            _release_uid(uid, clean)

@@ -8,11 +8,15 @@ its own (root) everything the call created in the shared directories is found by
 files is stopped, and `remove_owned()` deletes it after the call, so the next call (often the same uid) cannot
 read it. Without root the call's files in the shared directories cannot be told from the trainer's: only the
 scratch directory is counted and removed.
+
+Trees are walked and removed by `_visit`: depth-first without recursion, holding one open folder at a time, never
+following a symlink. A call's code may nest folders 100,000 deep (past Python's recursion limit, which `os.walk` and
+`shutil.rmtree` hit at about 1,000, and past PATH_MAX, which any path-based walk hits): neither the counting nor
+the clean-up may fail on what the code made.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -44,9 +48,11 @@ def _shared_roots() -> list[str]:
     return [r for r in SHARED_TMP if os.path.isdir(r) and not os.path.islink(r)]
 
 
-def _owned_entries(uid: int):
-    """(path, lstat) of every entry owned by `uid` in the shared directories. Only folders the uid could write in
-    are searched (world-writable ones, and its own): it cannot have created anything anywhere else."""
+def _owned_entries(uids: int | set[int]):
+    """(path, lstat) of every entry owned by `uids` (one or several) in the shared directories. Only folders the
+    uid could write in are searched (world-writable ones, and its own): it cannot have created anything anywhere
+    else."""
+    uids = {uids} if isinstance(uids, int) else uids
     seen: set[tuple[int, int]] = set()
     todo = _shared_roots()
     while todo:
@@ -61,7 +67,7 @@ def _owned_entries(uid: int):
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if st.st_uid == uid:
+                if st.st_uid in uids:
                     yield e.path, st
                     continue  # the caller walks an owned folder as a whole
                 if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002 and (st.st_dev, st.st_ino) not in seen:
@@ -69,46 +75,166 @@ def _owned_entries(uid: int):
                     todo.append(e.path)
 
 
-def _tree_size(path: str, st: os.stat_result) -> tuple[int, int]:
-    """(bytes, entries) of a file or a folder tree, links not followed."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _blocks(st: os.stat_result) -> int:
+    return st.st_blocks * 512 if st.st_blocks else st.st_size
+
+
+def _open_dir(name: str, dir_fd: int | None, st: os.stat_result, remove: bool) -> int | None:
+    """An fd of folder `name` (relative to `dir_fd`), checked to be the folder `st` describes (not a symlink or a
+    folder swapped in since the lstat); None when it cannot be opened."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        if not remove:
+            return None
+        try:  # a folder the code made unreadable (mode 000) without root: make it ours to empty
+            os.chmod(name, 0o700, dir_fd=dir_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    got = os.fstat(fd)
+    if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _visit(path: str, st: os.stat_result, *, remove: bool, limit: int | None = None) -> tuple[int, int]:
+    """(bytes, entries) of the file or folder tree at `path` (lstat `st`); remove=True also deletes it, files
+    first, each folder once emptied. Depth-first without recursion, one open folder at a time: going down opens
+    the child relative to the parent, going up opens ".." and checks it is the folder we came from (a tree moved
+    while a running call is counted ends the walk there). `limit`: stop counting past this many entries."""
+    total, count = _blocks(st), 1
     if not stat.S_ISDIR(st.st_mode):
-        return st.st_blocks * 512 if st.st_blocks else st.st_size, 1
-    total, count = 0, 1
-    for dirpath, dirnames, filenames in os.walk(path):
-        for n in dirnames + filenames:
+        if remove:
             try:
-                s = os.lstat(os.path.join(dirpath, n))
+                os.unlink(path)
             except OSError:
+                pass
+        return total, count
+    fd = _open_dir(path, None, st, remove)
+    if fd is None:
+        return total, count
+    idents = [(st.st_dev, st.st_ino)]  # per level: the folder's identity, its names not yet seen, its own name
+    try:
+        todo, names = [os.listdir(fd)], [path]
+        while todo:
+            if limit is not None and count > limit:
+                break
+            if todo[-1]:
+                name = todo[-1].pop()
+                try:
+                    s = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                total, count = total + _blocks(s), count + 1
+                if not stat.S_ISDIR(s.st_mode):
+                    if remove:
+                        try:
+                            os.unlink(name, dir_fd=fd)
+                        except OSError:
+                            pass
+                    continue
+                child = _open_dir(name, fd, s, remove)
+                if child is None:
+                    continue
+                os.close(fd)
+                fd = child
+                try:
+                    listing = os.listdir(fd)
+                except OSError:
+                    listing = []
+                idents.append((s.st_dev, s.st_ino))
+                todo.append(listing)
+                names.append(name)
                 continue
-            total += s.st_blocks * 512 if s.st_blocks else s.st_size
-            count += 1
+            todo.pop()
+            idents.pop()
+            name = names.pop()
+            if not todo:
+                break
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            ps = os.fstat(fd)
+            if (ps.st_dev, ps.st_ino) != idents[-1]:
+                break  # moved under us (only a running call can): stop here
+            if remove:
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                except OSError:
+                    pass
+    finally:
+        os.close(fd)
+    if remove:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
     return total, count
 
 
-def written(scratch: Path, uid: int | None) -> tuple[int, int]:
+def remove_tree(path: str | Path) -> bool:
+    """Delete a file or a folder tree of any depth without following symlinks; True when it is gone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    _visit(str(path), st, remove=True)
+    return not os.path.lexists(path)
+
+
+def written(scratch: Path, uid: int | None, max_files: int | None = None) -> tuple[int, int]:
     """(bytes, files and folders) the call has written so far: its scratch tree, plus (own uid) its entries in the
-    shared temporary directories. Bytes are allocated blocks, so a sparse 10 GB file counts what it uses."""
-    total, count = _tree_size(str(scratch), os.lstat(scratch))
+    shared temporary directories. Bytes are allocated blocks, so a sparse 10 GB file counts what it uses.
+    max_files: stop counting once past it (the answer is already "too many")."""
+    total, count = _visit(str(scratch), os.lstat(scratch), remove=False, limit=max_files)
     if uid is not None:
         for path, st in _owned_entries(uid):
+            if max_files is not None and count > max_files:
+                break
             if path == str(scratch):  # the scratch directory itself sits in /tmp: counted above
                 continue
-            b, c = _tree_size(path, st)
+            b, c = _visit(path, st, remove=False, limit=None if max_files is None else max_files - count)
             total, count = total + b, count + c
     return total, count
 
 
-def remove_owned(uid: int) -> int:
-    """Delete every entry `uid` owns in the shared temporary directories (after the call: none of its processes
-    is left to race us). Returns how many top-level entries went."""
-    n = 0
-    for path, st in list(_owned_entries(uid)):
+def nameless_bytes(pids: list[int]) -> int:
+    """Bytes held by files of `pids` that have no name any more: a file unlinked while open, a memfd (memory).
+    Found through /proc/PID/fd (each counted once, by device and inode); the path-based count cannot see them."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
         try:
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-            n += 1
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            pass
-    return n
+            continue
+        for fd in fds:
+            p = f"/proc/{pid}/fd/{fd}"
+            try:
+                if not os.readlink(p).endswith(" (deleted)"):  # memfds read "/memfd:NAME (deleted)"
+                    continue
+                st = os.stat(p)  # the open file itself
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += _blocks(st)
+    return total
+
+
+def remove_owned(uids: int | set[int]) -> set[int]:
+    """Delete every entry `uids` own in the shared temporary directories (after the call: none of its processes
+    is left to race us). Returns the uids that still own something (empty: they left nothing)."""
+    left = set()
+    for path, st in list(_owned_entries(uids)):
+        _visit(path, st, remove=True)
+        if os.path.lexists(path):
+            left.add(st.st_uid)
+    return left

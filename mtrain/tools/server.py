@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from mtrain.tools.base import BaseTool, ToolError, ToolSession, check_arguments, check_schema
+from mtrain.tools.parsers import load_json
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,12 @@ class ToolServer:
         if tool is None:
             return ToolResult(name, False, f"Error: unknown tool {name!r}; available: {sorted(self.tools)}",
                               "unknown_tool")
+        args, why = load_json(arguments) if isinstance(arguments, str) else (arguments, None)
+        if why is not None:  # too deep, too large an integer, or not JSON: the model's mistake, never an exception
+            return ToolResult(name, False, f"Error: arguments of {name}: {why}", "bad_arguments")
         try:
-            args = json.loads(arguments) if isinstance(arguments, str) else arguments
             args = check_arguments(tool.schema, args)
-        except (json.JSONDecodeError, ToolError) as e:
+        except ToolError as e:
             return ToolResult(name, False, f"Error: {e}", "bad_arguments")
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._pool, tool.call, session, args)

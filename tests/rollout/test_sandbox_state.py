@@ -197,3 +197,115 @@ def test_an_api_key_on_the_command_line_is_refused_with_the_remedy(tmp_path):
     assert p.returncode != 0
     assert "serve.api_key: a secret on the command line" in p.stderr and "MTRAIN_API_KEY" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+DEEP = textwrap.dedent("""
+    import os, sys
+    where = sys.stdin.read().strip() or "."
+    os.chdir(where)
+    top = os.path.abspath("deep-" + str(os.getpid()))
+    os.mkdir(top)
+    os.chdir(top)
+    for _ in range(3000):   # deeper than Python's recursion limit: a recursive walk or rmtree raises
+        os.mkdir("d")
+        os.chdir("d")
+    os.symlink("/etc", "link")   # never followed by the clean-up
+    print(top)
+""")
+
+
+@own_uid
+@pytest.mark.parametrize("where", ["", "/tmp", "/dev/shm"])
+def test_deeply_nested_folders_are_removed_and_the_uid_released(where):
+    """Model code nesting 3,000 folders (scratch, /tmp, /dev/shm): the call returns, its trees go, its uid is free
+    again, and the next call is served. Before: RecursionError out of the clean-up, the uid and tree leaked."""
+    from mtrain.tools import sandbox
+    before = set(_sandbox_uid_files())
+    limits = SandboxLimits(wall_s=20.0, cpu_s=10, max_files=100_000)
+    r = run_python(DEEP, limits, stdin=where)
+    assert r.ok and "/deep-" in r.stdout, r
+    assert sandbox._uids_in_use == set()
+    assert not os.path.lexists(r.stdout.strip()) and set(_sandbox_uid_files()) <= before
+    assert os.path.isfile("/etc/passwd")  # the symlink's target is untouched
+    assert PythonTool(LIMITS).call(_session(), {"code": "print('fine')"}) == "fine"
+
+
+PLANTED = textwrap.dedent("""
+    # A trainer that died mid-call left files of every sandbox uid in /dev/shm; a new trainer process starts.
+    import os, sys
+    from mtrain.tools import sandbox
+    for uid in range(sandbox._UID_BASE, sandbox._UID_BASE + sandbox._UID_SLOTS):
+        p = f"/dev/shm/left-planted-{uid}"
+        open(p, "w").write("secret")
+        os.chown(p, uid, uid)
+    r = sandbox.run_python(sys.argv[1], sandbox.SandboxLimits(wall_s=5.0, cpu_s=3))
+    print(r.stdout.strip())
+""")
+
+
+@own_uid
+def test_a_tree_left_by_a_uid_is_removed_before_that_uid_is_handed_out():
+    """What idle sandbox uids own in the shared temporary directories is removed before a process hands out its
+    first uid: no call reads what a dead trainer's calls left."""
+    try:
+        p = subprocess.run([sys.executable, "-c", PLANTED, READ], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=REPO))
+        assert p.returncode == 0 and p.stdout.strip() == "found []", p.stdout + p.stderr
+    finally:
+        for e in os.scandir("/dev/shm"):
+            if e.name.startswith("left-planted-"):
+                os.unlink(e.path)
+
+
+SYSV = textwrap.dedent("""
+    import ctypes, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    KEY, SIZE = 0x6d747231, 1 << 20
+    if sys.argv[-1] == "write" or sys.stdin.read().strip() == "write":
+        shm = libc.shmget(KEY, SIZE, 0o1000 | 0o666)            # IPC_CREAT
+        q = libc.msgget(KEY, 0o1000 | 0o666)
+        addr = libc.shmat(shm, None, 0)
+        ctypes.memmove(addr, b"secret", 6)
+        print("made", shm >= 0, q >= 0)
+    else:
+        shm, q = libc.shmget(KEY, 0, 0), libc.msgget(KEY, 0)
+        print("found", shm >= 0, q >= 0)
+""")
+
+
+@own_uid
+def test_sysv_ipc_made_by_a_call_is_gone_for_the_next():
+    """SysV shared memory and message queues outlive their process on a host; in the call's own IPC namespace
+    they end with it (before: 400 MB of shared memory stayed in RAM and the next call read it back)."""
+    w = run_python(SYSV, LIMITS, stdin="write")
+    assert w.ok and w.stdout.split() == ["made", "True", "True"], w
+    r = run_python(SYSV, LIMITS, stdin="read")
+    assert r.ok and r.stdout.split() == ["found", "False", "False"], r
+
+
+NAMELESS = textwrap.dedent("""
+    import os, sys, time
+    kind = sys.stdin.read().strip()
+    keep = []
+    for i in range(40):          # 40 x 4 MB, each on no path: past the 32 MB bound
+        if kind == "memfd":
+            fd = os.memfd_create(f"m{i}")
+        else:
+            fd = os.open(f"gone-{i}", os.O_CREAT | os.O_RDWR)
+            os.unlink(f"gone-{i}")
+        os.write(fd, b"x" * (4 << 20))
+        keep.append(fd)
+        time.sleep(0.02)
+    time.sleep(2)
+    print("not stopped")
+""")
+
+
+@pytest.mark.parametrize("kind", ["memfd", "unlinked"])
+def test_files_without_a_name_count_toward_the_write_bound(kind):
+    """A memfd or a file unlinked while open is on no path: counted through the processes' open files (before:
+    160 MB held without the call being stopped)."""
+    r = run_python(NAMELESS, SandboxLimits(wall_s=20.0, cpu_s=10, max_disk_mb=32, max_file_mb=8), stdin=kind)
+    assert r.over_disk and "not stopped" not in r.stdout, r
+    assert PythonTool(LIMITS).call(_session(), {"code": "print('fine')"}) == "fine"

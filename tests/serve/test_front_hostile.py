@@ -155,3 +155,71 @@ def test_a_seed_beyond_int64_is_a_400_not_an_engine_failure(server, route, body)
     body["seed"] = 2 ** 63 - 65  # the largest seed whose choices' seeds (seed + j) stay int64
     assert httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "max_tokens": 2, **body},
                       headers=_auth(server)).status_code == 200
+
+
+@pytest.mark.parametrize("end", ["delete", "take"])
+def test_a_reward_arriving_after_its_session_ended_is_a_404(server, end):
+    """The reward's body is still arriving when the session is deleted (DELETE) or taken (the trainer collects
+    it): the reward is answered 404, never 200 for a value nobody will read."""
+    import threading
+    import time
+    sid = _new_session(server)
+    started, answer = threading.Event(), {}
+
+    def body():
+        yield b'{"reward": '
+        started.set()
+        time.sleep(0.5)
+        yield b"1.0}"
+
+    def post():
+        answer["r"] = httpx.post(f"{server.url}/sessions/{sid}/reward", content=body(), timeout=10,
+                                 headers=dict(_auth(server), **{"Content-Type": "application/json"}))
+    t = threading.Thread(target=post)
+    t.start()
+    assert started.wait(5)
+    time.sleep(0.1)
+    if end == "delete":
+        assert httpx.delete(f"{server.url}/sessions/{sid}", headers=_auth(server)).status_code == 200
+    else:
+        taken = server.front.sessions.take(sid)
+    t.join(10)
+    r = answer["r"]
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
+    if end == "take":
+        assert taken.reward is None
+
+
+def test_a_session_past_its_recorded_token_cap_is_refused_openai_shaped(engine, tokenizer):
+    """serve.max_session_tokens: a session that has recorded its cap gets 409 session_full (through the real
+    `openai` client), counted in /metrics; other sessions are served."""
+    from mtrain.rollout.client import LocalClient
+    from mtrain.serve.front import OpenAIFront
+    from mtrain.serve.server import FrontServer
+    from mtrain.serve.sessions import SessionStore
+    front = OpenAIFront(LocalClient(engine), tokenizer, model_name=MODEL, max_positions=512, default_max_tokens=8)
+    front.sessions = SessionStore(max_session_tokens=150)
+    with FrontServer(front) as srv:
+        sid = front.sessions.create().id
+        c = OpenAI(base_url=f"{srv.url}/sessions/{sid}/v1", api_key=srv.api_key, max_retries=0)
+        served = 0
+        with pytest.raises(openai.APIStatusError) as e:
+            for _ in range(50):
+                c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                          max_tokens=8, n=2)
+                served += 1
+        assert e.value.status_code == 409 and e.value.body["code"] == "session_full", e.value.body
+        s = front.sessions.get(sid)
+        assert 150 <= s.recorded_tokens <= 150 + 2 * (len(s.branches[0].trajectory.tokens)) and served >= 1
+        assert s.recorded_tokens == sum(len(b.trajectory.tokens) for b in s.branches)
+        m = httpx.get(f"{srv.url}/metrics", headers=_auth(srv)).json()
+        assert (m["sessions_refused_full"], m["session_max_tokens"]) == (1, 150)
+        other = OpenAI(base_url=f"{srv.url}/sessions/{front.sessions.create().id}/v1", api_key=srv.api_key)
+        assert other.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2).choices
+
+
+def test_max_session_tokens_below_one_is_one_config_line():
+    from mtrain.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="serve.max_session_tokens"):
+        load_config(None, ["model.hf_path=x", "data.task=arithmetic", "serve.max_session_tokens=0"])

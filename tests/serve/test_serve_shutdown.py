@@ -86,3 +86,56 @@ def test_sigint_with_many_streams_ends_each_with_done_or_an_error_event(tmp_path
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _call(url: str, out: list, k: int, stream: bool) -> None:
+    """A call made just before the stop: its answer, a finished result or an OpenAI-shaped error, never a
+    plain-text 500 or a dropped connection."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"count {k}"}], "seed": k, "stream": stream}
+    try:
+        with httpx.stream("POST", f"{url}/chat/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                          json=body) as r:
+            raw = r.read().decode()
+        if r.status_code == 200 and not stream:
+            out.append("finished" if json.loads(raw)["choices"][0]["finish_reason"] else "no finish_reason")
+        elif r.status_code == 200:
+            events = [ln[6:] for ln in raw.splitlines() if ln.startswith("data: ")]
+            last = json.loads(events[-2]) if events and events[-1] == "[DONE]" else json.loads(events[-1])
+            out.append("finished" if events[-1] == "[DONE]" else
+                       f"error event {last.get('error', {}).get('code')}")
+        else:
+            out.append(f"{r.status_code} {json.loads(raw)['error']['code']}")  # plain text fails here
+    except Exception as e:  # noqa: BLE001 - any other end is what the test looks for
+        out.append(f"{type(e).__name__}: {e}")
+
+
+def test_calls_waiting_at_the_stop_get_an_openai_error_and_the_log_no_traceback(tmp_path):
+    """Non-streamed calls and streams still waiting for their first token when the grace period (0 s) ends: each
+    gets a JSON 503 `server_shutting_down` (or its result), the process exits 0 with no traceback in its log."""
+    p, url, lines = _start(tmp_path)
+    try:
+        results: list[str] = []
+        threads = [threading.Thread(target=_call, args=(url, results, k, k % 2 == 1)) for k in range(STREAMS)]
+        for t in threads:
+            t.start()
+        deadline, seen = time.time() + 60, 0
+        while time.time() < deadline and seen < STREAMS // 2:  # calls have reached the server
+            m = httpx.get(f"{url.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": "Bearer k"}).json()
+            seen = m["requests_running"]
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(60)
+        rest, _ = p.communicate(timeout=60)
+        log = "".join(lines) + rest
+        assert p.returncode == 0, log
+        assert len(results) == STREAMS
+        ok = ("finished", "503 server_shutting_down", "error event server_shutting_down")
+        bad = [r for r in results if r not in ok]
+        assert bad == [], f"{bad}\n{log}"
+        assert sum(r != "finished" for r in results) > 0, results  # the stop did cut calls
+        assert "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
