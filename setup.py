@@ -10,7 +10,7 @@ from setuptools import setup
 setup(
     name="mtrain",
     version="0.1.0",
-    python_requires=">=3.11",
+    python_requires=">=3.12",  # megatron-core 0.19 needs 3.12
     packages=[
         "mtrain", "mtrain.layouts", "mtrain.reshard", "mtrain.rollout", "mtrain.models",
         "mtrain.algorithms", "mtrain.data", "mtrain.compat", "mtrain.trainer", "mtrain.tools", "mtrain.rollout.agents",
@@ -18,9 +18,10 @@ setup(
     ],
     package_data={"mtrain": ["configs/*.yaml"]},
     install_requires=[
-        # torch itself is chosen by an extra: `cpu` pins the CPU build (CI, laptops); on a GPU box
-        # the site's CUDA torch is used as it is (BUILD.md).
-        "megatron-core==0.16.1",
+        # torch itself is chosen by an extra: `cpu` pins the version; the README's install adds PyTorch's CPU
+        # index, where `torch==2.13.0` resolves to 2.13.0+cpu (CI, laptops). On a GPU box the site's CUDA torch is
+        # used as it is (BUILD.md). megatron-core 0.19.2 needs torch>=2.6.
+        "megatron-core==0.19.2",
         "transformers==5.12.1",  # the version SGLang 0.5.17 pins; the GPU bundle carries the same
         "safetensors>=0.4",
         "sentencepiece>=0.2",

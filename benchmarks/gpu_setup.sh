@@ -1,7 +1,8 @@
 # Make SGLang 0.5.17, megatron-core and mtrain importable on the GPU machine (no network there).
 # Usage, from the repository root:   source benchmarks/gpu_setup.sh
 # Needs in .gpu/ (git-ignored; carry it to the machine): sglang-0.5.17-device-py312-torch211.tar.xz
-# (the bundle of /work/shared/device) and megatron_core-0.16.1-cp312-*.whl. The machine's image brings
+# (the bundle of /work/shared/device) and megatron_core-VERSION-cp312-*.whl, VERSION as setup.py pins it (BUILD.md
+# has the download command; 0.19.2 needs torch >= 2.6). The machine's image brings
 # Python 3.12, torch 2.11 (CUDA), triton, numpy, safetensors (/work/shared/device/README.md).
 # Sourced, so: no `set -e` (it would leak into the caller's shell); errors `return 1`.
 
@@ -11,23 +12,28 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
 fi
 
 _mt_setup() {
-    local repo site bundle wheel py
+    local repo site bundle wheel py mcore
     repo=$(pwd)
     site=${MTRAIN_SITE:-/tmp/site}
     py=${PYTHON:-python3}
     bundle="$repo/.gpu/sglang-0.5.17-device-py312-torch211.tar.xz"
-    wheel=$(ls "$repo"/.gpu/megatron_core-0.16.1-cp312-*.whl 2>/dev/null | head -n 1)
     if [ ! -f "$repo/mtrain/__init__.py" ]; then
         echo "gpu_setup.sh: run from the mtrain repository root (no mtrain/ in $repo)" >&2; return 1
     fi
+    # The megatron-core version is declared once, in setup.py.
+    mcore=$(grep -o 'megatron-core==[0-9][0-9.]*' "$repo/setup.py" | head -n 1 | cut -d= -f3)
+    if [ -z "$mcore" ]; then
+        echo "gpu_setup.sh: no megatron-core==VERSION pin found in $repo/setup.py" >&2; return 1
+    fi
+    wheel=$(ls "$repo"/.gpu/megatron_core-"$mcore"-cp312-*.whl 2>/dev/null | head -n 1)
     # The machine keeps /tmp while it stays warm, but folders carried with the repository do not reliably stay from
     # one call to the next: what is already unpacked is enough, and .gpu/ is needed only for what is missing.
     if [ ! -f "$site/.mtrain-sglang-bundle" ] && [ ! -f "$bundle" ]; then
         echo "gpu_setup.sh: SGLang is not unpacked in $site and $bundle is missing (carry .gpu/ to this machine)" >&2
         return 1
     fi
-    if [ ! -d "$site/megatron/core" ] && [ -z "$wheel" ]; then
-        echo "gpu_setup.sh: megatron-core is not in $site and .gpu/megatron_core-0.16.1-cp312-*.whl is missing" >&2
+    if [ ! -d "$site/megatron_core-$mcore.dist-info" ] && [ -z "$wheel" ]; then
+        echo "gpu_setup.sh: megatron-core $mcore is not in $site and .gpu/megatron_core-$mcore-cp312-*.whl is missing" >&2
         return 1
     fi
     # 1. SGLang runtime bundle (~5 s); a marker makes a second source on a warm machine free.
@@ -35,8 +41,10 @@ _mt_setup() {
         mkdir -p "$site" && tar -xJf "$bundle" -C "$site" && touch "$site/.mtrain-sglang-bundle" || {
             echo "gpu_setup.sh: unpacking $bundle into $site failed" >&2; return 1; }
     fi
-    # 2. megatron-core, without dependencies (torch etc. come from the image / the bundle).
-    if [ ! -d "$site/megatron/core" ]; then
+    # 2. megatron-core, without dependencies (torch etc. come from the image / the bundle). A warm machine may
+    #    hold another version from an older checkout: it is removed first (pip --target would keep it).
+    if [ ! -d "$site/megatron_core-$mcore.dist-info" ]; then
+        rm -rf "$site/megatron" "$site"/megatron_core-*.dist-info
         "$py" -m pip install -q --no-deps --no-index --no-compile --target "$site" "$wheel" || {
             echo "gpu_setup.sh: installing $wheel failed" >&2; return 1; }
     fi

@@ -21,8 +21,10 @@ from mtrain.layouts.models import canonical_config
 from .errors import CheckpointError, ConvertError, TensorMismatchError
 
 META_FILE = "mtrain_meta.json"
-# Files a dist checkpoint (torch_dist format) cannot be read without.
-DIST_REQUIRED = ("metadata.json", "common.pt", ".metadata")
+# Files a dist checkpoint (torch_dist format) cannot be read without. Its common (non-tensor) state is a
+# `common.pt` beside them up to megatron-core 0.16, and from 0.19 on a "common_state" object inside the torch_dist
+# shards (whose presence and length the .metadata check below covers); 0.19 reads both.
+DIST_REQUIRED = ("metadata.json", ".metadata")
 # Small files that travel with the weights (config, tokenizer, generation settings, chat template).
 _SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 _NOT_SIDE_FILES = {"model.safetensors.index.json", "metadata.json", META_FILE}

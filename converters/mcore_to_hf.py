@@ -4,7 +4,7 @@ One process: Megatron reshards on load, so the checkpoint is loaded into a TP1/P
 (`dist_checkpointing.load` with that model's sharded state dict), then the planner maps Megatron's tensors to
 HF's (MegatronLayout() -> HFLayout(), names and fusions from the layout tables) and the executor streams them,
 bucket by bucket, into a ShardedWriter that publishes the directory atomically. A half-written dist
-checkpoint (no metadata.json/common.pt/.metadata, a missing or short shard file) is refused up front.
+checkpoint (no metadata.json/.metadata, a missing or short shard file) is refused up front.
 """
 from __future__ import annotations
 

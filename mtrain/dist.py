@@ -153,7 +153,7 @@ def init_distributed(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mtrain.compat import cpu_shim, no_te
+    from mtrain.compat import cpu_shim
 
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -171,7 +171,6 @@ def init_distributed(
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         cpu_shim.apply()
-    no_te.apply()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

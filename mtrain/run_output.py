@@ -17,6 +17,12 @@ KNOWN_HARMLESS: tuple[tuple[str, type[Warning], str], ...] = (
     # multi_tensor_*) when Transformer Engine / Apex are absent; mtrain supports running without them.
     (r"Transformer Engine and Apex are not installed", UserWarning, "optional accelerators"),
     (r"Apex is not installed", UserWarning, "optional accelerators"),
+    # megatron-core 0.19's hyper_comm_grid (imported by its model code) logs through absl when absl-py is present
+    # and through the standard logging module otherwise; mtrain reads neither, so absl-py is not needed.
+    (r"absl\.logging is not installed", UserWarning, "megatron-core's optional logging backend"),
+    # megatron-core 0.19 marks its multimodal MimoModelConfig experimental when that module is imported (its
+    # optimizer package imports it); mtrain builds no MIMO model.
+    (r"MimoModelConfig is experimental", UserWarning, "a megatron-core module mtrain does not use"),
     # TransformerConfig's own default cuda_graph_scope="full" triggers its deprecation notice (we set none).
     (r"full scope is deprecated", UserWarning, "megatron-core's default value"),
     # megatron-core's distributed optimizer calls these c10d names; nothing in mtrain does.

@@ -1,9 +1,10 @@
-"""Let megatron-core 0.16.1 run on a CPU-only torch build (tests, CI, the CPU reference loop).
+"""Let megatron-core run where torch sees no GPU (tests, CI, the CPU reference loop).
 
 Megatron-core assumes CUDA everywhere: it allocates with ``device=torch.cuda.current_device()`` or
 ``device="cuda"``, moves tensors with ``.cuda()``, keeps its dropout/init RNG streams in CUDA generators,
 synchronises streams and records events, and checks ``param.type() == "torch.cuda.FloatTensor"``.
-On a CPU build each of those raises "Torch not compiled with CUDA enabled".
+On a CPU build each of those raises "Torch not compiled with CUDA enabled" (a CUDA build with no GPU: "Found no
+NVIDIA driver").
 
 ``apply()`` redirects exactly those calls to the CPU. It is idempotent, does nothing when CUDA is
 available (so it can be called unconditionally), and touches no Megatron source: only attributes of
@@ -13,7 +14,6 @@ torch-function mode that rewrites CUDA device arguments. Every redirect below sa
 Megatron-level traps that are not ``torch.cuda`` calls live elsewhere, where they belong:
 - MLA core attention on the local spec needs k_channels/v_channels: ``mtrain.models.specs``
   (a DotProductAttention subclass handed to the layer spec).
-- TE-absent flags (MLA's HAVE_TE, moe_utils.te_general_gemm): ``mtrain.compat.no_te`` (GPU too).
 - PP with VPP on gloo silently swaps tensors with batched p2p: ``batch_p2p_comm=False`` on CPU in
   ``mtrain.models.builder``.
 - MoE token splits: mtrain uses the alltoall dispatcher (variable-length sequences need it); the

@@ -74,7 +74,8 @@ def _mtp_rows(cfg: dict, k: int, names: MegatronNames, divisible_by: int) -> lis
     mp, hp = f"mtp.layers.{k}.", f"model.layers.{i}."
     kw = dict(region="mtp", layer=k)
     vocab_rule = megatron_vocab_rule(divisible_by)
-    rows = _layer_rows(cfg, i, mp + "transformer_layer.", hp, names, **kw)
+    # megatron-core 0.19 names the MTP depth's inner layer `mtp_model_layer` (0.16: `transformer_layer`).
+    rows = _layer_rows(cfg, i, mp + "mtp_model_layer.", hp, names, **kw)
     rows = [replace(w, sglang=()) for w in rows]
     rows += [
         norm(f"L{i}.enorm", hidden, f"{mp}enorm.weight", f"{hp}enorm.weight", None, **kw),

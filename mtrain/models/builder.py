@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from mtrain.compat import cpu_shim, no_te
+from mtrain.compat import cpu_shim
 from mtrain.models.hf_config import ModelConfigError, dtype_flags, map_hf_config, padded_vocab_size
 from mtrain.models.specs import build_specs, te_available
 
@@ -121,6 +121,8 @@ def make_transformer_config(
         # Sequence parallel saves activation memory with TP>1, but the local spec's WrappedTorchNorm
         # refuses it: on only with Transformer Engine.
         sequence_parallel=use_te and par["tensor_model_parallel_size"] > 1,
+        # Which backend Megatron's own resolvers (0.19's MLA Q/KV-norm resolver) build from: the one the specs use.
+        transformer_impl="transformer_engine" if use_te else "local",
     )
     if use_te and kwargs.get("num_moe_experts"):
         kwargs["moe_grouped_gemm"] = True  # TEGroupedMLP: one grouped GEMM per layer instead of E linears
@@ -150,7 +152,6 @@ def build_model(
     ``on_policy="bitwise"`` (numerics.on_policy) builds the fixed-order layers of mtrain.models.bitwise_layers.
     """
     cpu_shim.apply()
-    no_te.apply()
     if use_te is None:
         use_te = te_available()
     elif use_te and not te_available():
@@ -257,9 +258,9 @@ def model_sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
 
 
 def hybrid_optimizer_classes() -> list:
-    """The optimizer classes a trainer checkpoint written with optim.cpu_offload names in its common.pt
+    """The optimizer classes a trainer checkpoint written with optim.cpu_offload names in its common state
     (megatron-core's HybridDeviceOptimizer keeps cpu_optimizer_cls/gpu_optimizer_cls in its param groups), which
-    megatron's load_common (torch.load, weights_only) refuses unless allowed: megatron-core's choices for them."""
+    megatron reads with torch.load (weights_only) and refuses unless allowed: megatron-core's choices for them."""
     import megatron.core.optimizer as mopt
     return [c for c in {torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, mopt.Adam, mopt.SGD}
             if isinstance(c, type)]

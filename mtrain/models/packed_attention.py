@@ -68,18 +68,23 @@ class PackedDotProductAttention(DotProductAttention):
         query, key, value = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         cu = host_cu_seqlens(packed_seq_params)
+        # Out as [t, heads, v_dim], as TE's THD attention gives it: SelfAttention and MLASelfAttention flatten it to
+        # [t, 1, heads * v_dim] themselves, and megatron-core 0.19's MLA first pads V to the query's head dim for THD
+        # and trims the padding off the last axis of this output, which must therefore be per head.
+        heads = query.shape[1]
         tree = getattr(packed_seq_params, "mtrain_tree", None)
         if tree is not None:  # train.shared_prefix: continuations attend to their group's prompt (tree_attention.py)
             ctx = tree_attention(query, key, value, tree, self.softmax_scale, groups > 1)
-            return ctx.reshape(ctx.shape[0], 1, -1)
+            return ctx.reshape(ctx.shape[0], heads, -1)
         if self.config.context_parallel_size > 1:
-            return self._context_parallel(query, key, value, cu, groups)
+            ctx = self._context_parallel(query, key, value, cu, groups)
+            return ctx.reshape(ctx.shape[0], heads, -1)
         # One varlen flash launch per layer on a GPU, else fused SDPA per sequence (mtrain/models/varlen_attention.py);
         # scores in float32 either way (the flash kernels keep their accumulators in float32, like the parent's
         # attention_softmax_in_fp32).
         ctx = causal_packed_attention(query, key, value, device_cu_seqlens(packed_seq_params, query.device), cu,
                                       int(packed_seq_params.max_seqlen_q), self.softmax_scale)
-        return ctx.reshape(ctx.shape[0], 1, -1)  # [t, 1, heads * v_dim], as SelfAttention expects
+        return ctx.reshape(ctx.shape[0], heads, -1)
 
     def _context_parallel(self, query, key, value, cu: list[int], groups: int) -> torch.Tensor:
         from megatron.core import parallel_state as ps

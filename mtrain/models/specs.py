@@ -1,12 +1,18 @@
 """Layer specs: Transformer-Engine specs when TE imports, Megatron-core's local specs otherwise.
 
-Two local-spec gaps, both filled through the spec's ``core_attention`` slot (the extension point specs
-exist for) instead of patching Megatron:
+Local-spec gaps, filled through the spec's submodule slots (the extension point specs exist for) instead of
+patching Megatron:
 - Multi-Latent Attention: ``MLASelfAttention`` builds its core attention with ``k_channels``/``v_channels``
   (query/key heads are ``qk_head_dim + qk_pos_emb_head_dim`` wide, value heads ``v_head_dim``), which TE's
   attention accepts and the local ``DotProductAttention`` does not: ``MLADotProductAttention``.
 - Packed (THD) sequences, which the local ``DotProductAttention`` refuses: ``PackedDotProductAttention``
   (mtrain/models/packed_attention.py), the core attention of every local layer.
+- MLA without a query LoRA (``q_lora_rank: null``, e.g. DeepSeek-V2-Lite) under ``qk_layernorm``: the model
+  normalises only the KV latent (HF's ``kv_a_layernorm``). megatron-core 0.19 resolves this case with
+  ``QKNormConfigResolver``, which wants a Q norm fused into ``linear_q_proj`` (a norm+linear module the local
+  backend does not have) and refuses the local spec's Q norm as unused. ``LocalMLASelfAttention`` resolves it
+  as 0.16 built it: plain ``linear_q_proj``, no Q norm, the spec's KV norm and plain ``linear_kv_up_proj``;
+  every other case goes to Megatron's resolver.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -44,19 +51,37 @@ class MLADotProductAttention(PackedDotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
+class LocalMLASelfAttention(MLASelfAttention):
+    """MLASelfAttention for the local spec; only the no-query-LoRA norm case differs (module docstring)."""
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        c = self.config
+        if c.q_lora_rank is not None or not c.qk_layernorm or c.qk_l2_norm:
+            return super()._resolve_qk_norm_config(submodules)
+        return dict(
+            linear_q_proj=submodules.linear_q_proj,
+            linear_q_up_proj=IdentityOp,
+            linear_kv_up_proj=submodules.linear_kv_up_proj,
+            q_layernorm=IdentityOp,
+            kv_layernorm=submodules.kv_layernorm,
+        )
+
+
 def _with_local_core_attention(layer_spec: ModuleSpec) -> ModuleSpec:
     """Copy of a TransformerLayer spec whose local core attention is ours: MLADotProductAttention under MLA,
-    PackedDotProductAttention otherwise."""
+    PackedDotProductAttention otherwise; MLA itself becomes LocalMLASelfAttention."""
     attn = layer_spec.submodules.self_attention
     if not isinstance(attn, ModuleSpec) or not hasattr(attn.submodules, "core_attention"):
         return layer_spec
-    ours = MLADotProductAttention if attn.module is MLASelfAttention else PackedDotProductAttention
+    is_mla = attn.module is MLASelfAttention
+    ours = MLADotProductAttention if is_mla else PackedDotProductAttention
     core = attn.submodules.core_attention
     core_module = core.module if isinstance(core, ModuleSpec) else core
     if core_module is not DotProductAttention:
         return layer_spec
     new_attn = dataclasses.replace(
-        attn, submodules=dataclasses.replace(attn.submodules, core_attention=ours)
+        attn, module=LocalMLASelfAttention if is_mla else attn.module,
+        submodules=dataclasses.replace(attn.submodules, core_attention=ours),
     )
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=new_attn)

@@ -68,7 +68,8 @@ Dense MLA layers with TE: pre_mlp_layernorm is IdentityOp and the norm is mlp.li
 
 ## MTP (deepseek_v3, mtp.layers.{k}.)
 enorm.weight, hnorm.weight, eh_proj.weight, final_layernorm.weight: same in both; the inner
-`transformer_layer.*` follows the MoE-layer rows above.
+`mtp_model_layer.*` (megatron-core 0.19; `transformer_layer.*` in 0.16) follows the MoE-layer rows
+above.
 
 ## Model level
 embedding.word_embeddings.weight, decoder.final_layernorm.weight, output_layer.weight: same in both

@@ -362,8 +362,9 @@ def _load_model_and_optimizer(mcore: Path, actor, fmt: str, scheduler: dict, ada
     from megatron.core.utils import unwrap_model
     _allocate_optimizer_state(actor)
     # optim.cpu_offload: the hybrid optimizer's param groups carry its sub-optimizer classes (cpu_optimizer_cls,
-    # gpu_optimizer_cls), which megatron saves in common.pt; its load_common is torch.load with weights_only (torch's
-    # default) and refuses them. Allowed here: exactly the classes this run's own optimizers use.
+    # gpu_optimizer_cls), which megatron saves in its common state (common.pt up to 0.16, inside the shards from
+    # 0.19) and reads with torch.load with weights_only (torch's default), refusing them. Allowed here: exactly the
+    # classes this run's own optimizers use.
     with torch.serialization.safe_globals(_optimizer_classes(actor)):
         state = dist_checkpointing.load(_sharded(actor, is_loading=True, optimizer_format=fmt), str(mcore))
     for i, c in enumerate(unwrap_model(actor.chunks)):

@@ -140,7 +140,6 @@ def test_cli_prints_one_line_and_exits_2(sources, tmp_path, capsys):
 
 @pytest.mark.parametrize("damage, match", [
     ("metadata.json", r"incomplete Megatron dist checkpoint \(half-written\?\): missing metadata\.json"),
-    ("common.pt", r"incomplete Megatron dist checkpoint \(half-written\?\): missing common\.pt"),
     (".metadata", r"incomplete Megatron dist checkpoint \(half-written\?\): missing \.metadata"),
     ("shard", r"shard file __0_0\.distcp is missing"),
     ("truncate", r"__0_0\.distcp: truncated shard"),

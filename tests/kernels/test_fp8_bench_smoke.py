@@ -33,7 +33,15 @@ def test_fp8_kernel_instruction_count_runs_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     g, f = r["general"], r["fast"]
     assert 0 < f["sass_aligned_path"] < g["sass_aligned_path"] <= g["sass"] and f["ptx"] < g["ptx"]
-    assert f["compares"]["sass"] < g["compares"]["sass"] and f["divisions"] == g["divisions"]
+    assert f["divisions"] == g["divisions"]
+    # The compares the fast path drops are a property of the kernel source: PTX (Triton's own output) shows it.
+    # In SASS, ptxas decides per version whether a PTX select becomes SEL or a predicate set (ISETP) guarding the
+    # move. Measured SASS compares + selects, fast vs general: Triton 3.9.0 176+19 vs 203+55; Triton 3.7.1 (the one
+    # PyPI's CUDA torch 2.13 pins) 224+19 vs 206+55. Compares alone flip between versions; their sum with selects,
+    # the SASS measure of that branching, does not.
+    assert f["compares"]["ptx"] < g["compares"]["ptx"], (f["compares"], g["compares"])
+    branching = {k: v["compares"]["sass"] + v["selects"]["sass"] for k, v in (("fast", f), ("general", g))}
+    assert branching["fast"] < branching["general"], (branching, r["triton"])
 
 
 def test_pipelined_launch_compiles_to_async_copies(tmp_path):

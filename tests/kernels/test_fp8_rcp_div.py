@@ -16,6 +16,7 @@ import triton.language as tl
 
 from compiled_script import run_compiled
 from fp8_mantissa_blocks import build, mismatches
+from interpreter_fma import interpreter_fma_rounds_once
 from mtrain.kernels import triton_fp8 as tf
 
 
@@ -32,24 +33,9 @@ class _KwargSpy:
         return launch
 
 
-@triton.jit
-def _fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
-    tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(b_ptr), tl.load(c_ptr)))
-
-
-def _interpreter_fma_rounds_once() -> bool:
-    """1.015625 * 5.868765e-08 + 1 lies just above a float32 midpoint that float64 arithmetic rounds onto: a
-    single rounding gives 1 + 2**-23, a float64 multiply-add then a float32 cast gives 1.0 (older Triton
-    interpreters did that; 3.9's rounds once, as the GPU)."""
-    a = torch.tensor([1.015625]), torch.tensor([5.868765e-08]), torch.tensor([1.0])
-    out = torch.empty(1)
-    _fma_kernel[(1,)](*a, out)
-    return float(out) == float(torch.tensor(1.0).nextafter(torch.tensor(2.0)))
-
-
 @pytest.fixture
 def spy(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreter_fma_rounds_once():
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_fma_rounds_once():
         pytest.skip("this Triton's interpreter rounds tl.fma twice; the kernel's exact remainder needs one rounding")
     s = _KwargSpy(tf._fp8_blocks_kernel)
     monkeypatch.setattr(tf, "_fp8_blocks_kernel", s)

@@ -1,6 +1,6 @@
 """Rollout routing replay (R3) on megatron-core: every MoE router of the trainer uses the engine's experts.
 
-megatron-core 0.16.1's extension point: with `moe_enable_routing_replay` each `TopKRouter` owns a `RouterReplay`
+megatron-core's extension point: with `moe_enable_routing_replay` each `TopKRouter` owns a `RouterReplay`
 (moe/router_replay.py) whose `get_replay_topk` returns `target_topk_idx` (action REPLAY_FORWARD) or pops the
 oldest of `replay_backward_list` (REPLAY_BACKWARD), gathering the router's own scores at those ids, so the
 combine weights stay differentiable. We drive those instances directly, per router, never through the class-wide
