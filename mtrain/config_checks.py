@@ -236,7 +236,7 @@ def _check_lora(cfg: RunConfig) -> None:
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
     _check(e.placement != "separate", "engine.placement", "separate with LoRA is not supported: its sync "
-           "(trainer/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
+           "(trainer/publishers/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
     _check(cfg.rollout.async_mode != "stream", "rollout.async",
            "stream with LoRA is not supported: a sync loads the new adapter and unloads the old one only when no "
            "request names it, and stream pauses those requests in place until the sync ends; use off or one_step")

@@ -79,7 +79,7 @@ def split_ranks(cfg, world: int) -> JobSplit:
 
 
 def check_placement_runs(split: JobSplit, cfg=None) -> None:
-    """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/separate.py): one
+    """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/placement.py): one
     destination rank per engine (the reference engine, or SGLang at engine.tp=1), and none of the features whose
     collectives span the whole job (partial rollout, agents, PPO's critic, distillation, routing replay, LoRA)."""
     if split.placement != "separate" or cfg is None:

@@ -97,16 +97,17 @@ def _offload_steps(rank, world, hf, run_dir, offload):
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **{"engine.offload_train": offload,
                                                                     "train.steps": 2})))
     seen = {}
-    rollout = t._rollout
+    rollout = t.generate
 
     def during_rollout(*a, **k):  # while the engines generate, the offloaded storages hold no bytes
         from mtrain.trainer.learner.offload import _storages
-        seen["sizes"] = [s.untyped_storage().nbytes() for s in _storages(t.actor)] if not t.offload.offloaded \
-            else [h[0].untyped_storage().nbytes() for h in t.offload._held]
+        seen["sizes"] = [s.untyped_storage().nbytes() for s in _storages(t.actor)] if not t.learner.offload.offloaded \
+            else [h[0].untyped_storage().nbytes() for h in t.learner.offload._held]
         return rollout(*a, **k)
 
-    t._rollout = during_rollout
+    t.generate = during_rollout  # the generation function every source calls
     records = [t.train_step() for _ in range(2)]
+    t.generate = rollout
     local_params = sum(p.numel() for c in t.actor.chunks for p in c.parameters())
     t.close()
     return records, seen["sizes"], local_params

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
-from mtrain.trainer.generation.rollouts import RolloutResult, run_multi_turn_rollout, run_rollout
+from mtrain.trainer.generation.rollouts import RolloutResult
+from mtrain.trainer.sources.base import step_seed
 
 ONE_STEP_STALENESS = 1
 # run_dir file: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart
@@ -50,13 +51,8 @@ def rollout_for_step(trainer, pool: RolloutPool, step: int, samples=None) -> Rol
     ahead = getattr(trainer, "async_rollout", None)
     if ahead is not None:  # the ledger of trained prompts (LEDGER)
         ahead.drawn[step] = [s.index for s in samples]
-    kw = dict(n=cfg.rollout.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
-              rid_prefix=f"s{step}", max_positions=trainer.max_positions,
-              max_new_tokens=length_budget(cfg.rollout, step))
-    if trainer.rollout_fn is not None:
-        return run_multi_turn_rollout(pool, trainer.tokenizer, samples, cfg, trainer.reward_fn, trainer.tools,
-                                      trainer.rollout_fn, **kw)
-    return run_rollout(pool, trainer.tokenizer, samples, cfg, trainer.reward_fn, **kw)
+    return trainer.generate(pool, samples, n=cfg.rollout.samples_per_prompt, seed=step_seed(cfg, step),
+                            prefix=f"s{step}", max_new_tokens=length_budget(cfg.rollout, step))
 
 
 def lag_metrics(res: RolloutResult, step: int) -> dict[str, float]:
@@ -122,6 +118,25 @@ class OneStepRollout:
         self.ledger.parent.mkdir(parents=True, exist_ok=True)
         with open(self.ledger, "a") as f:
             f.write(json.dumps({"step": step + 1, "prompts": self.drawn.pop(step)}) + "\n")
+
+    # ---- the RolloutSource role (sources/base.py)
+    def next_batch(self, step: int) -> RolloutResult:
+        return self.step(step, self.trainer.cfg.train.steps)
+
+    def mask_stale(self, batch, step: int) -> dict[str, float]:
+        return offpolicy_mask(batch, step, self.trainer.cfg.rollout)
+
+    def before_publish(self) -> dict[str, float]:
+        return self.wait()  # the engines keep weights N until the next step's rollout is done
+
+    def publish(self, publisher, version: int) -> dict[str, float]:
+        return publisher.publish(version)
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler_state()}  # a pending rollout's prompts are drawn again
+
+    def load_state_dict(self, state: dict, path) -> None:
+        self.trainer.sampler.load_state_dict(state["sampler"])
 
     def sampler_state(self) -> dict:
         """What a checkpoint saves: the sampler as it was before the pending rollout drew its prompts."""
