@@ -23,7 +23,7 @@ def build_roles(t, hf_dir) -> None:
     sync (the publisher) and memory."""
     cfg, d = t.cfg, t.decisions
     lora = lora_spec_of(cfg)
-    t.learner, t.actor = _learner(t) if t.placement.trains else (_no_learner(), None)
+    t.learner, t.actor = _learner(t) if t.placement.trains else (_no_learner(cfg), None)
     t.engine = make_engine(cfg, hf_dir, t.hf_config, d, t.rank) if d.groups.is_leader(t.rank) else None
     # An engine spanning nodes: the first group rank on each further node starts that node's part (docs/design-pool.md)
     t.engine_part = make_engine(cfg, hf_dir, t.hf_config, d, t.rank) if (
@@ -38,9 +38,12 @@ def build_roles(t, hf_dir) -> None:
     t.sync = _publisher(t, lora)
 
 
-def _no_learner():
+def _no_learner(cfg):
+    """An engine rank's learner joins the whole-job collectives of the training ranks' trained models: the
+    policy's, and the critic's with algo.name=ppo (SideModels' extra_models). A teacher or KL reference is frozen:
+    no optimizer, no checkpoint part, nothing to join."""
     from mtrain.trainer.learner.engine_rank import NoLearner
-    return NoLearner()
+    return NoLearner(extra_models=("critic",) if cfg.algo.name == "ppo" else ())
 
 
 def _learner(t):

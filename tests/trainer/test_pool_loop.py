@@ -207,7 +207,7 @@ def _partial_multi_turn_steps(rank, world, hf, run_dir):
             "rollout.partial": "true", "rollout.max_new_tokens": 48}
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
     records = [t.train_step() for _ in range(2)]
-    state = t.partial.state_dict()
+    state = t.source.partial.state_dict()
     t.close()
     return records, state
 

@@ -17,11 +17,15 @@ OPTIMIZER_GATHERS = 2
 
 
 class NoLearner:
-    def __init__(self):
+    """extra_models: the names of the training ranks' further trained models (PPO's "critic"): each has an optimizer
+    built at start and a part of every checkpoint, whose collectives this rank joins."""
+
+    def __init__(self, extra_models: tuple[str, ...] = ()):
+        self.extra_models = tuple(extra_models)
         # get_megatron_optimizer aligns parameter groups over the default group (an all_gather_object of their keys
         # per call of _get_param_groups_and_buffers: the dense chunks', then the expert parameters'): the policy's
         # optimizer is built on the training ranks at this point of their start, so this rank joins with no keys.
-        for _ in range(OPTIMIZER_GATHERS):
+        for _ in range(OPTIMIZER_GATHERS * (1 + len(self.extra_models))):
             dist.all_gather_object([None] * dist.get_world_size(), [])
 
     def begin(self, step: int) -> None:
@@ -37,7 +41,7 @@ class NoLearner:
         pass
 
     def save(self, run_dir: Path, step: int, state: dict) -> None:
-        checkpoint.save_without_model(run_dir, step)  # the training ranks write; this rank joins their collectives
+        checkpoint.save_without_model(run_dir, step, self.extra_models)  # the training ranks write; this rank joins their collectives
 
     def load(self, path: Path) -> dict:
-        return checkpoint.load_without_model(path)  # the training ranks' load runs collectives over the job
+        return checkpoint.load_without_model(path, self.extra_models)  # the training ranks' load runs collectives over the job
