@@ -48,7 +48,6 @@ def _no_learner(cfg):
 
 def _learner(t):
     from mtrain.trainer.learner.actor import Actor
-    from mtrain.trainer.learner.advantages import CriticGAE, GroupBaseline
     from mtrain.trainer.learner.offload import TrainOffload
     from mtrain.trainer.learner.policy import DropUniformGroups, KeepAllGroups, NoReference, PolicyLearner
     from mtrain.trainer.learner.side_models import SideModels
@@ -69,13 +68,22 @@ def _learner(t):
             print(fit, flush=True)
     # PPO's critic (docs/design-critic-distill.md)
     side = SideModels(cfg, t.rank, t.train_config, load, arch, d.offload_train)
-    estimator = CriticGAE(side.critic_step) if side.critic_step is not None else GroupBaseline(
-        cfg.algo, cfg.rollout.samples_per_prompt)
+    estimator = _estimator(cfg, side)
     groups_filter = DropUniformGroups(cfg) if cfg.algo.filter_uniform_groups else KeepAllGroups()
     learner = PolicyLearner(cfg, actor=actor, reference=reference, estimator=estimator, terms=terms, side=side,
                             offload=offload, groups_filter=groups_filter, memory=None, tokenizer=t.tokenizer,
                             run_dir=t.run_dir, rank=t.rank)
     return learner, actor
+
+
+def _estimator(cfg, side):
+    """The advantage estimator: the critic's GAE (algo.name=ppo), else the group baseline of algo.baseline."""
+    from mtrain.trainer.learner.advantages import CriticGAE, GroupBaseline
+    from mtrain.trainer.learner.leave_one_out import LeaveOneOutBaseline
+    if side.critic_step is not None:
+        return CriticGAE(side.critic_step)
+    baselines = {"group_mean": GroupBaseline, "leave_one_out": LeaveOneOutBaseline}
+    return baselines[cfg.algo.baseline](cfg.algo, cfg.rollout.samples_per_prompt)
 
 
 def _generation(t, hf_dir):
