@@ -173,7 +173,8 @@ class Trainer:
         while self.step < cfg.train.steps:
             t = time.perf_counter()
             m = self.train_step()
-            m.update({"time/step": time.perf_counter() - t, **self.memory.take_seconds()})  # the leader's own; eval not counted
+            # the leader's own; eval not counted
+            m.update({"time/step": time.perf_counter() - t, **self.memory.take_seconds()})
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 m.update(self.evaluate())
             if self.metrics:

@@ -50,7 +50,7 @@ def test_estimator_spreads_over_response_tokens_and_skips_filler_rows():
     cfg = SimpleNamespace(adv_norm="none", adv_eps=1e-6)
     adv, _ = LeaveOneOutBaseline(cfg, 2)(SimpleNamespace(rewards=rewards, response_mask=mask), rows=4)
     assert adv.shape == (4, 3)  # rows past `rows` (the uniform-group filter's filler) are not estimated
-    want = torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0], [-1.0, -1.0, -1.0], [0, 1.0, 1.0]], dtype=torch.float64)  # r_i - r_other
+    want = torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0], [-1.0, -1.0, -1.0], [0, 1.0, 1.0]], dtype=torch.float64)
     assert torch.equal(adv, want)
 
 

@@ -146,11 +146,11 @@ def _partial_steps(rank, world, hf, run_dir):
 
     t.partial.step = seen
     t.run()
-    out["buffer"] = t.partial.state_dict()
+    out["buffer"] = t.source.partial.state_dict()
     t.close()
     # a restart resumes the buffer from the checkpoint, unfinished samples and all
     t2 = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
-    out["resumed_buffer"] = t2.partial.state_dict()
+    out["resumed_buffer"] = t2.source.partial.state_dict()
     out["resumed_step"] = t2.step
     out["latest"] = checkpoint.find_latest(run_dir).name
     t2.close()

@@ -41,7 +41,9 @@ class NoLearner:
         pass
 
     def save(self, run_dir: Path, step: int, state: dict) -> None:
-        checkpoint.save_without_model(run_dir, step, self.extra_models)  # the training ranks write; this rank joins their collectives
+        # the training ranks write; this rank joins their collectives
+        checkpoint.save_without_model(run_dir, step, self.extra_models)
 
     def load(self, path: Path) -> dict:
-        return checkpoint.load_without_model(path, self.extra_models)  # the training ranks' load runs collectives over the job
+        # the training ranks' load runs collectives over the job
+        return checkpoint.load_without_model(path, self.extra_models)
