@@ -41,16 +41,14 @@ ONE_STEP_STALENESS = 1
 LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
 
 
-def rollout_for_step(trainer, pool: RolloutPool, step: int, samples=None) -> RolloutResult:
+def rollout_for_step(trainer, pool: RolloutPool, step: int, drawn: dict, samples=None) -> RolloutResult:
     """Step `step`'s prompts (the sampler's next batch, or `samples` already drawn), seeds and request ids exactly as
     the synchronous loop's, run on `pool`: an async run differs from a synchronous one only in the weights that
     generated."""
     cfg = trainer.cfg
     if samples is None:
         samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
-    ahead = getattr(trainer, "async_rollout", None)
-    if ahead is not None:  # the ledger of trained prompts (LEDGER)
-        ahead.drawn[step] = [s.index for s in samples]
+    drawn[step] = [s.index for s in samples]  # the ledger of trained prompts (LEDGER)
     return trainer.generate(pool, samples, n=cfg.rollout.samples_per_prompt, seed=step_seed(cfg, step),
                             prefix=f"s{step}", max_new_tokens=length_budget(cfg.rollout, step))
 
@@ -152,7 +150,7 @@ class OneStepRollout:
     def _take(self, step: int) -> RolloutResult:
         p = self._pending
         if p is None:  # nothing generated ahead: the first step, or the first after a restart
-            res = rollout_for_step(self.trainer, self.pool, step)  # (its time is the loop's time/rollout)
+            res = rollout_for_step(self.trainer, self.pool, step, self.drawn)  # (its time is the loop's time/rollout)
         else:
             if p["step"] != step:
                 raise RuntimeError(f"rollout.async: the pending rollout is for step {p['step']}, not {step}")
@@ -173,7 +171,7 @@ class OneStepRollout:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                box["result"] = rollout_for_step(self.trainer, self.pool, step)
+                box["result"] = rollout_for_step(self.trainer, self.pool, step, self.drawn)
             except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()/take()
                 box["error"] = e
             box["seconds"] = time.perf_counter() - t0

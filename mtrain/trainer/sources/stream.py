@@ -116,7 +116,7 @@ class StreamRollout(OneStepRollout):
                     samples = [self.trainer.train_set[i] for i in self.trainer.sampler.next_batch()]
                 span = [time.perf_counter(), None]
                 self._busy.append(span)
-                res = rollout_for_step(self.trainer, self.pool, s, samples=samples)
+                res = rollout_for_step(self.trainer, self.pool, s, self.drawn, samples=samples)
                 span[1] = time.perf_counter()
                 res.metrics["time/rollout_generated_ahead"] = span[1] - span[0]
                 with self._cv:
