@@ -81,16 +81,16 @@ def split_ranks(cfg, world: int) -> JobSplit:
 def check_placement_runs(split: JobSplit, cfg=None) -> None:
     """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/placement.py): one
     destination rank per engine (the reference engine, or SGLang at engine.tp=1), and none of the features not yet
-    run with engines on ranks of their own (partial rollout, agents, routing replay, LoRA). PPO's critic and
-    distillation run: learner parts live on the training ranks only, and the engine ranks' NoLearner joins the
-    critic's whole-job collectives (docs/design-trainer.md)."""
+    run with engines on ranks of their own (agents, routing replay, LoRA). PPO's critic and distillation run: learner
+    parts live on the training ranks only, and the engine ranks' NoLearner joins the critic's whole-job collectives;
+    partial rollout runs: its buffer is the source's, the same on every rank (docs/design-trainer.md)."""
     if split.placement != "separate" or cfg is None:
         return
     e = cfg.engine
     if e.tp > 1 and e.kind != "reference":
         raise _fail("engine.tp", f"{e.tp} with engine.placement=separate is not available in this build (engines of "
                                  "one rank each; SGLang at engine.tp=1 or the reference engine)")
-    refused = [("rollout.partial", cfg.rollout.partial), ("serve.agent", cfg.serve.agent is not None),
+    refused = [("serve.agent", cfg.serve.agent is not None),
                ("algo.routing_replay", cfg.algo.routing_replay != "off"), ("model.lora.targets", bool(cfg.model.lora.targets))]
     for key, on in refused:
         if on:

@@ -130,10 +130,10 @@ def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
     does before any process group (preflight reads torchrun's WORLD_SIZE)."""
     import sys
     overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
-                                                           "parallel.tp": 1, "rollout.partial": "true"})
+                                                           "parallel.tp": 1, "algo.routing_replay": "trainer"})
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
         env=dict(env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == ("mtrain: error: ConfigError: rollout.partial: is not available with "
+    assert p.stderr.strip() == ("mtrain: error: ConfigError: algo.routing_replay: is not available with "
                                 "engine.placement=separate in this build (placement=separate: training ranks 0-1 (2), "
                                 "engine ranks 2-3 (2: 2 engine(s) of tp 1)); use engine.placement=colocated")

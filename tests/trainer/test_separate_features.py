@@ -1,6 +1,7 @@
-"""Learner parts under engine.placement=separate: PPO's critic and on-policy distillation live on the training ranks
-only; the engine rank holds no model (learner/engine_rank.py) and joins the critic's whole-job collectives
-(optimizer construction, checkpoint save). torchrun with 3 gloo ranks: 2 training ranks (TP2) and 1 engine rank
+"""Features under engine.placement=separate that once were refused. Learner parts (PPO's critic, on-policy
+distillation) live on the training ranks only; the engine rank holds no model (learner/engine_rank.py) and joins the
+critic's whole-job collectives (optimizer construction, checkpoint save). Partial rollout is a source: every rank
+holds the same buffer (the pool hands every rank every group), the engine rank included. torchrun with 3 gloo ranks: 2 training ranks (TP2) and 1 engine rank
 (reference engine), the tiny model in float32, 2 steps, a checkpoint after step 2. Step 1's engine-vs-trainer
 logprob gap is held to 1e-5: the engine generated with exactly the weights the trainer scores with."""
 from __future__ import annotations
@@ -42,3 +43,15 @@ def test_distillation_with_separate_engines(models, tmp_path):
     recs = _two_steps(models[0], tmp_path / "run", tmp_path, **{"algo.distill.teacher_path": models[1]})
     for s in (1, 2):
         assert recs[s]["distill/reverse_kl"] > 0.0
+
+
+def test_partial_rollout_with_separate_engines(models, tmp_path):
+    run = tmp_path / "run"
+    recs = _two_steps(models[0], run, tmp_path, **{"rollout.partial": "true", "rollout.over_sample": 2})
+    for s in (1, 2):
+        assert recs[s]["rollout/groups_in_flight"] > 0 and "rollout/buffered_groups" in recs[s]
+    assert recs[1]["rollout/offpolicy_token_frac"] == 0.0
+    # the buffer is in the checkpoint: a relaunch with more steps resumes it on every rank
+    p = launch(base_overrides(models[0], run, **{**SEPARATE3, "rollout.partial": "true", "rollout.over_sample": 2,
+                                                 "train.steps": 3}), tmp_path, timeout=600, nproc=3)
+    assert "at step 2" in p.stdout and sorted(train_records(run)) == [1, 2, 3]
