@@ -39,6 +39,7 @@ def test_ppo_critic_with_separate_engines(models, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "critic").is_dir()
 
 
+@pytest.mark.slow
 def test_distillation_with_separate_engines(models, tmp_path):
     recs = _two_steps(models[0], tmp_path / "run", tmp_path, **{"algo.distill.teacher_path": models[1]})
     for s in (1, 2):
