@@ -91,7 +91,7 @@ def check_placement_runs(split: JobSplit, cfg=None) -> None:
         raise _fail("engine.tp", f"{e.tp} with engine.placement=separate is not available in this build (engines of "
                                  "one rank each; SGLang at engine.tp=1 or the reference engine)")
     refused = [("serve.agent", cfg.serve.agent is not None),
-               ("algo.routing_replay", cfg.algo.routing_replay != "off"), ("model.lora.targets", bool(cfg.model.lora.targets))]
+               ("model.lora.targets", bool(cfg.model.lora.targets))]
     for key, on in refused:
         if on:
             raise _fail(key, f"is not available with engine.placement=separate in this build "

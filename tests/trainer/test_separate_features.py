@@ -56,3 +56,15 @@ def test_partial_rollout_with_separate_engines(models, tmp_path):
     p = launch(base_overrides(models[0], run, **{**SEPARATE3, "rollout.partial": "true", "rollout.over_sample": 2,
                                                  "train.steps": 3}), tmp_path, timeout=600, nproc=3)
     assert "at step 2" in p.stdout and sorted(train_records(run)) == [1, 2, 3]
+
+
+def test_routing_replay_with_separate_engines(tmp_path):
+    """A MoE model (tiny Qwen3-MoE, EP2 over the 2 training ranks): the engine rank's reference engine records every
+    token's routed experts, the pool brings them to the training ranks, whose routers replay them."""
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("qwen3_moe", tmp_path / "hf", seed=0)
+    recs = _two_steps(hf, tmp_path / "run", tmp_path, **{"parallel.tp": 1, "parallel.ep": 2,
+                                                        "algo.routing_replay": "rollout"})
+    for s in (1, 2):
+        assert recs[s]["routing/bytes_per_token"] == 4 * 2 * 1  # 4 layers x top-2, uint8
+        assert 0.0 <= recs[s]["routing/disagreement"] < 0.01, recs[s]
