@@ -81,7 +81,7 @@ def split_ranks(cfg, world: int) -> JobSplit:
 def check_placement_runs(split: JobSplit, cfg=None) -> None:
     """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/placement.py): one
     destination rank per engine (the reference engine, or SGLang at engine.tp=1), and none of the features not yet
-    run with engines on ranks of their own (agents, routing replay, LoRA). PPO's critic and distillation run: learner
+    run with engines on ranks of their own (agents, LoRA). PPO's critic, distillation and routing replay run: learner
     parts live on the training ranks only, and the engine ranks' NoLearner joins the critic's whole-job collectives;
     partial rollout runs: its buffer is the source's, the same on every rank (docs/design-trainer.md)."""
     if split.placement != "separate" or cfg is None:
