@@ -135,7 +135,7 @@ def _partial_steps(rank, world, hf, run_dir):
     cfg = load_config(CONFIG, base_overrides(hf, run_dir, **over))
     t = Trainer(cfg)
     out = {"records": [], "groups": []}
-    rollout = t.partial.step
+    rollout = t.source.partial.step
 
     def seen(*a, **k):  # what every rank trains on: the groups' rewards, in order
         res = rollout(*a, **k)
@@ -144,7 +144,7 @@ def _partial_steps(rank, world, hf, run_dir):
         out.setdefault("versions", []).append([c.versions for c in res.completions])
         return res
 
-    t.partial.step = seen
+    t.source.partial.step = seen
     t.run()
     out["buffer"] = t.source.partial.state_dict()
     t.close()
