@@ -42,11 +42,12 @@ def main() -> int:
     preflight(cfg)
     from mtrain.trainer.loop import Trainer
     trainer = Trainer(cfg)
-    partial = trainer.partial
+    from mtrain.trainer.sources.base import SynchronousSource
+    partial, synchronous = trainer.source, SynchronousSource(trainer)  # the rollout-source role, swapped per block
     out = open(args.out, "w") if trainer.rank == 0 else None
     try:
         for b, (mode, steps) in enumerate(plan):
-            trainer.partial = partial if mode != "s" else None
+            trainer.source = partial if mode != "s" else synchronous
             if mode != "s":
                 cfg.rollout.over_sample = float(mode[1:])  # read by every partial step
             for _ in range(steps):
@@ -59,7 +60,7 @@ def main() -> int:
                                           "wall_s": wall, **m}) + "\n")
                     out.flush()
     finally:
-        trainer.partial = partial
+        trainer.source = partial
         trainer.close()
         if out is not None:
             out.close()
