@@ -4,8 +4,8 @@
 
 Launched by benchmarks/bench_partial_rollout.py (read that for the workload). The config has rollout.partial=true;
 a synchronous step is the trainer's own synchronous path (its rollout source swapped for a `SynchronousSource`
-for that step), so both modes share the process, the engine, its caches, the weights' size and the GPU's state: an interleaved A/B whose repeats
-give the ratio's spread without paying a start-up per repeat. PLAN is a comma list of MODE:STEPS blocks, e.g.
+for that step), so both modes share the process, the engine, its caches, the weights' size and the GPU's state: an
+interleaved A/B whose repeats give the ratio's spread without paying a start-up per repeat. PLAN is a comma list of MODE:STEPS blocks, e.g.
 "s:1,p2:2,s:3,p2:3,p4:3" (s = synchronous; pX = partial with rollout.over_sample X). The partial buffer survives
 the other blocks (its versions age by their steps: see the bench for rollout.max_staleness). Rank 0 writes one JSON line per
 step: the block, the mode, the step's wall time and every metric the trainer logs.
