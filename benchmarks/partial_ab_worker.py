@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 1 benchmarks/partial_ab_worker.py --plan PLAN OUT.jsonl CONFIG.yaml [key=value ...]
 
 Launched by benchmarks/bench_partial_rollout.py (read that for the workload). The config has rollout.partial=true;
-a synchronous step is the trainer's own synchronous path (`Trainer.partial` set aside for that step), so both modes
-share the process, the engine, its caches, the weights' size and the GPU's state: an interleaved A/B whose repeats
-give the ratio's spread without paying a start-up per repeat. PLAN is a comma list of MODE:STEPS blocks, e.g.
+a synchronous step is the trainer's own synchronous path (its rollout source swapped for a `SynchronousSource`
+for that step), so both modes share the process, the engine, its caches, the weights' size and the GPU's state: an
+interleaved A/B whose repeats give the ratio's spread without paying a start-up per repeat. PLAN is a comma list of MODE:STEPS blocks, e.g.
 "s:1,p2:2,s:3,p2:3,p4:3" (s = synchronous; pX = partial with rollout.over_sample X). The partial buffer survives
 the other blocks (its versions age by their steps: see the bench for rollout.max_staleness). Rank 0 writes one JSON line per
 step: the block, the mode, the step's wall time and every metric the trainer logs.
@@ -42,11 +42,12 @@ def main() -> int:
     preflight(cfg)
     from mtrain.trainer.loop import Trainer
     trainer = Trainer(cfg)
-    partial = trainer.partial
+    from mtrain.trainer.sources.base import SynchronousSource
+    partial, synchronous = trainer.source, SynchronousSource(trainer)  # the rollout-source role, swapped per block
     out = open(args.out, "w") if trainer.rank == 0 else None
     try:
         for b, (mode, steps) in enumerate(plan):
-            trainer.partial = partial if mode != "s" else None
+            trainer.source = partial if mode != "s" else synchronous
             if mode != "s":
                 cfg.rollout.over_sample = float(mode[1:])  # read by every partial step
             for _ in range(steps):
@@ -59,7 +60,7 @@ def main() -> int:
                                           "wall_s": wall, **m}) + "\n")
                     out.flush()
     finally:
-        trainer.partial = partial
+        trainer.source = partial
         trainer.close()
         if out is not None:
             out.close()

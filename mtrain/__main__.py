@@ -33,9 +33,8 @@ def _train(args) -> int:
     if done:
         _rank0_print(done)
         return 0
-    from mtrain.trainer.separate import EngineRankTrainer, is_engine_rank
     from mtrain.trainer.loop import Trainer
-    trainer = EngineRankTrainer(cfg) if is_engine_rank(cfg) else Trainer(cfg)  # engine.placement=separate
+    trainer = Trainer(cfg)  # every rank, whatever engine.placement (the roles differ: mtrain/trainer/roles.py)
     try:
         trainer.run()
     except BaseException:

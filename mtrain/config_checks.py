@@ -242,7 +242,7 @@ def _check_lora(cfg: RunConfig) -> None:
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
     _check(e.placement != "separate", "engine.placement", "separate with LoRA is not supported: its sync "
-           "(trainer/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
+           "(trainer/publishers/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
     _check(cfg.rollout.async_mode != "stream", "rollout.async",
            "stream with LoRA is not supported: a sync loads the new adapter and unloads the old one only when no "
            "request names it, and stream pauses those requests in place until the sync ends; use off or one_step")
@@ -322,6 +322,14 @@ def check_critic(cfg: RunConfig) -> None:
     (docs/design-critic-distill.md)."""
     import dataclasses
     a, c = cfg.algo, cfg.critic
+    if a.baseline == "leave_one_out":
+        _check(a.name != "ppo", "algo.baseline", "leave_one_out is a critic-free baseline; algo.name=ppo estimates "
+               "advantages with its critic (GAE): use algo.baseline=group_mean")
+        _check(a.adv_norm in ("group_std", "none"), "algo.baseline",
+               f"leave_one_out with algo.adv_norm={a.adv_norm!r}: it takes group_std or none (batch_std is "
+               "REINFORCE++'s own group-mean baseline)")
+        _check(cfg.rollout.samples_per_prompt >= 2, "algo.baseline",
+               "leave_one_out needs rollout.samples_per_prompt >= 2 (a sample's baseline is its group's others)")
     if a.name == "ppo":
         _check(a.adv_norm in ("batch_std", "none"), "algo.adv_norm",
                f"algo.name=ppo whitens GAE advantages over the batch (batch_std) or not (none), got {a.adv_norm!r} "

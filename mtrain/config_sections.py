@@ -208,6 +208,9 @@ class AlgoConfig:
     kl_coef: float | None = None  # KL(policy || reference) in the loss; 0 = no reference model needed
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
     adv_norm: Literal["group_std", "batch_std", "none"] | None = None
+    # the critic-free baseline: the group's mean reward, or each sample's leave-one-out mean of the others (RLOO,
+    # mtrain/trainer/learner/leave_one_out.py)
+    baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                       "seq_mean_token_sum_norm"] | None = None
     filter_uniform_groups: bool | None = None  # DAPO dynamic sampling: drop groups whose rewards are all equal

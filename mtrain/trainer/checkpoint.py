@@ -117,24 +117,28 @@ def prune_checkpoints(root: Path, keep: int | None) -> list[Path]:
     return old
 
 
-def save_without_model(run_dir: str | Path, step: int) -> None:
+def save_without_model(run_dir: str | Path, step: int, extra: tuple[str, ...] = ()) -> None:
     """`save` on a rank that holds no part of the model (engine.placement=separate: the engine ranks).
 
     megatron-core's dist_checkpointing (0.16.1) takes no process group: its barriers, its sharding-validation
     gathers and torch.distributed.checkpoint's save planning all run over the default group, which spans the whole
     job. So this rank enters exactly the collectives `save` enters, in the same order, with an empty sharded state
     dict (it contributes no shard and writes no file); the training ranks write the model, the optimizer and, on
-    rank 0 (a training rank), trainer_state.pt and COMPLETE. No extra models: separate placement refuses PPO."""
+    rank 0 (a training rank), trainer_state.pt and COMPLETE. extra: the names of the training ranks' further models
+    (PPO's critic), whose saves this rank joins the same way."""
     from megatron.core import dist_checkpointing
     part = Path(run_dir) / "checkpoints" / f".partial_step_{step}"
     dist.barrier()
     with _quiet_common_check():
         dist_checkpointing.save({}, str(part / "mcore"))
+        for name in extra:
+            dist.barrier()
+            dist_checkpointing.save({}, str(part / name))
     dist.barrier()
     dist.barrier()
 
 
-def load_without_model(path: str | Path) -> dict:
+def load_without_model(path: str | Path, extra: tuple[str, ...] = ()) -> dict:
     """`load` on a rank that holds no part of the model (see save_without_model): the same collectives, nothing
     loaded; returns the trainer state (step, sampler) rank 0 saved."""
     from megatron.core import dist_checkpointing
@@ -147,6 +151,8 @@ def load_without_model(path: str | Path) -> dict:
         raise CheckpointError("resuming needs the same optimizer structure on every pipeline stage (a training "
                               "rank's message says which)")
     dist_checkpointing.load({}, str(path / "mcore"))
+    for name in extra:  # the training ranks' further models (save_without_model's extra), in the same order
+        dist_checkpointing.load({}, str(path / name))
     return torch.load(path / "trainer_state.pt", weights_only=False)
 
 

@@ -8,6 +8,7 @@ not from the schedule); the overlap metrics are in metrics.jsonl; the run's conf
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,9 @@ from mtrain.job_split import split_ranks
 def tiny_hf(tmp_path_factory):
     from mtrain.tiny_hf import write_tiny_hf
     return write_tiny_hf("llama", tmp_path_factory.mktemp("hf") / "llama", seed=0)
+
+
+AGENTS = Path(__file__).resolve().parent / "agents_for_tests.py"
 
 
 def test_one_step_torchrun(tiny_hf, tmp_path):
@@ -130,10 +134,11 @@ def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
     does before any process group (preflight reads torchrun's WORLD_SIZE)."""
     import sys
     overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
-                                                           "parallel.tp": 1, "rollout.partial": "true"})
+                                                           "parallel.tp": 1,
+                                                           "serve.agent": f"{AGENTS}:two_turn_digits"})
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
         env=dict(env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == ("mtrain: error: ConfigError: rollout.partial: is not available with "
+    assert p.stderr.strip() == ("mtrain: error: ConfigError: serve.agent: is not available with "
                                 "engine.placement=separate in this build (placement=separate: training ranks 0-1 (2), "
                                 "engine ranks 2-3 (2: 2 engine(s) of tp 1)); use engine.placement=colocated")

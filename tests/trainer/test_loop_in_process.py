@@ -83,22 +83,23 @@ def test_grpo_pp2_invariants_and_engine_weights_move(tiny_llama, tmp_path):
 def _dapo_steps(rank, world, hf, run_dir):
     t = _trainer(hf, run_dir, **{"algo.name": "dapo", "reward.fn": f"{TEST_REWARDS}:odd_answers_only"})
     out = {"records": [], "rewards": []}
-    rollout = t._rollout
+    rollout = t.generate
 
     def scored(*args, **kwargs):  # the rewards every rank receives from the pool, in group order
         res = rollout(*args, **kwargs)
         out["rewards"].append(list(res.rewards))
         return res
 
-    t._rollout = scored
+    t.generate = scored  # the generation function every source calls
     for _ in range(2):
         out["records"].append(t.train_step())
     before = _engine_weights(t.engine) if rank == 0 else None
-    t.reward_fn = t.reward_fn.__globals__["constant"]  # every group uniform: nothing to train on
+    rollout.reward_fn = rollout.reward_fn.__globals__["constant"]  # every group uniform: nothing to train on
     out["records"].append(t.train_step())
     if rank == 0:
         after = _engine_weights(t.engine)
         out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    t.generate = rollout
     t.close()
     return out
 
@@ -186,12 +187,12 @@ def _failures(rank, world, hf, run_dir):
     t.run()
     good = _ckpt_state(run_dir)
     out = {}
-    rewards = t.reward_fn
-    t.reward_fn = t.reward_fn.__globals__.get("raises") or _load(f"{TEST_REWARDS}:raises")
+    rewards = t.generate.reward_fn  # the generation function scores its groups
+    t.generate.reward_fn = rewards.__globals__.get("raises") or _load(f"{TEST_REWARDS}:raises")
     _expect(out, "reward_raises", t.train_step)
-    t.reward_fn = _load(f"{TEST_REWARDS}:not_a_number")
+    t.generate.reward_fn = _load(f"{TEST_REWARDS}:not_a_number")
     _expect(out, "reward_nan", t.train_step)
-    t.reward_fn = rewards
+    t.generate.reward_fn = rewards
     t.cfg.rollout.max_prompt_len = 3
     _expect(out, "prompt_too_long", t.train_step)
     t.cfg.rollout.max_prompt_len = 64

@@ -97,14 +97,14 @@ def _partial_steps(rank, world, hf, data, run_dir):
         t = Trainer(load_config(CONFIG, [f"{k}={v}" for k, v in over.items()]))
         t.run()  # 2 steps, then a checkpoint holding the buffer
         saved = [(g.uid, [(x.tokens, x.vision.pixel_values.clone()) for x in g.trajectories or []])
-                 for g in t.partial.buffer]
-        aborted = sum(x.finish_reason == "abort" for g in t.partial.buffer for x in g.trajectories or [])
+                 for g in t.source.partial.buffer]
+        aborted = sum(x.finish_reason == "abort" for g in t.source.partial.buffer for x in g.trajectories or [])
         t.close()
         if aborted:
             break
     over["train.steps"] = 3
     t = Trainer(load_config(CONFIG, [f"{k}={v}" for k, v in over.items()]))  # resumes from the checkpoint
-    restored = [(g.uid, [(x.tokens, x.vision) for x in g.trajectories or []]) for g in t.partial.buffer]
+    restored = [(g.uid, [(x.tokens, x.vision) for x in g.trajectories or []]) for g in t.source.partial.buffer]
     same = [u for u, _ in saved] == [u for u, _ in restored] and all(
         a == c and isinstance(d, VisionInputs) and torch.equal(b, d.pixel_values)
         for (_, xs), (_, ys) in zip(saved, restored) for (a, b), (c, d) in zip(xs, ys))
@@ -140,8 +140,8 @@ def _single_turn_partial_steps(rank, world, hf, run_dir):
             "reward.fn": f"{REWARD}:right_answer_plus_first_sample"}
     t = Trainer(load_config(CONFIG, [f"{k}={v}" for k, v in over.items()]))
     records = [t.train_step() for _ in range(2)]
-    buffered = [g.vision is not None for g in t.partial.buffer]
-    state = t.partial.state_dict()
+    buffered = [g.vision is not None for g in t.source.partial.buffer]
+    state = t.source.partial.state_dict()
     t.close()
     return records, buffered, [g["vision"] is not None for g in state["buffer"]]
 

@@ -97,16 +97,17 @@ def _offload_steps(rank, world, hf, run_dir, offload):
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **{"engine.offload_train": offload,
                                                                     "train.steps": 2})))
     seen = {}
-    rollout = t._rollout
+    rollout = t.generate
 
     def during_rollout(*a, **k):  # while the engines generate, the offloaded storages hold no bytes
         from mtrain.trainer.learner.offload import _storages
-        seen["sizes"] = [s.untyped_storage().nbytes() for s in _storages(t.actor)] if not t.offload.offloaded \
-            else [h[0].untyped_storage().nbytes() for h in t.offload._held]
+        seen["sizes"] = [s.untyped_storage().nbytes() for s in _storages(t.actor)] if not t.learner.offload.offloaded \
+            else [h[0].untyped_storage().nbytes() for h in t.learner.offload._held]
         return rollout(*a, **k)
 
-    t._rollout = during_rollout
+    t.generate = during_rollout  # the generation function every source calls
     records = [t.train_step() for _ in range(2)]
+    t.generate = rollout
     local_params = sum(p.numel() for c in t.actor.chunks for p in c.parameters())
     t.close()
     return records, seen["sizes"], local_params
@@ -134,7 +135,7 @@ def _partial_steps(rank, world, hf, run_dir):
     cfg = load_config(CONFIG, base_overrides(hf, run_dir, **over))
     t = Trainer(cfg)
     out = {"records": [], "groups": []}
-    rollout = t.partial.step
+    rollout = t.source.partial.step
 
     def seen(*a, **k):  # what every rank trains on: the groups' rewards, in order
         res = rollout(*a, **k)
@@ -143,13 +144,13 @@ def _partial_steps(rank, world, hf, run_dir):
         out.setdefault("versions", []).append([c.versions for c in res.completions])
         return res
 
-    t.partial.step = seen
+    t.source.partial.step = seen
     t.run()
-    out["buffer"] = t.partial.state_dict()
+    out["buffer"] = t.source.partial.state_dict()
     t.close()
     # a restart resumes the buffer from the checkpoint, unfinished samples and all
     t2 = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
-    out["resumed_buffer"] = t2.partial.state_dict()
+    out["resumed_buffer"] = t2.source.partial.state_dict()
     out["resumed_step"] = t2.step
     out["latest"] = checkpoint.find_latest(run_dir).name
     t2.close()
@@ -206,7 +207,7 @@ def _partial_multi_turn_steps(rank, world, hf, run_dir):
             "rollout.partial": "true", "rollout.max_new_tokens": 48}
     t = Trainer(load_config(CONFIG, base_overrides(hf, run_dir, **over)))
     records = [t.train_step() for _ in range(2)]
-    state = t.partial.state_dict()
+    state = t.source.partial.state_dict()
     t.close()
     return records, state
 

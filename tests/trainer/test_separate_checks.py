@@ -34,8 +34,6 @@ def test_training_world_and_layout():
 
 @pytest.mark.parametrize("extra, key", [
     (["engine.kind=sglang", "engine.tp=2"], "engine.tp"),
-    (["algo.name=ppo"], "algo.name"),
-    (["algo.routing_replay=trainer"], "algo.routing_replay"),
 ])
 def test_refused_in_one_line(extra, key):
     try:

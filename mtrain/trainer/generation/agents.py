@@ -28,6 +28,10 @@ def load_agent(spec: str, model_name: str):
 
 
 class AgentRollout:
+    """The `GenerationFunction` of server-based RL: openai-client agents through each leader's front. The agents
+    choose their own sampling (greedy evaluation is theirs to do) and drive the pool given at construction."""
+    reports_tool_metrics = False  # agents' trajectories carry their own metrics
+
     def __init__(self, cfg, pool: RolloutPool, tokenizer, *, max_positions: int, model_name: str):
         from mtrain.serve.openai_agent import FrontRegistry
         from mtrain.serve.api_key import api_key_of
@@ -43,6 +47,9 @@ class AgentRollout:
                         default_max_tokens=s.default_max_tokens, tool_parser=s.tool_parser),
             host=s.host, port=0, api_key=api_key, max_body_bytes=s.max_body_kb << 10,
             max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
+
+    def __call__(self, pool, samples, *, n, seed, prefix, greedy=False, max_new_tokens=None) -> RolloutResult:
+        return self.run(samples, n, prefix)
 
     def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
         from mtrain.serve.openai_agent import agent_group_fn

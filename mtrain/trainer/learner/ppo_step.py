@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 
 from mtrain.algorithms.gae import explained_variance, final_token_rewards, gae_advantages_returns, whiten
 from mtrain.algorithms.masked import masked_mean, masked_var
+from mtrain.dist import train_group
 from mtrain.trainer.batch import RolloutBatch, dp_rows
 
 
@@ -25,6 +26,11 @@ def _scorer_rank() -> bool:
 def world_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of a float64 CPU tensor over the scoring ranks (the others contribute zeros), on every rank."""
     t = t if _scorer_rank() else torch.zeros_like(t)
+    group = train_group()  # separate placement: the training ranks' gloo group (engine ranks score nothing)
+    if group is not None:
+        x = t.clone()
+        dist.all_reduce(x, group=group)
+        return x
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x = t.to(dev)
     dist.all_reduce(x)

@@ -191,9 +191,11 @@ class RouterReplayFeeder:
         counts since the last call (a collective: every rank calls it)."""
         t = torch.stack([self.differ, self.counted]).to(torch.float64)
         if torch.distributed.is_initialized():
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-            t = t.to(dev)
-            torch.distributed.all_reduce(t)
+            from mtrain.dist import train_group
+            group = train_group()  # separate placement: the training ranks' gloo group (engine ranks count nothing)
+            if group is None:
+                t = t.to("cuda" if torch.cuda.is_available() else "cpu")
+            torch.distributed.all_reduce(t, group=group)
         self.differ.zero_()
         self.counted.zero_()
         differ, counted = float(t[0]), float(t[1])

@@ -1,5 +1,6 @@
-"""PPO's critic as the loop sees it: one object called at fixed places (advantages, after the policy's update,
-offload / reload, checkpoint), a no-op at each of them for the critic-free algorithms."""
+"""PPO's critic as the learner sees it: one object called at fixed places (after the policy's update, offload /
+reload, checkpoint), a no-op at each of them for the critic-free algorithms. Its advantages are the learner's
+`CriticGAE` estimator (learner/advantages.py)."""
 from __future__ import annotations
 
 import json
@@ -36,12 +37,6 @@ class SideModels:
 
     def begin(self, step: int) -> None:
         self._step = step
-
-    def advantages(self, batch, rows: int, compute_task):
-        """PPO: GAE with the critic's values; otherwise the algorithm's own (compute_task())."""
-        if self.critic_step is None:
-            return compute_task()
-        return self.critic_step.advantages(batch, rows)
 
     def update(self, minibatches: list, slices: list) -> dict[str, float]:
         if self.critic_step is None:

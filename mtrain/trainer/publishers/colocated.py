@@ -77,6 +77,10 @@ class WeightSync:
                     self.group_pg = pg
         self._senders = None
 
+    def publish(self, version: int) -> dict[str, float]:
+        """The WeightPublisher role (publishers/base.py)."""
+        return self.sync(version=version)
+
     @torch.no_grad()
     def sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()

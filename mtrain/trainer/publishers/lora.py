@@ -54,6 +54,10 @@ class AdapterSync:
         self.adapters = make_sync(lora_layout(base, spec), engine=target, engine_kind="hf", mode="push")
         self.synced = False
 
+    def publish(self, version: int) -> dict[str, float]:
+        """The WeightPublisher role (publishers/base.py)."""
+        return self.sync(version=version)
+
     def sync(self, version: int) -> dict[str, float]:
         later = self.synced
         out = self.adapters.sync(version) if later else _merge(self.first.sync(version), self.adapters.sync(version))

@@ -1,6 +1,6 @@
 """Weight sync of engine.placement=separate (`SeparateSync`, the `WeightSync` interface): the training ranks send each
-engine rank the pieces of their shards it needs (mtrain/reshard/remote.py). Kept apart from mtrain/trainer/separate.py
-(the engine ranks' side of the loop), which builds on the loop: the loop builds this sync."""
+engine rank the pieces of their shards it needs (mtrain/reshard/remote.py); on an engine rank (chunks=None) the same
+object receives into its engine."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +42,10 @@ class SeparateSync:
                                  dtype=dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
                                  device=decisions.device, executor=executor)
         self.delta_on = cfg.sync.delta
+
+    def publish(self, version: int) -> dict[str, float]:
+        """The WeightPublisher role (publishers/base.py)."""
+        return self.sync(version=version)
 
     @torch.no_grad()
     def sync(self, version: int) -> dict[str, float]:

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
-from mtrain.trainer.generation.rollouts import RolloutResult, run_multi_turn_rollout, run_rollout
+from mtrain.trainer.generation.rollouts import RolloutResult
+from mtrain.trainer.sources.base import step_seed
 
 ONE_STEP_STALENESS = 1
 # run_dir file: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart
@@ -40,23 +41,16 @@ ONE_STEP_STALENESS = 1
 LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
 
 
-def rollout_for_step(trainer, pool: RolloutPool, step: int, samples=None) -> RolloutResult:
+def rollout_for_step(trainer, pool: RolloutPool, step: int, drawn: dict, samples=None) -> RolloutResult:
     """Step `step`'s prompts (the sampler's next batch, or `samples` already drawn), seeds and request ids exactly as
     the synchronous loop's, run on `pool`: an async run differs from a synchronous one only in the weights that
     generated."""
     cfg = trainer.cfg
     if samples is None:
         samples = [trainer.train_set[i] for i in trainer.sampler.next_batch()]
-    ahead = getattr(trainer, "async_rollout", None)
-    if ahead is not None:  # the ledger of trained prompts (LEDGER)
-        ahead.drawn[step] = [s.index for s in samples]
-    kw = dict(n=cfg.rollout.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
-              rid_prefix=f"s{step}", max_positions=trainer.max_positions,
-              max_new_tokens=length_budget(cfg.rollout, step))
-    if trainer.rollout_fn is not None:
-        return run_multi_turn_rollout(pool, trainer.tokenizer, samples, cfg, trainer.reward_fn, trainer.tools,
-                                      trainer.rollout_fn, **kw)
-    return run_rollout(pool, trainer.tokenizer, samples, cfg, trainer.reward_fn, **kw)
+    drawn[step] = [s.index for s in samples]  # the ledger of trained prompts (LEDGER)
+    return trainer.generate(pool, samples, n=cfg.rollout.samples_per_prompt, seed=step_seed(cfg, step),
+                            prefix=f"s{step}", max_new_tokens=length_budget(cfg.rollout, step))
 
 
 def lag_metrics(res: RolloutResult, step: int) -> dict[str, float]:
@@ -123,6 +117,25 @@ class OneStepRollout:
         with open(self.ledger, "a") as f:
             f.write(json.dumps({"step": step + 1, "prompts": self.drawn.pop(step)}) + "\n")
 
+    # ---- the RolloutSource role (sources/base.py)
+    def next_batch(self, step: int) -> RolloutResult:
+        return self.step(step, self.trainer.cfg.train.steps)
+
+    def mask_stale(self, batch, step: int) -> dict[str, float]:
+        return offpolicy_mask(batch, step, self.trainer.cfg.rollout)
+
+    def before_publish(self) -> dict[str, float]:
+        return self.wait()  # the engines keep weights N until the next step's rollout is done
+
+    def publish(self, publisher, version: int) -> dict[str, float]:
+        return publisher.publish(version)
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler_state()}  # a pending rollout's prompts are drawn again
+
+    def load_state_dict(self, state: dict, path) -> None:
+        self.trainer.sampler.load_state_dict(state["sampler"])
+
     def sampler_state(self) -> dict:
         """What a checkpoint saves: the sampler as it was before the pending rollout drew its prompts."""
         return self._sampler_before if self._pending is not None else self.trainer.sampler.state_dict()
@@ -137,7 +150,7 @@ class OneStepRollout:
     def _take(self, step: int) -> RolloutResult:
         p = self._pending
         if p is None:  # nothing generated ahead: the first step, or the first after a restart
-            res = rollout_for_step(self.trainer, self.pool, step)  # (its time is the loop's time/rollout)
+            res = rollout_for_step(self.trainer, self.pool, step, self.drawn)  # (its time is the loop's time/rollout)
         else:
             if p["step"] != step:
                 raise RuntimeError(f"rollout.async: the pending rollout is for step {p['step']}, not {step}")
@@ -158,7 +171,7 @@ class OneStepRollout:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                box["result"] = rollout_for_step(self.trainer, self.pool, step)
+                box["result"] = rollout_for_step(self.trainer, self.pool, step, self.drawn)
             except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()/take()
                 box["error"] = e
             box["seconds"] = time.perf_counter() - t0

@@ -72,6 +72,13 @@ class StreamRollout(OneStepRollout):
         self._window = time.perf_counter()
         self._aborts_seen = trainer.engine.aborted_requests if trainer.engine is not None else 0
 
+    def mask_stale(self, batch, step: int) -> dict[str, float]:
+        # whole groups with a too-old token leave the loss (counted)
+        return drop_stale_groups(batch, step, self.trainer.cfg.rollout, self.trainer.cfg.rollout.samples_per_prompt)
+
+    def publish(self, publisher, version: int) -> dict[str, float]:
+        return self.update(publisher, version)  # into the running generation
+
     def sampler_state(self) -> dict:
         with self._sampler_lock:
             if self._before:
@@ -109,7 +116,7 @@ class StreamRollout(OneStepRollout):
                     samples = [self.trainer.train_set[i] for i in self.trainer.sampler.next_batch()]
                 span = [time.perf_counter(), None]
                 self._busy.append(span)
-                res = rollout_for_step(self.trainer, self.pool, s, samples=samples)
+                res = rollout_for_step(self.trainer, self.pool, s, self.drawn, samples=samples)
                 span[1] = time.perf_counter()
                 res.metrics["time/rollout_generated_ahead"] = span[1] - span[0]
                 with self._cv:
@@ -128,7 +135,7 @@ class StreamRollout(OneStepRollout):
         self._busy = [x for x in self._busy if x[1] is None or x[1] > now]
         return {"perf/engine_busy_frac": min(1.0, busy / max(now - start, 1e-9))}
 
-    def update(self, sync, version: int) -> dict[str, float]:
+    def update(self, publisher, version: int) -> dict[str, float]:
         """The weight sync into running engines: pause in place, sync, continue. Every rank, in step."""
         engine = self.trainer.engine
         if self.trainer.cfg.engine.placement == "separate":
@@ -140,7 +147,7 @@ class StreamRollout(OneStepRollout):
         if engine is not None:
             engine.pause_in_place()
         try:
-            out = sync.sync(version=version)
+            out = publisher.publish(version)
         finally:
             if engine is not None:
                 engine.continue_generation()
