@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mtrain.config import ConfigError
 from mtrain.data import load_datasets
-from mtrain.data.rewards import load_reward_fn
+from mtrain.rollout.judge_engine import make_reward_fn
 from mtrain.data.sampler import PromptSampler
 from mtrain.dist import destroy as destroy_distributed, init_distributed
 from mtrain.layouts import model_layout
@@ -100,7 +100,9 @@ class Trainer:
                               f"the model's context (max_position_embeddings={self.max_positions})")
         self.tokenizer = load_tokenizer(hf_dir, self.hf_config, max_pixels=cfg.data.max_pixels)
         self.train_set, self.eval_set = load_datasets(cfg)
-        self.reward_fn = load_reward_fn(cfg.reward.fn)
+        # reward.fn, or the judge of reward.judge on an engine of its own (never in the pool, never synced)
+        self.reward_fn = make_reward_fn(cfg, engine_kind=self.decisions.engine_kind,
+                                        engine_dtype=self.decisions.engine_dtype)
         self.sampler = PromptSampler(len(self.train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
         return hf_dir
@@ -159,7 +161,8 @@ class Trainer:
         published = self.source.publish(self.sync, self.step)
         self.memory.resume_kv_cache()
         out = _reduce_metrics(self.learner.report(local))
-        out.update({"weight_version": self.step, "time/rollout": t1 - t0, **summary, **published, **res.metrics})
+        out.update({"weight_version": self.step, "time/rollout": t1 - t0, **summary, **published, **res.metrics,
+                    **getattr(self.reward_fn, "pop_metrics", dict)()})  # a judge's judge/* counters
         return out
 
     def run(self) -> None:
@@ -188,6 +191,7 @@ class Trainer:
         if self.metrics:
             self.metrics.close()
         self.generate.close()
+        getattr(self.reward_fn, "shutdown", lambda: None)()  # a judge's own engine
         for engine in (self.engine, self.engine_part):
             if engine is not None:
                 engine.shutdown()

@@ -27,6 +27,15 @@ def load_agent(spec: str, model_name: str):
     return agent
 
 
+def _front(front, s):
+    """The front with the session store serve.* bounds (the same as `mtrain serve`'s: the cap of what one session
+    records); sessions are taken by the trainer, so no idle expiry here."""
+    from mtrain.serve.sessions import SessionStore
+
+    front.sessions = SessionStore(max_session_tokens=s.max_session_tokens)
+    return front
+
+
 class AgentRollout:
     """The `GenerationFunction` of server-based RL: openai-client agents through each leader's front. The agents
     choose their own sampling (greedy evaluation is theirs to do) and drive the pool given at construction."""
@@ -43,8 +52,8 @@ class AgentRollout:
         self.agent = load_agent(s.agent, model_name)
         api_key, _ = api_key_of(cfg)
         self.fronts = FrontRegistry(lambda client: FrontServer(
-            OpenAIFront(client, tokenizer, model_name=model_name, max_positions=max_positions,
-                        default_max_tokens=s.default_max_tokens, tool_parser=s.tool_parser),
+            _front(OpenAIFront(client, tokenizer, model_name=model_name, max_positions=max_positions,
+                               default_max_tokens=s.default_max_tokens, tool_parser=s.tool_parser), s),
             host=s.host, port=0, api_key=api_key, max_body_bytes=s.max_body_kb << 10,
             max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
 
