@@ -14,6 +14,7 @@ Megatron's parameters, names, sharded state dicts and parallel layout; only the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -137,6 +138,19 @@ def _norm(spec):
     return spec if module is None or module is IdentityOp else BitwiseRMSNorm
 
 
+def _bitwise_mlp(mlp):
+    """The dense MLP's spec with bitwise fc1/fc2 inside a BitwiseMLP. megatron-core 0.16 gives a ModuleSpec of MLP;
+    0.19 a builder, functools.partial(MLP.as_mlp_submodule, submodules=...), which TransformerLayer calls as is."""
+    fc = {"linear_fc1": BitwiseColumnParallelLinear, "linear_fc2": BitwiseRowParallelLinear}
+    if isinstance(mlp, functools.partial) and getattr(mlp.func, "__self__", None) is MLP:
+        kw = dict(mlp.keywords)
+        kw["submodules"] = dataclasses.replace(kw["submodules"], **fc)
+        return functools.partial(BitwiseMLP.as_mlp_submodule, *mlp.args, **kw)
+    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+        return dataclasses.replace(mlp, module=BitwiseMLP, submodules=dataclasses.replace(mlp.submodules, **fc))
+    raise ValueError("numerics.on_policy=bitwise supports dense models only (no MoE)")
+
+
 def bitwise_layer_spec(layer_spec: ModuleSpec, rope_theta: float) -> ModuleSpec:
     """A local TransformerLayer spec with every computing submodule replaced by its bitwise counterpart."""
     sub = layer_spec.submodules
@@ -149,17 +163,13 @@ def bitwise_layer_spec(layer_spec: ModuleSpec, rope_theta: float) -> ModuleSpec:
         q_layernorm=_norm(attn.submodules.q_layernorm),
         k_layernorm=_norm(attn.submodules.k_layernorm),
     )
-    mlp = sub.mlp
-    if not isinstance(mlp, ModuleSpec) or mlp.module is not MLP:
-        raise ValueError("numerics.on_policy=bitwise supports dense models only (no MoE)")
-    m_sub = dataclasses.replace(mlp.submodules, linear_fc1=BitwiseColumnParallelLinear,
-                                linear_fc2=BitwiseRowParallelLinear)
+    mlp = _bitwise_mlp(sub.mlp)
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
         sub,
         input_layernorm=BitwiseRMSNorm,
         self_attention=dataclasses.replace(attn, submodules=a_sub),
         pre_mlp_layernorm=BitwiseRMSNorm,
-        mlp=dataclasses.replace(mlp, module=BitwiseMLP, submodules=m_sub),
+        mlp=mlp,
     ))
 
 
