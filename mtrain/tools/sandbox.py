@@ -10,6 +10,8 @@ Each call gets:
 - a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
   /tmp, /dev/shm, ...; plus files its processes hold open after unlinking them, and memfds), counted while it
   runs; beyond it the call is killed;
+- a seccomp filter answering the keyring syscalls with ENOSYS (keys outlive processes and are per uid, not per
+  namespace: mtrain/tools/sandbox_keys.py), with no_new_privs (a setuid program gains nothing);
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
 - when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
@@ -40,6 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtrain.tools.sandbox_keys import install_keyring_filter, keyring_filter_available
 from mtrain.tools.sandbox_fs import chown_tree, nameless_bytes, private_dirs, remove_owned, remove_tree, written
 
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
@@ -280,7 +283,7 @@ def network_isolation_available() -> bool:
     return os.geteuid() == 0 and hasattr(_libc, "unshare")
 
 
-def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
+def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int, keys: bool) -> None:
     # Runs in the child between fork and exec: only async-signal-safe-ish calls, no Python-level locks.
     os.setsid()
     if not limits.network and _libc.unshare(_CLONE_NEWNET) != 0:  # before setuid: needs CAP_SYS_ADMIN
@@ -301,9 +304,11 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
         os.setgroups([])
         os.setgid(uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        os.setuid(uid)  # last: after it we could no longer lower limits of our choosing
+        os.setuid(uid)  # after it we could no longer lower limits of our choosing
     else:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if keys:  # keyring syscalls refused from here on (sandbox_keys.py); after setuid: its keyring is the uid's
+        install_keyring_filter()
 
 
 def _read_capped(stream, cap: int, box: list) -> None:
@@ -337,10 +342,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             nproc = _count_processes_of(os.getuid()) + limits.max_procs
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1",
                **tmp_env}
+        keys = keyring_filter_available()
         start = time.monotonic()
         proc = subprocess.Popen([python, "-I", "main.py"], cwd=scratch, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-                                preexec_fn=lambda: _child_setup(limits, uid, nproc))
+                                preexec_fn=lambda: _child_setup(limits, uid, nproc, keys))
         cap = int(limits.max_output_chars) * 4  # bytes: UTF-8 needs up to 4 per character
         out_box: list = []
         err_box: list = []
