@@ -1,6 +1,6 @@
 """Kernel keyrings keep nothing between sandbox calls: a key stored by one call's code (ctypes add_key into the
 user, user-session and session keyrings) is not read back by the next call on the same uid. Before the keyring
-filter (mtrain/tools/sandbox_keys.py) the next call read "secret" back from @u and @us. Real sandboxed calls."""
+filter (mtrain/tools/sandbox_syscalls.py) the next call read "secret" back from @u and @us. Real sandboxed calls."""
 from __future__ import annotations
 
 import ctypes
@@ -91,8 +91,8 @@ def test_syscalls_of_another_abi_are_refused_in_the_sandbox():
     outside = subprocess.run([sys.executable, "-c", INT80_GETPID], capture_output=True, text=True, timeout=60)
     if outside.returncode != 0 or int(outside.stdout) <= 0:
         pytest.skip(f"no i386 ABI on this kernel (int 0x80 getpid: {outside.stdout.strip() or outside.stderr[-200:]})")
-    from mtrain.tools.sandbox_keys import keyring_filter_available
-    if not keyring_filter_available():
-        pytest.skip("no seccomp filter on this kernel: the sandbox runs without the keyring filter")
+    from mtrain.tools.sandbox_syscalls import syscall_filter_available
+    if not syscall_filter_available():
+        pytest.skip("no seccomp filter on this kernel: the sandbox runs without its syscall filter")
     r = run_python(INT80_GETPID, LIMITS)
     assert r.ok and int(r.stdout) == -errno.ENOSYS, r
