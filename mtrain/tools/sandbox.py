@@ -10,9 +10,10 @@ Each call gets:
 - a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
   /tmp, /dev/shm, ...; plus files its processes hold open after unlinking them, and memfds), counted while it
   runs; beyond it the call is killed;
-- a seccomp filter answering the keyring syscalls and the SysV IPC constructors with ENOSYS (keys outlive
-  processes and are per uid, not per namespace; SysV memory is on no path and in no process, so no bound sees it:
-  mtrain/tools/sandbox_syscalls.py), with no_new_privs (a setuid program gains nothing);
+- a seccomp filter answering the keyring syscalls, the SysV IPC constructors and io_uring with ENOSYS (keys
+  outlive processes and are per uid, not per namespace; SysV memory and a ring's registered files are on no path
+  and in no fd table, so no bound sees them: mtrain/tools/sandbox_syscalls.py), with no_new_privs (a setuid
+  program gains nothing);
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
 - when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
@@ -314,7 +315,7 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int, filtered: b
         os.setuid(uid)  # after it we could no longer lower limits of our choosing
     else:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if filtered:  # keyrings and SysV IPC refused from here on (sandbox_syscalls.py); after setuid, so the fresh
+    if filtered:  # keyrings, SysV IPC and io_uring refused from here on (sandbox_syscalls.py); after setuid, so the fresh
         install_syscall_filter()  # session keyring it joins is the sandbox uid's
 
 
