@@ -315,8 +315,10 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int, filtered: b
         os.setuid(uid)  # after it we could no longer lower limits of our choosing
     else:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if filtered:  # keyrings, SysV IPC and io_uring refused from here on (sandbox_syscalls.py); after setuid, so the fresh
-        install_syscall_filter()  # session keyring it joins is the sandbox uid's
+    # keyrings, SysV IPC and io_uring refused from here on (sandbox_syscalls.py); after setuid, so that the fresh
+    # session keyring it joins is the sandbox uid's
+    if filtered:
+        install_syscall_filter()
 
 
 def _read_capped(stream, cap: int, box: list) -> None:

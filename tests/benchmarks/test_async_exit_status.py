@@ -26,7 +26,8 @@ mkdir -p "$run"
 printf 'rollout:\n  prompts_per_step: 4\n  samples_per_prompt: 2\n' > "$run/config.yaml"
 n=$STEPS; [ "$mode" = "${SHORT_MODE:-}" ] && n=$((STEPS - 1))
 for i in $(seq 1 "$n"); do
-    echo "{\"step\": $i, \"weight_version\": $i, \"time/step\": 0.5, \"time/rollout\": 0.2, \"time/train\": 0.3, \"reward/mean\": 0.$i, \"response_len/mean\": 10.0}" >> "$run/metrics.jsonl"
+    rec="\"step\": $i, \"weight_version\": $i, \"time/step\": 0.5, \"time/rollout\": 0.2, \"time/train\": 0.3"
+    echo "{$rec, \"reward/mean\": 0.$i, \"response_len/mean\": 10.0}" >> "$run/metrics.jsonl"
 done
 [ "$mode" = "${FAIL_MODE:-}" ] && exit 1
 exit 0
