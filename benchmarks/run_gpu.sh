@@ -55,7 +55,7 @@ e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: engine.offload_train and fu
 e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the same steps, one run per mode)
 parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds (SmolLM2 staged)
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
-smollm2_onpolicy|1|600|SGLang's on-policy kernels (two seeds), PPO and one_step beside the recipe (SmolLM2 staged)
+smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
 smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
 smollm2_f32|1|600|a float32 trainer under the bf16 engine next to the bf16 recipe: logprob gap, step (SmolLM2 staged)
