@@ -12,6 +12,7 @@ mkdir -p "$out"
 source benchmarks/gpu_setup.sh || exit 1
 export NCCL_NVLS_ENABLE=0
 parts=" ${PARTS:-a b} "
+failed=0
 work=/tmp/mtrain-pool
 rm -rf "$work" && mkdir -p "$work"
 # A rollout heavy enough to measure: 32 prompts x 8 samples, up to 128 new tokens; a tiny Llama with a large vocab so
@@ -24,7 +25,9 @@ loop() {  # name nproc extra...
     local name=$1 nproc=$2; shift 2
     (cd "$work" && timeout 400 torchrun --nproc-per-node "$nproc" -m mtrain train \
         "$repo/mtrain/configs/tiny_llama_grpo.yaml" train.run_dir="$work/$name" $common "$@" > "$out/log_$name.txt" 2>&1)
-    echo "== $name: exit $?"
+    local rc=$?
+    echo "== $name: exit $rc"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
     grep -v -i "warn" "$out/log_$name.txt" | grep -B 12 -A 3 "Error" | head -n 40
     cp "$work/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
     python3 - "$out/metrics_$name.jsonl" <<'EOF'
@@ -52,6 +55,9 @@ if [[ $parts == *" a "* ]]; then
 fi
 if [[ $parts == *" b "* ]]; then
     timeout 500 torchrun --nproc-per-node 2 benchmarks/bench_sync_tp2.py --model llama8b > "$out/log_bench_sync_tp2.txt" 2>&1
-    echo "== bench_sync_tp2: exit $?"
+    rc=$?
+    echo "== bench_sync_tp2: exit $rc"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
     grep -v -i warn "$out/log_bench_sync_tp2.txt" | tail -n 30
 fi
+[ "$failed" -eq 0 ]  # every run and the sync benchmark exited 0

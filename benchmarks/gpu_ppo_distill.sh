@@ -25,7 +25,11 @@ launch() {  # name, port, limit, overrides...: one GPU-recipe run in the backgro
         bash examples/smollm2/run.sh "${COMMON[@]}" "$@" > "$ROOT/$name.log" 2>&1 &
     last=$!
 }
-report() { echo "== $1: exit $2, $(( $(date +%s) - t0 )) s: $(tail -n 2 "$ROOT/$1.log" | tr '\n' ' ')"; }
+failed=0
+report() {  # name exit: one line per run; a run that exited non-zero counts as failed
+    echo "== $1: exit $2, $(( $(date +%s) - t0 )) s: $(tail -n 2 "$ROOT/$1.log" | tr '\n' ' ')"
+    [ "$2" -eq 0 ] || failed=$((failed + 1))
+}
 t0=$(date +%s)
 # a checkpoint at the middle step too: if the limit cuts the run, the teacher is the latest one
 launch teacher 29600 "${TEACHER_LIMIT:-210}" train.save_interval=$(( ${STEPS:-28} / 2 ))
@@ -33,7 +37,8 @@ wait "$last"; report teacher $?
 ckpt=$ROOT/teacher/checkpoints/$(cat "$ROOT/teacher/checkpoints/latest" 2>/dev/null)/mcore
 python3 -m mtrain.converters mcore-to-hf --mcore "$ckpt" --out "$ROOT/teacher_hf" --hf-config "$HF_DIR" --force \
     > "$ROOT/convert.log" 2>&1
-echo "== convert: exit $?, $(( $(date +%s) - t0 )) s: $ROOT/teacher_hf"
+rc=$?; [ $rc -eq 0 ] || failed=$((failed + 1))
+echo "== convert: exit $rc, $(( $(date +%s) - t0 )) s: $ROOT/teacher_hf"
 runs=(ppo)
 [ -f "$ROOT/teacher_hf/config.json" ] && runs=(distill distill_grpo ppo)
 pids=(); port=29610
@@ -52,3 +57,5 @@ args=()
 for name in teacher "${runs[@]}"; do [ -f "$ROOT/$name/metrics.jsonl" ] && args+=("$name=$ROOT/$name"); done
 python3 examples/smollm2/compare_runs.py "${args[@]}" --out "$ROOT/compare" | tee "$OUT/ppo_distill_compare.txt"
 tar --exclude='checkpoints' --exclude='teacher_hf' -czf "$OUT/ppo_distill_runs.tgz" -C /tmp ppo_distill_runs
+echo "gpu_ppo_distill.sh: $failed step(s) failed"
+[ "$failed" -eq 0 ]

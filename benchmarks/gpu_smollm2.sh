@@ -39,7 +39,8 @@ learn)
             > "$dir/log" 2>&1 &
         pids+=($!); port=$((port + 7)); sleep ${STAGGER:-15}
     done
-    for p in "${pids[@]}"; do wait "$p"; done
+    failed=0
+    for p in "${pids[@]}"; do wait "$p" || failed=$((failed + 1)); done
     for run in "${runs[@]}"; do name=${run%%:*}; echo "== $name: $(tail -n 3 /tmp/smollm2_runs/$name/log | tr '\n' ' ')"; done
     python3 - <<'PY'
 import json, pathlib
@@ -62,21 +63,26 @@ for d in sorted(pathlib.Path("/tmp/smollm2_runs").iterdir()):
     print(d.name, "eval", ev, "gap mean max %.4f mean %.4f" % (max(gap or [0]), sum(gap or [0]) / max(len(gap), 1)),
           "gap max max %.3f" % max(mx or [0]), "weights", w, "step_s median %.3f" % (sorted(st)[len(st) // 2] if st else 0), sync, mem)
 PY
-    tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs ;;
+    tar --exclude='checkpoints' --exclude='step_*' --exclude='*.pt' -czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs
+    echo "gpu_smollm2.sh learn: $failed of ${#runs[@]} run(s) failed"
+    [ "$failed" -eq 0 ] ;;
 math)
     shift
     dir=/tmp/math_fractions_gpu; rm -rf "$dir"; mkdir -p "$dir"
     RECIPE=gpu NPROC=1 N_TEST=96 RUN_DIR=$dir/run DATA_DIR=$dir/data HF_DIR=$HF_DIR timeout ${RUN_LIMIT:-540} \
         bash examples/math_fractions/run.sh "$@" > "$dir/log" 2>&1
-    echo "== math_fractions: exit $? $(tail -n 1 "$dir/log")"
+    rc=$?
+    echo "== math_fractions: exit $rc $(tail -n 1 "$dir/log")"
     python3 -m mtrain plot "$dir/run" --out "$dir/run/curves.png" > /dev/null 2>&1 || true
-    tar --exclude='checkpoints' --exclude='data' -czf "$OUT/math_fractions_gpu.tgz" -C /tmp math_fractions_gpu ;;
+    tar --exclude='checkpoints' --exclude='data' -czf "$OUT/math_fractions_gpu.tgz" -C /tmp math_fractions_gpu
+    [ "$rc" -eq 0 ] ;;
 probe)
     shift
     runs=("$@")
     [ ${#runs[@]} -eq 0 ] && runs=(recipe: on_policy:engine.server_args.rl_on_policy_target=fsdp
                                     nofp32head:model.fp32_lm_head=false)
     mapfile -t recipe < <(grep -v '^[[:space:]]*\(#\|$\)' examples/smollm2/gpu.overrides)
+    failed=0
     for run in "${runs[@]}"; do
         name=${run%%:*}; IFS=, read -r -a over <<< "${run#*:}"
         for rec in ${PROBE_RECORDS:-0}; do
@@ -84,10 +90,13 @@ probe)
             timeout ${RUN_LIMIT:-300} python3 -m mtrain gap-probe examples/smollm2/grpo_addition.yaml "${recipe[@]}" \
                 model.hf_path="$HF_DIR" engine.cuda_graphs=false "${over[@]}" --record "$rec" --new-tokens 64 --out "$OUT/probe_${name}_$rec.json" \
                 > "$OUT/probe_${name}_$rec.log" 2>&1
-            echo "exit $?"; grep -A 200 "^point" "$OUT/probe_${name}_$rec.log" | grep -v "^L[0-9]*\.norm"
+            rc=$?; [ $rc -eq 0 ] || failed=$((failed + 1))
+            echo "exit $rc"; grep -A 200 "^point" "$OUT/probe_${name}_$rec.log" | grep -v "^L[0-9]*\.norm"
         done
-    done ;;
+    done
+    [ "$failed" -eq 0 ] ;;
 parity)
-    python3 benchmarks/gpu_engine_parity.py --hf "$HF_DIR" --out "$OUT/parity.json" 2>&1 | tee "$OUT/parity.log" | grep -v "^\[" ;;
+    python3 benchmarks/gpu_engine_parity.py --hf "$HF_DIR" --out "$OUT/parity.json" 2>&1 | tee "$OUT/parity.log" | grep -v "^\["
+    [ "${PIPESTATUS[0]}" -eq 0 ] ;;  # the benchmark's own exit, not grep's
 *) echo "gpu_smollm2.sh: unknown action ${1:-}" >&2; exit 2 ;;
 esac

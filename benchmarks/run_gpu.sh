@@ -7,8 +7,10 @@
 # Each benchmark's whole log goes to $OUT/log_NAME.txt and its JSON (where it writes one) under $OUT; its exit code,
 # wall time and the log's tail are printed here. REPEATS (default 3) is the number of separate processes for the
 # kernel benchmarks: their figures moved with the allocation pattern of a process, so one process is no spread.
+# While a benchmark runs, a line at least every 30 s: its elapsed seconds and its log's last line (`heartbeat`).
+# Sourced (`source benchmarks/run_gpu.sh`), it only defines its functions (tests/benchmarks/ call them on a CPU).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$(pwd)
 out=${OUT:-/tmp/mtrain-bench}
 repeats=${REPEATS:-3}
@@ -53,6 +55,7 @@ e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: engine.offload_train and fu
 e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the same steps, one run per mode)
 parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds (SmolLM2 staged)
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
+smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
 smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
 smollm2_f32|1|600|a float32 trainer under the bf16 engine next to the bf16 recipe: logprob gap, step (SmolLM2 staged)
@@ -62,13 +65,18 @@ separate|2|600|separate placement over NCCL: shard-to-shard sync, one_step on 2 
 lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
 "
 
-wait_s() {  # wait_s SECONDS PID: true once PID has ended, false after SECONDS while it still runs
-    local i
-    for ((i = 0; i < $1 * 2; i++)); do
-        kill -0 "$2" 2>/dev/null || return 0
+heartbeat() {  # heartbeat NAME PID LOG [PERIOD]: returns once PID has ended; until then, every PERIOD s (default 25,
+    # so that a line comes at least every 30 s whatever the machine's load), the elapsed seconds and LOG's last line
+    # that is not a warning: a benchmark that went quiet is told from one that hangs without opening its log.
+    local name=$1 pid=$2 log=$3 period=${4:-25} t0=$SECONDS
+    local next=$((t0 + period))
+    while kill -0 "$pid" 2>/dev/null; do
         sleep 0.5
+        if [ "$SECONDS" -ge "$next" ] && kill -0 "$pid" 2>/dev/null; then
+            echo "   $name $((SECONDS - t0)) s: $(grep -v -i warn "$log" 2>/dev/null | tail -n 1 | cut -c 1-200)"
+            next=$((next + period))
+        fi
     done
-    ! kill -0 "$2" 2>/dev/null
 }
 
 list() { echo "$CATALOG" | awk -F'|' 'NF==4 {printf "%-18s %s GPU  %4s s  %s\n", $1, $2, $3, $4}'; }
@@ -153,6 +161,10 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
                         --out "$out/e2e_async_1_7b.json" ;;
     parity) bash benchmarks/gpu_smollm2.sh parity ;;
     smollm2_learn) bash benchmarks/gpu_smollm2.sh learn ;;
+    smollm2_onpolicy) STAGGER=3 RUN_LIMIT=300 bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234 \
+                          fsdp1234:engine.server_args.rl_on_policy_target=fsdp,train.seed=1234 \
+                          fsdp1235:engine.server_args.rl_on_policy_target=fsdp,train.seed=1235 \
+                          ppo:algo.name=ppo,critic.lr=1e-5 one_step:rollout.async=one_step ;;
     smollm2_probe) bash benchmarks/gpu_smollm2.sh probe ;;
     smollm2_math) bash benchmarks/gpu_smollm2.sh math engine.mem_fraction_static=0.08 train.save_interval=-1 ;;
     smollm2_f32) bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234,engine.mem_fraction_static=0.2 \
@@ -167,6 +179,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     esac
 }
 
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: the functions only
 if [ $# -eq 0 ] || [ "$1" = list ]; then list; exit 0; fi
 if [ "$1" = --one ]; then run_one "$2"; exit; fi  # one benchmark, in the environment the loop below set up
 for name in "$@"; do  # every name checked before anything starts
@@ -182,10 +195,7 @@ for name in "$@"; do
     echo "== $name: started (limit $limit s, log $out/log_$name.txt)"
     timeout -k 15 "$limit" bash "$0" --one "$name" > "$out/log_$name.txt" 2>&1 &  # its own process group's limit
     pid=$!
-    while ! wait_s 30 "$pid"; do  # progress: the log's last line every 30 s
-        echo "   $name $(python3 -c "print(round($(date +%s.%N) - $t0))") s: $(grep -v -i warn "$out/log_$name.txt" \
-            | tail -n 1 | cut -c 1-200)"
-    done
+    heartbeat "$name" "$pid" "$out/log_$name.txt"
     wait "$pid"
     rc=$?
     [ $rc -ne 0 ] && failed=$((failed + 1))

@@ -10,6 +10,10 @@ Each call gets:
 - a bound on what it writes at once (max_disk_mb, max_files: scratch directory, and with its own uid its files in
   /tmp, /dev/shm, ...; plus files its processes hold open after unlinking them, and memfds), counted while it
   runs; beyond it the call is killed;
+- a seccomp filter answering the keyring syscalls, the SysV IPC constructors and io_uring with ENOSYS (keys
+  outlive processes and are per uid, not per namespace; SysV memory and a ring's registered files are on no path
+  and in no fd table, so no bound sees them: mtrain/tools/sandbox_syscalls.py), with no_new_privs (a setuid
+  program gains nothing);
 - its own session / process group, killed as a whole on every exit path (normal end, wall-clock timeout,
   output overflow, too much written, the caller cancelled);
 - when we run as root: an IPC namespace of its own (SysV shared memory, semaphores, message queues, POSIX message
@@ -41,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrain.tools.sandbox_fs import chown_tree, nameless_bytes, private_dirs, remove_owned, remove_tree, written
+from mtrain.tools.sandbox_syscalls import install_syscall_filter, syscall_filter_available
 
 _UID_BASE = 61000  # sandbox uids: _UID_BASE + slot (unused by distributions: 60000-64999 is "dynamic" space)
 _UID_SLOTS = 256
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
 _uids_clean: set[int] | None = None  # uids seen to own nothing in the shared temporary directories (None: not swept)
+_MSGQUEUE_BYTES = 819200  # RLIMIT_MSGQUEUE of a call: Linux's default (800 KiB of POSIX message queues per uid)
 _DISK_POLL_S = 0.05  # how often a running call's written bytes and files are counted
 
 
@@ -280,7 +286,7 @@ def network_isolation_available() -> bool:
     return os.geteuid() == 0 and hasattr(_libc, "unshare")
 
 
-def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
+def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int, filtered: bool) -> None:
     # Runs in the child between fork and exec: only async-signal-safe-ish calls, no Python-level locks.
     os.setsid()
     if not limits.network and _libc.unshare(_CLONE_NEWNET) != 0:  # before setuid: needs CAP_SYS_ADMIN
@@ -297,13 +303,22 @@ def _child_setup(limits: SandboxLimits, uid: int | None, nproc: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # POSIX message queues are memory on no path the write bound walks (the call's IPC namespace has its own
+    # mqueue mount): their bytes per uid are capped here, not inherited from a trainer that may have raised it.
+    hard = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[1]
+    mq = _MSGQUEUE_BYTES if hard == resource.RLIM_INFINITY else min(_MSGQUEUE_BYTES, hard)  # never raised
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (mq, mq))
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        os.setuid(uid)  # last: after it we could no longer lower limits of our choosing
+        os.setuid(uid)  # after it we could no longer lower limits of our choosing
     else:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    # keyrings, SysV IPC and io_uring refused from here on (sandbox_syscalls.py); after setuid, so that the fresh
+    # session keyring it joins is the sandbox uid's
+    if filtered:
+        install_syscall_filter()
 
 
 def _read_capped(stream, cap: int, box: list) -> None:
@@ -337,10 +352,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             nproc = _count_processes_of(os.getuid()) + limits.max_procs
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1",
                **tmp_env}
+        filtered = syscall_filter_available()
         start = time.monotonic()
         proc = subprocess.Popen([python, "-I", "main.py"], cwd=scratch, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-                                preexec_fn=lambda: _child_setup(limits, uid, nproc))
+                                preexec_fn=lambda: _child_setup(limits, uid, nproc, filtered))
         cap = int(limits.max_output_chars) * 4  # bytes: UTF-8 needs up to 4 per character
         out_box: list = []
         err_box: list = []
@@ -364,7 +380,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
                 pass
             b, n = written(scratch, uid, limits.max_files)
             if b <= max_bytes:  # plus files open but unlinked, and memfds (memory): on no path, so counted by fd
-                b += nameless_bytes(processes_of_uid(uid) if uid is not None else processes_in_group(proc.pid))
+                b += nameless_bytes(processes_of_uid(uid) if uid is not None else processes_in_group(proc.pid), uid)
             if b > max_bytes or n > limits.max_files:
                 over_disk = True
                 break

@@ -205,11 +205,21 @@ def written(scratch: Path, uid: int | None, max_files: int | None = None) -> tup
     return total, count
 
 
-def nameless_bytes(pids: list[int]) -> int:
-    """Bytes held by files of `pids` that have no name any more: a file unlinked while open, a memfd (memory).
-    Found through /proc/PID/fd (each counted once, by device and inode); the path-based count cannot see them."""
+def nameless_bytes(pids: list[int], uid: int | None = None) -> int:
+    """Bytes held by files of `pids` that have no name any more: a file unlinked while open, a memfd (memory),
+    whether held by an open fd (/proc/PID/fd) or only by a mapping whose fd was closed (/proc/PID/maps; Python's
+    mmap.mmap keeps an fd, ctypes' mmap + close does not). Each file is counted once, by device and inode; the
+    path-based count cannot see any of them. uid: count mapped files of that owner only (the call's own uid), so
+    a system library replaced on disk while the call runs is not the call's."""
     seen: set[tuple[int, int]] = set()
     total = 0
+
+    def count(st: os.stat_result) -> None:
+        nonlocal total
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += _blocks(st)
+
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -220,13 +230,41 @@ def nameless_bytes(pids: list[int]) -> int:
             try:
                 if not os.readlink(p).endswith(" (deleted)"):  # memfds read "/memfd:NAME (deleted)"
                     continue
-                st = os.stat(p)  # the open file itself
+                count(os.stat(p))  # the open file itself
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += _blocks(st)
+        unstatted = _mapped_nameless(pid, uid, count)  # first: count() adds to total as it goes
+        total += unstatted
     return total
+
+
+def _mapped_nameless(pid: int, uid: int | None, count) -> int:
+    """Mappings of files without a name (`... (deleted)` in /proc/PID/maps): counted through
+    /proc/PID/map_files/START-END, the mapped file itself (root: it needs CAP_SYS_ADMIN). Where that cannot be
+    read (without root), the mapped length is returned instead, per file (a file larger than what is mapped of it
+    counts only its mapped part there)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = [ln for ln in f if ln.endswith(" (deleted)\n")]
+    except OSError:
+        return 0
+    fallback: dict[tuple[str, str], int] = {}
+    for ln in lines:
+        fields = ln.split(maxsplit=5)  # range perms offset dev inode path
+        if len(fields) < 6:
+            continue
+        try:
+            st = os.stat(f"/proc/{pid}/map_files/{fields[0]}")
+        except PermissionError:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            key = (fields[3], fields[4])
+            fallback[key] = fallback.get(key, 0) + end - start
+            continue
+        except OSError:
+            continue
+        if uid is None or st.st_uid == uid:
+            count(st)
+    return sum(fallback.values())
 
 
 def remove_owned(uids: int | set[int]) -> set[int]:
