@@ -51,6 +51,17 @@ class SeparateGroups:
     def node_rank(self, rank: int) -> int:
         return 0
 
+    def straddling(self) -> int | None:
+        """The first engine whose ranks lie on two nodes (torchrun numbers ranks node by node, local_world_size per
+        node), None when every engine fits one node. An SGLang engine of engine.tp > 1 must fit one: its leader
+        starts all its schedulers on its own node's GPUs local_rank .. local_rank + tp - 1 (`sglang_placement`),
+        the GPUs of its group's ranks, where each rank receives its shard."""
+        for g in range(self.count):
+            ranks = self.ranks(g)
+            if ranks[0] // self.local_world_size != ranks[-1] // self.local_world_size:
+                return g
+        return None
+
     def starts_engine_part(self, rank: int) -> bool:
         return self.is_leader(rank)
 

@@ -56,6 +56,11 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
         if e.placement == "separate":  # engines on the last engine.ranks ranks only (mtrain/job_split.py)
             from mtrain.rollout.separate_groups import SeparateGroups
             groups = SeparateGroups(world_size, world_size - e.ranks, e.tp, local_world_size)
+            bad = groups.straddling() if kind == "sglang" else None
+            if bad is not None:
+                raise EngineLayoutError(f"engine {bad} (ranks {groups.ranks(bad)}) lies on two nodes of "
+                                        f"{local_world_size} ranks; an SGLang engine's ranks share one node: choose "
+                                        "engine.ranks and engine.tp so that no engine crosses a node boundary")
         else:
             groups = EngineGroups(world_size, e.tp, local_world_size, e.nnodes)
     except EngineLayoutError as err:

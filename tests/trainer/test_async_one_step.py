@@ -8,7 +8,6 @@ not from the schedule); the overlap metrics are in metrics.jsonl; the run's conf
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -17,14 +16,10 @@ from mtrain.config import ConfigError, load_config
 from mtrain.job_split import split_ranks
 
 
-
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     from mtrain.tiny_hf import write_tiny_hf
     return write_tiny_hf("llama", tmp_path_factory.mktemp("hf") / "llama", seed=0)
-
-
-AGENTS = Path(__file__).resolve().parent / "agents_for_tests.py"
 
 
 def test_one_step_torchrun(tiny_hf, tmp_path):
@@ -130,15 +125,13 @@ def test_split(world, overrides, want):
 
 
 def test_separate_refused_before_process_groups(tiny_hf, tmp_path):
-    """What separate placement does not run yet is refused by preflight in one line, exit 2: what each of 4 ranks
-    does before any process group (preflight reads torchrun's WORLD_SIZE)."""
+    """A split separate placement cannot run is refused by preflight in one line, exit 2: what each of 4 ranks does
+    before any process group (preflight reads torchrun's WORLD_SIZE)."""
     import sys
-    overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 2,
-                                                           "parallel.tp": 1,
-                                                           "serve.agent": f"{AGENTS}:two_turn_digits"})
+    overrides = base_overrides(tiny_hf, tmp_path / "r", **{"engine.placement": "separate", "engine.ranks": 4,
+                                                           "parallel.tp": 1})
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG), *overrides], cwd=tmp_path,
         env=dict(env(), WORLD_SIZE="4", RANK="0"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == ("mtrain: error: ConfigError: serve.agent: is not available with "
-                                "engine.placement=separate in this build (placement=separate: training ranks 0-1 (2), "
-                                "engine ranks 2-3 (2: 2 engine(s) of tp 1)); use engine.placement=colocated")
+    assert p.stderr.strip() == ("mtrain: error: ConfigError: engine.ranks: 4 engine ranks leave no training rank in a "
+                                "job of 4 ranks (torchrun --nproc-per-node x nodes)")

@@ -32,17 +32,47 @@ def test_training_world_and_layout():
         check_placement_runs(split_ranks(cfg, 4), load_config(CONFIG, BASE + extra))  # checkpoints, stream: run
 
 
-@pytest.mark.parametrize("extra, key", [
-    (["engine.kind=sglang", "engine.tp=2"], "engine.tp"),
-])
-def test_refused_in_one_line(extra, key):
-    try:
+def test_agents_and_sglang_engine_tp_run_separate():
+    """serve.agent and SGLang engines of engine.tp > 1 are not refused with separate placement (issue 42)."""
+    for extra in (["serve.agent=tests.trainer.agents_for_tests:two_turn_digits"], ["engine.kind=sglang", "engine.tp=2"]):
         cfg = load_config(CONFIG, BASE + extra)
         check_placement_runs(split_ranks(cfg, 4), cfg)
-    except ConfigError as e:
-        assert str(e).startswith(f"{key}:") and "\n" not in str(e), str(e)
-        return
-    raise AssertionError("not refused")
+
+
+def test_sglang_engine_tp2_shards_reach_the_ranks_on_its_schedulers_gpus():
+    """SGLang at engine.tp > 1 under separate placement: destination rank r of engine g is received by global rank
+    leader(g) + r (the ranks tests/reshard/test_remote_sync.py syncs bit-equal to SGLang's own slicing), and that
+    rank's GPU is the one SGLang's scheduler r runs on: the leader starts its schedulers from base_gpu_id = its
+    local rank, one GPU per engine rank. 2 nodes of 8 ranks, 8 training ranks, 2 engines of TP4 on the second."""
+    from mtrain.reshard.remote import EngineRanks
+    from mtrain.trainer.publishers.separate import destination_ranks
+    g = SeparateGroups(world_size=16, first=8, tp=4, local_world_size=8)
+    assert g.straddling() is None
+    sg = destination_ranks(g, 4)
+    assert sg == EngineRanks.after(8, 8, 4) == EngineRanks(((8, 9, 10, 11), (12, 13, 14, 15)))
+    for e in range(g.count):
+        leader = g.leader(e)
+        base = g.sglang_placement(leader, local_rank=leader % 8)
+        assert base["tp_size"] == 4
+        for r, owner in enumerate(sg.engines[e]):
+            assert sg.engine_of(owner) == (e, r) and base["base_gpu_id"] + r == owner % 8
+    # the reference engine (one destination rank) receives on the leader; its other group ranks receive nothing
+    ref = destination_ranks(g, 1)
+    assert ref.engines == ((8,), (12,)) and ref.engine_of(9) is None
+
+
+def test_sglang_engine_across_nodes_refused_in_one_line():
+    """An SGLang engine whose group would cross a node boundary cannot start its schedulers on its ranks' GPUs."""
+    from mtrain.trainer.decisions import decide
+    # 3 nodes of 6 ranks, 6 training ranks: the second engine of TP4 would take ranks 10-13 on nodes 1 and 2
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.placement=separate", "engine.ranks=12", "engine.tp=4",
+                               "engine.kind=sglang", "parallel.tp=2", "train.save_interval=-1"])
+    with pytest.raises(ConfigError) as e:
+        decide(cfg, world_size=18, local_world_size=6, cuda=True, te=False)
+    assert "engine 1 (ranks [10, 11, 12, 13]) lies on two nodes" in str(e.value) and "\n" not in str(e.value)
+    ok = load_config(CONFIG, ["model.hf_path=x", "engine.placement=separate", "engine.ranks=8", "engine.tp=4",
+                              "engine.kind=sglang", "parallel.tp=2", "train.save_interval=-1"])
+    assert decide(ok, world_size=16, local_world_size=8, cuda=True, te=False).groups.count == 2
 
 
 def test_lora_refused():

@@ -68,3 +68,20 @@ def test_routing_replay_with_separate_engines(tmp_path):
     for s in (1, 2):
         assert recs[s]["routing/bytes_per_token"] == 4 * 2 * 1  # 4 layers x top-2, uint8
         assert 0.0 <= recs[s]["routing/disagreement"] < 0.01, recs[s]
+
+
+def test_reference_engine_tp2_with_separate_engines(models, tmp_path):
+    """engine.tp=2 on the engine ranks: 1 training rank and one engine group of 2 ranks. The reference engine (HF
+    layout, one destination rank) receives every piece on the group's leader; the group's second rank receives
+    nothing, joins the pool and the job's collectives. The path SGLang at engine.tp=2 shares up to the engine call
+    (trainer/publishers/separate.py: the same groups, destination ranks, remote sync and error agreement)."""
+    run = tmp_path / "run"
+    p = launch(base_overrides(models[0], run, **{**SEPARATE3, "engine.ranks": 2, "engine.tp": 2, "parallel.tp": 1}),
+               tmp_path, timeout=600, nproc=3)
+    assert "placement=separate: training ranks 0-0 (1), engine ranks 1-2 (2: 1 engine(s) of tp 2)" in p.stdout
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2]
+    for s, bound in ((1, 1e-5), (2, 2e-5)):  # step 2 samples with the weights step 1 trained and sent
+        assert recs[s]["logprob_diff/max_abs"] <= bound, (s, recs[s]["logprob_diff/max_abs"])
+        assert recs[s]["sync/bytes"] > 0 and recs[s]["rollout/engines"] == 1.0
+    assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()

@@ -69,13 +69,11 @@ class WeightSync:
             self.executors.append(ex)
             self.pulls.append(PullPlan(ex) if self.mode == "pull" else None)
         # SGLang pull: each owner serializes its own engine rank's request; the group gathers them on its leader.
-        self.group_pg = None
+        self.spread = None
         if spread and groups.tp > 1:
-            for g in range(groups.count):  # every rank creates every group, in the same order
-                pg = dist.new_group(groups.ranks(g), backend="gloo")
-                if g == self.my_group:
-                    self.group_pg = pg
-        self._senders = None
+            from mtrain.trainer.publishers.spread_pull import SpreadPull, engine_group_pgs
+            pg = engine_group_pgs(groups)
+            self.spread = SpreadPull(self.rank, groups.leader(self.my_group), groups.tp, pg, engine)
 
     def publish(self, version: int) -> dict[str, float]:
         """The WeightPublisher role (publishers/base.py)."""
@@ -124,43 +122,8 @@ class WeightSync:
         return self._pull_spread(jobs, version)
 
     def _pull_spread(self, jobs: dict, version: int | None) -> int:
-        """SGLang at engine TP > 1: this rank owns engine rank `r` (its group rank); it serializes that rank's request
-        (sources and tables only when new to it), the leader sends all of them in one engine call, and tells
-        every owner whether the engine took them (so each knows what its engine rank now holds)."""
-        from mtrain.reshard.pull_protocol import PullSender
-        from mtrain.rollout.sglang_wire import _marker_tensor, serialize_bucket
-        from mtrain.rollout.sglang_loader import FINISH_NAME
-
-        if self._senders is None:
-            self._senders = PullSender(self.groups.tp)
-        r = self.rank - self.groups.leader(self.my_group)
-        job = jobs.get(r)
-        finish = version is not None
-        try:  # a failure here must still reach the gather below, or the group would wait forever
-            items = ([(FINISH_NAME, _marker_tensor())] if finish else []) if job is None else \
-                self._senders.payload(r, job, finish, _marker_tensor())
-            payload = serialize_bucket(items)
-        except Exception as e:  # noqa: BLE001
-            payload = RuntimeError(f"rank {self.rank} could not serialize engine rank {r}'s request: {e}")
-        leader = self.groups.leader(self.my_group)
-        gathered = [None] * self.groups.tp if self.is_leader else None
-        dist.gather_object(payload, gathered, dst=leader, group=self.group_pg)
-        outcome = None
-        if self.is_leader:
-            outcome = next((x for x in gathered if isinstance(x, Exception)), None)
-            if outcome is None:
-                try:
-                    self.engine.pull_weights_serialized(gathered, version=version)
-                except Exception as e:  # noqa: BLE001 - every owner must hear it
-                    outcome = e
-        box = [outcome]
-        dist.broadcast_object_list(box, src=leader, group=self.group_pg)
-        if box[0] is not None:
-            self._senders.forget()
-            raise box[0]
-        if job is not None:
-            self._senders.confirm(r, job)
-        return job.nbytes if job is not None else 0
+        """SGLang at engine TP > 1: this rank owns engine rank `r` (its group rank); publishers/spread_pull.py."""
+        return self.spread.bucket(jobs.get(self.spread.r), version)
 
 
 def agree_on_errors(error: BaseException | None, rank: int, where=lambda r: f"rank {r}") -> None:
