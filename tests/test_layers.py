@@ -20,7 +20,7 @@ PKG = REPO / "mtrain"
 LAYERS: list[set[str]] = [
     {"compat", "fileperm", "debug_signals", "dist", "metrics", "wandb_log", "plot", "run_output", "tiny_configs", "tiny_vlm",
      "tiny_hf", "tokenizer_files"},                                    # plain utilities: no knowledge of models or training
-    {"config", "config_sections", "config_checks", "config_error", "engine_args", "job_split"},  # the dataclass tree; every layer may read it
+    {"config", "config_sections", "config_data", "config_checks", "config_error", "engine_args", "job_split"},  # the dataclass tree; every layer may read it
     {"kernels"},                                    # Triton/torch kernels on plain tensors
     {"layouts"},                                    # per-architecture weight-layout tables
     {"reshard"},                                    # the planner and executor of a weight sync
