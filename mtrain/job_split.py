@@ -81,7 +81,8 @@ def split_ranks(cfg, world: int) -> JobSplit:
 def check_placement_runs(split: JobSplit, cfg=None) -> None:
     """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/placement.py): one
     destination rank per engine (the reference engine, or SGLang at engine.tp=1), and none of the features not yet
-    run with engines on ranks of their own (agents, LoRA). PPO's critic, distillation and routing replay run: learner
+    run with engines on ranks of their own (agents). LoRA runs: its adapters travel point to point as whole
+    tensors to the engine rank, which loads them by name (trainer/publishers/lora.py). PPO's critic, distillation and routing replay run: learner
     parts live on the training ranks only, and the engine ranks' NoLearner joins the critic's whole-job collectives;
     partial rollout runs: its buffer is the source's, the same on every rank (docs/design-trainer.md)."""
     if split.placement != "separate" or cfg is None:
@@ -90,8 +91,7 @@ def check_placement_runs(split: JobSplit, cfg=None) -> None:
     if e.tp > 1 and e.kind != "reference":
         raise _fail("engine.tp", f"{e.tp} with engine.placement=separate is not available in this build (engines of "
                                  "one rank each; SGLang at engine.tp=1 or the reference engine)")
-    refused = [("serve.agent", cfg.serve.agent is not None),
-               ("model.lora.targets", bool(cfg.model.lora.targets))]
+    refused = [("serve.agent", cfg.serve.agent is not None)]
     for key, on in refused:
         if on:
             raise _fail(key, f"is not available with engine.placement=separate in this build "

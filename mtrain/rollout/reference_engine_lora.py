@@ -59,6 +59,14 @@ class ReferenceLoraSlots:
         name = name or self.adapters.active
         return {k: v.detach() for k, v in self._slot_params(self._slot_of[name]).items()} if name else {}
 
+    def _token_version(self) -> int:
+        """The version a token decoded now carries: with LoRA its request's adapter (the base never changes after the
+        first sync; a request keeps its adapter through an update in place), else the engine's weights."""
+        from mtrain.rollout.lora_adapters import version_of
+        held = getattr(self._call, "adapter", None)
+        v = version_of(held[0]) if self._lora is not None and held is not None else None
+        return self._version if v is None else v
+
     def _adapter_names(self) -> list[str]:
         return sorted(self._slot_of)
 

@@ -3,7 +3,8 @@
 Checks: an adapter loaded by the adapter table's HF names generates with PEFT's numbers (PeftModel on the same HF
 weights, float32, <= 1e-5 per token logprob); switch_adapter loads v(n+1), routes requests to it and unloads v(n);
 a request running when the switch starts finishes under the adapter it started with; bad adapters are refused
-whole (the engine keeps serving the old one); an unload waits for the requests that still name the adapter.
+whole (the engine keeps serving the old one); an unload waits for the requests that still name the adapter; under
+stream a request paused in place through a sync keeps its adapter (and its version) to the end.
 """
 from __future__ import annotations
 
@@ -121,6 +122,42 @@ def test_a_running_request_finishes_under_its_own_adapter(tiny):
         assert fut.result(timeout=60).output_ids == alone.output_ids
         assert engine._adapter_names() == ["policy-v1"]
         assert engine.generate([_greedy("after", prompt, n=8)])[0].logprobs != alone.logprobs
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_paused_in_place_keeps_its_adapter_through_a_stream_sync(tiny):
+    """rollout.async=stream: a request under v0 is paused in place mid-decode while the sync switches to v1
+    (keep_in_use: no wait, v0 retired). Continued, it decodes the rest under v0: its tokens equal an undisturbed v0
+    run, all carry version 0, and its logprobs are PeftModel's with v0 (<= 1e-5); a request after the sync runs
+    v1 with PEFT's v1 numbers and version 1; the next switch unloads the retired v0."""
+    table = _table(tiny)
+    engine, lora = _engine(tiny, table, decode_delay_s=0.05)
+    prompt, v0, v1 = [3, 17, 5, 9], _adapter(table, 0), _adapter(table, 1)
+    try:
+        switch_adapter(engine, 0, v0, lora, keep_in_use=True)
+        engine.finish_weight_update(0)
+        alone = engine.generate([_greedy("ref", prompt, n=8)])[0]
+        fut = engine.submit(_greedy("paused", prompt, n=8))
+        while not engine.active_requests().get("paused"):
+            pass  # decoding: at least one token made under v0
+        engine.pause_in_place()
+        made = engine.active_requests()["paused"]
+        assert switch_adapter(engine, 1, v1, lora, keep_in_use=True) == "policy-v1"
+        engine.finish_weight_update(1)
+        assert engine.adapters.retired == ["policy-v0"] and engine._adapter_names() == ["policy-v0", "policy-v1"]
+        engine.continue_generation()
+        out = fut.result(timeout=60)
+        assert 0 < made < 8 and out.output_ids == alone.output_ids
+        assert out.weight_version == 0 and out.token_versions is None  # every token v0's
+        gap = max(abs(a - b) for a, b in zip(out.logprobs, _peft_logprobs(tiny, lora, v0, prompt, out.output_ids)))
+        assert gap <= 1e-5, gap
+        after = engine.generate([_greedy("after", prompt, n=8)])[0]
+        assert after.weight_version == 1
+        gap = max(abs(a - b) for a, b in zip(after.logprobs, _peft_logprobs(tiny, lora, v1, prompt, after.output_ids)))
+        assert gap <= 1e-5, gap
+        switch_adapter(engine, 2, _adapter(table, 2), lora, keep_in_use=True)
+        assert engine.adapters.retired == [] and engine._adapter_names() == ["policy-v2"]
     finally:
         engine.shutdown()
 

@@ -43,10 +43,3 @@ def test_refused_in_one_line(extra, key):
         assert str(e).startswith(f"{key}:") and "\n" not in str(e), str(e)
         return
     raise AssertionError("not refused")
-
-
-def test_lora_refused():
-    cfg = load_config(CONFIG, BASE)
-    cfg.model.lora.targets = ["q_proj"]
-    with pytest.raises(ConfigError, match=r"^model.lora.targets: is not available with engine.placement=separate"):
-        check_placement_runs(split_ranks(cfg, 4), cfg)

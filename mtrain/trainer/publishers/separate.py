@@ -1,6 +1,8 @@
 """Weight sync of engine.placement=separate (`SeparateSync`, the `WeightSync` interface): the training ranks send each
 engine rank the pieces of their shards it needs (mtrain/reshard/remote.py); on an engine rank (chunks=None) the same
-object receives into its engine."""
+object receives into its engine. With LoRA (publishers/lora.py) one SeparateSync carries the base (first sync) and a
+second one the adapter table's rows, whole tensors at HF names (engine_kind="hf"), into the engine rank's
+`AdapterTarget`, which loads them as the version's named adapter."""
 from __future__ import annotations
 
 import functools
@@ -26,13 +28,17 @@ def training_layout(cfg, n_train: int) -> MegatronLayout:
 class SeparateSync:
     """`sync(version)` on both sides of separate placement; the same interface as `WeightSync`."""
 
-    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype):
+    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype,
+                 engine_kind: str | None = None):
+        """engine: on an engine rank, what `pull_weights(jobs, version)` writes into (the engine, or the LoRA
+        AdapterTarget); engine_kind: the destination layout (default: the engine's own, decisions.engine_layout)."""
         from mtrain.reshard.megatron_side import tensor_lookup
         g = decisions.groups
         self.engine, self.rank = engine, rank
         self.engines = EngineRanks(tuple(tuple(g.ranks(i)) for i in range(g.count)))
-        dst_tp = 1 if decisions.engine_layout == "hf" else g.tp
-        dst = engine_layout(decisions.engine_layout, dst_tp, cfg.engine.ep, decisions.engine_fp8)
+        kind = engine_kind or decisions.engine_layout
+        dst_tp = 1 if kind == "hf" else g.tp
+        dst = engine_layout(kind, dst_tp, cfg.engine.ep, decisions.engine_fp8)
         plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
         executor, self.delta = Executor, None
         if cfg.sync.delta:  # only what changed travels (mtrain/reshard/delta.py, docs/design-delta-sync.md)
