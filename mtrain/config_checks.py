@@ -243,8 +243,6 @@ def _check_lora(cfg: RunConfig) -> None:
     if not lo.targets:
         return
     _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")
-    _check(e.weight_dtype != "fp8", "model.lora.targets", "LoRA with engine.weight_dtype=fp8 is not supported (the "
-           "adapters would be applied on block-quantized base weights the trainer never sees)")
     _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
            "(adapters go on the language model only; the vision tower stays frozen)")
     max_rank = e.server_args.get("max_lora_rank")

@@ -20,7 +20,6 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv,qkv"], "model.lora.targets: names a target twice"),
     (["model.lora.targets=qkv", "model.lora.dropout=1.0"], "model.lora.dropout: must be in [0, 1)"),
     (["model.lora.targets=qkv", "model.lora.lr=0"], "model.lora.lr: must be > 0 or null"),
-    (["model.lora.targets=qkv", "engine.weight_dtype=fp8"], "model.lora.targets: LoRA with engine.weight_dtype=fp8"),
     (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),

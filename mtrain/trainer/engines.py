@@ -35,11 +35,12 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine_bitwise import reference_engine_class
         dtype = decisions.engine_dtype
-        if fp8:
-            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
-            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
         lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/publishers/lora.py)
         lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
+        if fp8:  # FP8 base (quantized at every base sync), adapters in the engine's dtype on top
+            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
+            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
+                                      lora=lora_args)
         return reference_engine_class(cfg.numerics.on_policy)(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine

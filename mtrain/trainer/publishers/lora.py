@@ -15,6 +15,7 @@ on the engine rank's own host tensors), then loads them the same way.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules
@@ -23,8 +24,15 @@ from mtrain.layouts.table import ModelLayout
 
 def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
     """PEFT LoraConfig fields of the engine's adapter (the reference engine injects them; SGLang's
-    lora_target_modules / max_lora_rank come from the same names)."""
-    return {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(lora_layout(base, spec))}
+    lora_target_modules / max_lora_rank come from the same names). With expert rows also `experts` and
+    `module_targets` (the names of the non-expert rows): the reference engine wraps transformers' fused expert
+    parameters, not modules of those names (mtrain/rollout/reference_engine_lora_experts.py)."""
+    table = lora_layout(base, spec)
+    out = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(table)}
+    if any(w.expert is not None for w in table.weights):
+        dense = replace(table, weights=[w for w in table.weights if w.expert is None])
+        out.update(experts=True, module_targets=peft_target_modules(dense) if dense.weights else [])
+    return out
 
 
 class AdapterTarget:
