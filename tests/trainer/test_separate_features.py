@@ -93,3 +93,22 @@ def test_lora_with_separate_engines(models, tmp_path):
     assert recs[1]["sync/bytes"] == recs[2]["sync/bytes"] == recs[3]["sync/bytes"] > 0
     # the policy the engines sample moved away from the frozen base (the KL reference) by far more than the gap
     assert recs[3]["kl/mean"] > 1e-3, recs[3]["kl/mean"]
+
+
+@pytest.mark.slow  # a fourth 4-rank run
+def test_lora_stream_with_separate_engines(models, tmp_path):
+    """LoRA, separate placement and rollout.async=stream together: the engine ranks pause in place, receive the
+    adapters point to point and retire the version their paused requests hold; every trained token is within
+    max_staleness of its step and nothing is aborted."""
+    run = tmp_path / "run"
+    lora = {"model.lora.targets": "qkv,o_proj,gate_up,down", "model.lora.rank": 4, "model.lora.alpha": 8,
+            "model.lora.lr": 1e-2}
+    launch(base_overrides(models[0], run, **{**SEPARATE3, "engine.ranks": 2, "parallel.tp": 1, "train.steps": 3,
+                                             "train.save_interval": 0, "rollout.async": "stream",
+                                             "rollout.max_new_tokens": 24, **lora}), tmp_path, timeout=900, nproc=4)
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2, 3]
+    for s in (1, 2, 3):
+        lags = {int(k.rsplit("_", 1)[1]) for k in recs[s] if k.startswith("rollout/tokens_lag_")}
+        assert lags and 0 <= min(lags) and max(lags) <= 1, (s, lags)
+        assert recs[s]["rollout/aborted_per_update"] == 0.0 and recs[s]["sync/adapters_only"] == 1.0
