@@ -65,9 +65,10 @@ class AdapterTarget:
             if self._pull is None:
                 self._pull = (PullSender(1), PullState())
             sender, state = self._pull
+            device = job.sources[0].device if job.sources else "cpu"  # where the received buckets live
             for name, shape in job.targets:  # float32 holds every sync dtype exactly; the engine casts on load
                 if name not in self._pulled:
-                    self._pulled[name] = torch.zeros(shape, dtype=torch.float32, device=job.sources[0].device)
+                    self._pulled[name] = torch.zeros(shape, dtype=torch.float32, device=device)
             run_pull(self._pulled, sender.payload(0, job, False, torch.empty(0)), state)
             sender.confirm(0, job)
         if version is not None:
