@@ -221,6 +221,15 @@ def _check_distill(cfg: RunConfig) -> None:
 LORA_TARGETS = ("qkv", "o_proj", "gate_up", "down", "experts", "shared.gate_up", "shared.down")
 
 
+def lora_live_versions(cfg: RunConfig) -> int:
+    """How many adapter versions requests may name at once: 2 (the new one, the old one's last requests), and under
+    stream max_staleness + 1 (a batch started on version s - K keeps that adapter until it ends, at most K syncs
+    later; null = 1, trainer/sources/stream.py STREAM_STALENESS)."""
+    if cfg.rollout.async_mode != "stream":
+        return 2
+    return max(2, (cfg.rollout.max_staleness if cfg.rollout.max_staleness is not None else 1) + 1)
+
+
 def _check_lora(cfg: RunConfig) -> None:
     """model.lora: its own bounds, and the combinations LoRA does not run with (model-dependent checks, such as
     targets that match no layer, run where the model's config is read: mtrain.models.lora.check_model)."""
@@ -234,22 +243,19 @@ def _check_lora(cfg: RunConfig) -> None:
     if not lo.targets:
         return
     _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")
-    _check(e.weight_dtype != "fp8", "model.lora.targets", "LoRA with engine.weight_dtype=fp8 is not supported (the "
-           "adapters would be applied on block-quantized base weights the trainer never sees)")
     _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
            "(adapters go on the language model only; the vision tower stays frozen)")
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
-    _check(e.placement != "separate", "engine.placement", "separate with LoRA is not supported: its sync "
-           "(trainer/publishers/separate.py) sends whole weights, not named adapters; use engine.placement=colocated")
-    _check(cfg.rollout.async_mode != "stream", "rollout.async",
-           "stream with LoRA is not supported: a sync loads the new adapter and unloads the old one only when no "
-           "request names it, and stream pauses those requests in place until the sync ends; use off or one_step")
     slots = e.server_args.get("max_loras_per_batch")
     _check(e.kind != "sglang" or slots is None or int(slots) >= 2, "engine.server_args.max_loras_per_batch",
            f"{slots}: a LoRA sync needs 2 pool slots (the new adapter version, and the previous one while its "
            "requests finish; mtrain/rollout/lora_adapters.py)")
+    live = lora_live_versions(cfg)
+    _check(e.kind != "sglang" or slots is None or int(slots) >= live, "engine.server_args.max_loras_per_batch",
+           f"{slots}: rollout.async=stream with max_staleness {live - 1} keeps up to {live} adapter versions in one "
+           f"batch (requests keep the adapter they started on); set it >= {live}")
 
 
 def check_on_policy(cfg: RunConfig) -> None:

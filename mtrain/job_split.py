@@ -78,23 +78,6 @@ def split_ranks(cfg, world: int) -> JobSplit:
     return JobSplit(world, "separate", tuple(range(n_train)), tuple(range(n_train, world)), e.tp)
 
 
-def check_placement_runs(split: JobSplit, cfg=None) -> None:
-    """What separate placement runs so far, refused in one line otherwise (mtrain/trainer/placement.py): none of the
-    features not yet run with engines on ranks of their own (LoRA). Agents run: each engine leader serves its front,
-    the pool brings the sessions' trajectories to every rank; SGLang engines of engine.tp > 1 run: each group rank
-    receives its engine-TP shard on its GPU (trainer/publishers/separate.py). PPO's critic, distillation and routing
-    replay run: learner parts live on the training ranks only, and the engine ranks' NoLearner joins the critic's
-    whole-job collectives; partial rollout runs: its buffer is the source's, the same on every rank
-    (docs/design-trainer.md)."""
-    if split.placement != "separate" or cfg is None:
-        return
-    refused = [("model.lora.targets", bool(cfg.model.lora.targets))]
-    for key, on in refused:
-        if on:
-            raise _fail(key, f"is not available with engine.placement=separate in this build "
-                             f"({split.describe()}); use engine.placement=colocated")
-
-
 def train_world(cfg, world: int) -> int:
     """How many ranks train: all of them colocated, the ranks before engine.ranks separate."""
     return world - cfg.engine.ranks if cfg.engine.placement == "separate" else world

@@ -227,8 +227,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_paths(cfg)
     hf_config = read_hf_config(cfg)
     check_tokenizer(cfg)  # a real model without tokenizer files is refused, not trained through the char tokenizer
-    from mtrain.job_split import check_placement_runs, split_ranks, train_world
-    check_placement_runs(split_ranks(cfg, world), cfg)  # engine.placement / engine.ranks: before any process group
+    from mtrain.job_split import split_ranks, train_world
+    split_ranks(cfg, world)  # engine.placement / engine.ranks fit the world: before any process group
     dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
     from mtrain.preflight_models import check_side_models

@@ -20,12 +20,12 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv,qkv"], "model.lora.targets: names a target twice"),
     (["model.lora.targets=qkv", "model.lora.dropout=1.0"], "model.lora.dropout: must be in [0, 1)"),
     (["model.lora.targets=qkv", "model.lora.lr=0"], "model.lora.lr: must be > 0 or null"),
-    (["model.lora.targets=qkv", "engine.weight_dtype=fp8"], "model.lora.targets: LoRA with engine.weight_dtype=fp8"),
     (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
-    (["model.lora.targets=qkv", "engine.placement=separate", "engine.ranks=1"], "engine.placement: separate with LoRA is not supported"),
-    (["model.lora.targets=qkv", "rollout.async=stream"], "rollout.async: stream with LoRA is not supported"),
+    (["model.lora.targets=qkv", "engine.kind=sglang", "rollout.async=stream", "rollout.max_staleness=2",
+      "engine.server_args.max_loras_per_batch=2"],
+     "engine.server_args.max_loras_per_batch: 2: rollout.async=stream with max_staleness 2 keeps up to 3"),
     (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.max_loras_per_batch=1"],
      "engine.server_args.max_loras_per_batch: 1: a LoRA sync needs 2 pool slots"),
     (["model.lora.targets=qkv", "engine.kind=sglang", "engine.server_args.enable_lora=true"],
@@ -93,3 +93,7 @@ def test_sglang_engine_lora_arguments_come_from_model_lora():
     cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=o_proj"])
     assert sglang_lora_args(cfg, tiny_config("llama"))["lora_target_modules"] == ["o_proj"]
     assert sglang_lora_args(load_config(CONFIG, ["model.hf_path=x"]), tiny_config("llama")) == {}
+    # stream: a batch keeps the adapter it started on for up to max_staleness syncs, so max_staleness + 1 slots
+    cfg = load_config(CONFIG, ["model.hf_path=x", "engine.kind=sglang", "model.lora.targets=o_proj",
+                               "rollout.async=stream", "rollout.max_staleness=3"])
+    assert sglang_lora_args(cfg, tiny_config("llama"))["max_loras_per_batch"] == 4

@@ -14,7 +14,9 @@ as SGLang fuses them: q;k;v, gate;up, q_a;kv_a), i.e. exactly SGLang's blocks at
 divisibility rules admit, whose blocks coincide). Its logprobs then differ from the trainer's by the weights'
 quantization alone: SGLang also quantizes each linear layer's input per token and 128 channels, which is not
 emulated (on the GPU model of docs/archive/results-2026-11.md section 40, whose step-1 weights are on the FP8 grid, that part alone
-is a 0.06 mean logprob gap). It refuses shapes SGLang's FP8 layers refuse.
+is a 0.06 mean logprob gap). It refuses shapes SGLang's FP8 layers refuse. With model.lora the adapters stay
+unquantized in the engine's dtype on top of the FP8 base (PEFT's layers; SGLang's LoRA layers wrap its FP8 linears
+the same way), written by adapter-only syncs that leave the base as it is.
 """
 from __future__ import annotations
 
@@ -83,12 +85,14 @@ class Fp8ReferenceEngine(ReferenceEngine):
 
     def __init__(self, config: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._fp8_groups = fp8_groups(model_layout(dict(config)), set(self._views))
+        self._fp8_groups = fp8_groups(model_layout(self._config.to_dict()), set(self._views))
 
     @torch.no_grad()
     def finish_weight_update(self, version: int) -> None:
         with self._model_lock:
-            for group in self._fp8_groups:
+            # only a sync that wrote base weights quantizes them: a LoRA adapter-only sync leaves the base on its grid
+            # (re-quantizing FP8 values need not give back the same bits: the block scale is recomputed)
+            for group in self._fp8_groups if self._sync_open else ():
                 views = [self._views[n] for n in group]
                 full = torch.cat(views) if len(views) > 1 else views[0]
                 q, s = quantize_blocks(full, BLOCK)

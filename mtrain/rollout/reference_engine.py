@@ -95,6 +95,8 @@ class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, R
         self._aborts = 0  # requests ended "abort" (aborted_requests)
         # pause_in_place: generation parks at a gate between decoding steps, giving the model lock to a weight sync
         self._pause_cv = threading.Condition()
+        # the adapter the generate call of this thread holds, as (name,); None outside a call (lora_adapters.py)
+        self._call = threading.local()
         self._paused_in_place = False
         self._batcher: Batcher | None = None  # started by the first submit()
         self._routing = None
@@ -222,6 +224,9 @@ class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, R
             self._model_lock.acquire()
         self._check_alive("generate")
         self._check_ready()  # continued before the sync's finish_weight_update: refused, not decoded on half weights
+        held = getattr(self._call, "adapter", None)
+        if self._lora is not None and held is not None:  # another call may have set the PEFT layers meanwhile
+            self._use_adapter(held[0])
 
     def active_requests(self) -> dict[str, int]:
         """In-flight rid -> tokens generated so far (queued requests show 0)."""
@@ -247,8 +252,9 @@ class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, R
                 self._gate()  # a batch taken while paused in place waits before its prefill
                 self._check_ready()
                 # the adapter this call generates with, held until it returns (a sync that loads another one waits
-                # for the model lock; in stream mode (pause_in_place) LoRA is refused by config_checks)
+                # for the model lock, or, paused in place (stream), retires the held one: lora_adapters.py)
                 adapter = self.adapters.acquire() if self._lora is not None else None
+                self._call.adapter = (adapter,)
                 try:
                     if self._lora is not None:
                         self._use_adapter(adapter)
@@ -260,6 +266,7 @@ class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, R
                         for i, completion in zip(idx, self._generate_group([requests[i] for i in idx])):
                             results[i] = completion
                 finally:
+                    self._call.adapter = None
                     self.adapters.release(adapter)
                 with self._abort_lock:
                     self._aborts += sum(c.finish_reason == "abort" for c in results)  # type: ignore[union-attr]

@@ -76,7 +76,7 @@ class ReferenceDecoding:
                 token, logprob = sample_token(logits[row], params, gens[i])
                 outputs[i].append(token)
                 logprobs[i].append(logprob)
-                versions[i].append(self._version)
+                versions[i].append(self._token_version())
                 if tops[i] is not None:
                     tops[i].append(top_alternatives(logits[row], params))
                 next_ids.append(token)
@@ -98,10 +98,11 @@ class ReferenceDecoding:
             length += 1
             if all(finish[i] is not None for i in alive):
                 break
+        now = self._token_version()
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
-                           finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
+                           finish_reason=finish[i], weight_version=now,  # type: ignore[arg-type]
                            # only when an update in place fell inside the request (else all weight_version)
-                           token_versions=versions[i] if any(v != self._version for v in versions[i]) else None,
+                           token_versions=versions[i] if any(v != now for v in versions[i]) else None,
                            top_logprobs=tops[i], vision=r.vision,
                            # none for a request aborted before its prefill, as SGLang gives none for one aborted in its queue
                            routed_experts=self._routed_from(routed[i], r.routed_experts_start),

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from mtrain.rollout.protocol import EngineError
+from mtrain.rollout.reference_engine_lora_experts import fuse_expert_tensors, peft_lora_config, wrapper_params
 
 
 class ReferenceLoraSlots:
@@ -27,6 +28,7 @@ class ReferenceLoraSlots:
                 "target_modules": list(self._lora["target_modules"])}
         if {**want, "lora_alpha": float(want["lora_alpha"] or 0)} != have:
             raise EngineError(f"load_lora_adapter({name!r}): config {want} differs from the engine's {have}")
+        tensors = fuse_expert_tensors(tensors)  # per-expert names -> PEFT's fused-expert wrappers (no-op if none)
         with self._model_lock:
             if name in self._slot_of:
                 raise EngineError(f"load_lora_adapter: adapter {name!r} is already loaded")
@@ -59,6 +61,14 @@ class ReferenceLoraSlots:
         name = name or self.adapters.active
         return {k: v.detach() for k, v in self._slot_params(self._slot_of[name]).items()} if name else {}
 
+    def _token_version(self) -> int:
+        """The version a token decoded now carries: with LoRA its request's adapter (the base never changes after the
+        first sync; a request keeps its adapter through an update in place), else the engine's weights."""
+        from mtrain.rollout.lora_adapters import version_of
+        held = getattr(self._call, "adapter", None)
+        v = version_of(held[0]) if self._lora is not None and held is not None else None
+        return self._version if v is None else v
+
     def _adapter_names(self) -> list[str]:
         return sorted(self._slot_of)
 
@@ -71,8 +81,10 @@ class ReferenceLoraSlots:
         slot = f"slot{len(self._slot_cache)}"
         with warnings.catch_warnings():  # "multiple adapters in the model": one slot per live version, on purpose
             warnings.simplefilter("ignore", UserWarning)
-            peft.inject_adapter_in_model(peft.LoraConfig(lora_dropout=0.0, **self._lora), self._model,
-                                         adapter_name=slot)
+            # PEFT checks rank/alpha_pattern against target_modules only; the gate_up_proj key does apply, to the
+            # fused-expert target_parameters (reference_engine_lora_experts.py)
+            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+            peft.inject_adapter_in_model(peft_lora_config(self._lora), self._model, adapter_name=slot)
         self._model.to(self._dtype).requires_grad_(False)
         self._slot_params(slot)  # every injected slot is in _slot_cache from here on
         return slot
@@ -81,8 +93,11 @@ class ReferenceLoraSlots:
         """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot` (built once per slot)."""
         if slot in self._slot_cache:
             return self._slot_cache[slot]
-        out = self._slot_cache[slot] = {}
+        out = self._slot_cache[slot] = wrapper_params(self._model, slot)  # fused experts, by their own names
+        wrapped = {id(p) for p in out.values()}
         for pname, p in self._model.named_parameters():
+            if id(p) in wrapped:
+                continue
             for ab in ("lora_A", "lora_B"):
                 tag = f".{ab}.{slot}."
                 if tag in pname:

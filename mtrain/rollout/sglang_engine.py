@@ -97,6 +97,7 @@ class SGLangEngine(SGLangRequests, SGLangWeights, SGLangControl, RolloutEngine):
         self._gate: asyncio.Event | None = None  # closed by pause(): requests wait before reaching SGLang
         self._in_place: int | None = None  # pause_in_place: the weight version the engines paused at
         self._boundaries: dict[str, list[tuple[int, int]]] = {}  # srid -> (tokens so far, their version) per update
+        self._adapter_of: dict[str, str] = {}  # srid -> the LoRA adapter it was stamped with (lora_adapters.py)
         self._aborts = 0
         self._thread: threading.Thread | None = None
         self._dead: str | None = None

@@ -8,6 +8,7 @@ import concurrent.futures
 import uuid
 from typing import Any, Sequence
 
+from mtrain.rollout.lora_adapters import version_of
 from mtrain.rollout.protocol import Completion, EngineError, Request, emit_tokens
 from mtrain.rollout.sglang_stream import StreamAssembler
 from mtrain.rollout.sglang_wire import completion_from_output, routing_request_args, sglang_image_data, to_sglang_sampling
@@ -63,6 +64,7 @@ class SGLangRequests:
         adapter = self.adapters.acquire() if self._lora else None
         if adapter is not None:
             kwargs["lora_path"] = adapter
+            self._adapter_of[srid] = adapter
         try:
             if req.on_tokens is None:
                 return await self._versioned_generate(kwargs, stream=False)
@@ -139,11 +141,17 @@ class SGLangRequests:
 
     def _completion(self, req: Request, out: Any, srid: str | None = None) -> Completion:
         marks = self._boundaries.pop(srid, None) if srid is not None else None
+        # LoRA: SGLang keeps a request on the adapter it named for its whole life, through updates in place, so
+        # every token carries that adapter's version (the base never changes after the first sync)
+        adapter = self._adapter_of.pop(srid, None) if srid is not None else None
+        version = self._weight_version if adapter is None else version_of(adapter)
+        if adapter is not None:
+            marks = None
         if out is None:
             self._aborts += 1
             return Completion(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=[], logprobs=[],
-                              finish_reason="abort", weight_version=self._weight_version, vision=req.vision)
-        c = completion_from_output(req, out, self._weight_version, routing=self._routing)
+                              finish_reason="abort", weight_version=version, vision=req.vision)
+        c = completion_from_output(req, out, version, routing=self._routing)
         self._aborts += c.finish_reason == "abort"
         if marks:  # an update in place fell inside this request: its earlier tokens carry the older versions
             c.token_versions = versions_from_marks(marks, len(c.output_ids), c.weight_version)

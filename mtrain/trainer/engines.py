@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+from mtrain.config_checks import lora_live_versions
 from mtrain.layouts import model_layout
 from mtrain.layouts.table import ModelLayout
 from mtrain.models.lora import spec_of as lora_spec_of
@@ -34,11 +35,12 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     if decisions.engine_kind == "reference":
         from mtrain.rollout.reference_engine_bitwise import reference_engine_class
         dtype = decisions.engine_dtype
-        if fp8:
-            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
-            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay)
         lora = lora_spec_of(cfg)  # LoRA: the engine holds PEFT adapters next to the base (mtrain/trainer/publishers/lora.py)
         lora_args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora) if lora else None
+        if fp8:  # FP8 base (quantized at every base sync), adapters in the engine's dtype on top
+            from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
+            return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
+                                      lora=lora_args)
         return reference_engine_class(cfg.numerics.on_policy)(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
@@ -78,14 +80,15 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
 
 def sglang_lora_args(cfg, hf_config: dict) -> dict:
     """model.lora on SGLang: its LoRA enabled for the adapter table's PEFT names, rank up to the run's; two pool slots
-    (the active version and the previous one while requests still name it, mtrain/rollout/lora_adapters.py).
+    (the active version and the previous one while requests still name it, mtrain/rollout/lora_adapters.py), under
+    stream max_staleness + 1 (config_checks.lora_live_versions).
     engine.server_args may raise max_lora_rank / max_loras_per_batch (config_checks refuses a rank above it)."""
     lora = lora_spec_of(cfg)
     if lora is None:
         return {}
     args = engine_lora_args(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False), lora)
     return {"enable_lora": True, "max_lora_rank": lora.rank, "lora_target_modules": args["target_modules"],
-            "max_loras_per_batch": 2}
+            "max_loras_per_batch": lora_live_versions(cfg)}
 
 
 def engine_concurrency(cfg) -> int:

@@ -124,19 +124,23 @@ def _publisher(t, lora):
     cfg, d, p = t.cfg, t.decisions, t.cfg.parallel
     if t.placement.separate:  # to engines on other ranks, shard to shard (mtrain/reshard/remote.py)
         from mtrain.trainer.publishers.separate import SeparateSync
-        if t.actor is None:
-            return SeparateSync(cfg, d, t.layout, t.rank, engine=t.engine, dtype=d.engine_dtype)
-        return SeparateSync(cfg, d, t.layout, t.rank, chunks=t.actor.chunks, dtype=d.engine_dtype)
-    from mtrain.trainer.publishers.colocated import WeightSync
 
-    def make_sync(table, **over):  # over: engine / engine_kind / mode for the adapter plan (lora_sync.py)
-        kw = {"engine": t.engine, "engine_kind": d.engine_layout, "mode": d.sync_mode, **over}
-        return WeightSync(table, t.actor.chunks, kw.pop("engine"), groups=d.groups, engine_ep=cfg.engine.ep,
-                          first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
-                          dtype=d.engine_dtype, bucket_bytes=cfg.sync.bucket_mb << 20, backend=cfg.sync.backend,
-                          device=d.device, engine_fp8=d.engine_fp8, **kw)
+        def make_sync(table, **over):  # over: engine / engine_kind for the adapter plan; push/pull is moot here
+            side = {"engine": over.get("engine", t.engine)} if t.actor is None else {"chunks": t.actor.chunks}
+            return SeparateSync(cfg, d, table, t.rank, dtype=d.engine_dtype, engine_kind=over.get("engine_kind"),
+                                **side)
+    else:
+        from mtrain.trainer.publishers.colocated import WeightSync
+
+        def make_sync(table, **over):  # over: engine / engine_kind / mode for the adapter plan (lora_sync.py)
+            kw = {"engine": t.engine, "engine_kind": d.engine_layout, "mode": d.sync_mode, **over}
+            return WeightSync(table, t.actor.chunks, kw.pop("engine"), groups=d.groups, engine_ep=cfg.engine.ep,
+                              first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+                              dtype=d.engine_dtype, bucket_bytes=cfg.sync.bucket_mb << 20,
+                              backend=cfg.sync.backend, device=d.device, engine_fp8=d.engine_fp8, **kw)
     if lora is None:
         return make_sync(t.layout)
     # LoRA: the base once, then a named adapter per step (mtrain/trainer/publishers/lora.py)
     from mtrain.trainer.publishers.lora import AdapterSync
-    return AdapterSync(make_sync, t.layout, lora, t.engine)
+    # stream syncs with requests paused in place on the previous adapter: they keep it (lora_adapters.py)
+    return AdapterSync(make_sync, t.layout, lora, t.engine, keep_in_use=cfg.rollout.async_mode == "stream")

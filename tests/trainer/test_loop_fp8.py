@@ -41,3 +41,20 @@ def test_fp8_engine_in_the_loop_pull_and_push(fp8_llama, tmp_path):
     assert all(torch.equal(pull[1][k], push[1][k]) for k in push[1])
     for r in push[0] + pull[0]:
         assert 0 < r["logprob_diff/mean_abs"] < 0.1, r["logprob_diff/mean_abs"]
+
+
+@pytest.mark.slow  # ~130 s on the shared 2-core box; tests/rollout/test_lora_adapters.py checks the engine's numbers
+def test_fp8_engine_with_lora_torchrun(fp8_llama, tmp_path):
+    """engine.weight_dtype=fp8 with LoRA under torchrun (2 gloo ranks, TP2, the CPU FP8 engine): the base arrives
+    quantized once, every step's sync is adapters only, and the engine-vs-trainer gap is the quantization's (nonzero,
+    small), as for full fine-tuning above."""
+    from loop_harness import launch, train_records
+    run = tmp_path / "run"
+    launch(base_overrides(fp8_llama, run, **{"train.steps": 2, "engine.weight_dtype": "fp8",
+                                             "model.lora.targets": "qkv,o_proj,gate_up,down", "model.lora.rank": 4,
+                                             "model.lora.alpha": 8, "model.lora.lr": 1e-2}), tmp_path, timeout=400)
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2]
+    for r in recs.values():
+        assert r["sync/adapters_only"] == 1.0
+        assert 0 < r["logprob_diff/mean_abs"] < 0.1, r["logprob_diff/mean_abs"]

@@ -4,7 +4,7 @@ import pytest
 
 from loop_harness import CONFIG
 from mtrain.config import ConfigError, load_config
-from mtrain.job_split import check_placement_runs, split_ranks, train_world
+from mtrain.job_split import split_ranks, train_world
 from mtrain.rollout.groups import EngineLayoutError
 from mtrain.rollout.separate_groups import SeparateGroups
 
@@ -27,16 +27,17 @@ def test_training_world_and_layout():
     assert train_world(cfg, 6) == 4 and split_ranks(cfg, 6).train_ranks == (0, 1, 2, 3)
     lay = training_layout(cfg, 4)
     assert (lay.tp, lay.dp, lay.expert_tp, lay.world) == (2, 2, 2, 4)
-    check_placement_runs(split_ranks(cfg, 6), cfg)  # runs
     for extra in (["train.save_interval=2"], ["rollout.async=stream", "rollout.max_staleness=2"]):
-        check_placement_runs(split_ranks(cfg, 4), load_config(CONFIG, BASE + extra))  # checkpoints, stream: run
+        assert split_ranks(load_config(CONFIG, BASE + extra), 4).engine_ranks == (2, 3)  # checkpoints, stream: run
 
 
-def test_agents_and_sglang_engine_tp_run_separate():
-    """serve.agent and SGLang engines of engine.tp > 1 are not refused with separate placement (issue 42)."""
-    for extra in (["serve.agent=tests.trainer.agents_for_tests:two_turn_digits"], ["engine.kind=sglang", "engine.tp=2"]):
+def test_agents_lora_and_sglang_engine_tp_run_separate():
+    """serve.agent, LoRA (with stream too) and SGLang engines of engine.tp > 1 are not refused with separate
+    placement: the config checks pass and the ranks split."""
+    for extra in (["serve.agent=tests.trainer.agents_for_tests:two_turn_digits"], ["engine.kind=sglang", "engine.tp=2"],
+                  ["model.lora.targets=qkv,o_proj", "rollout.async=stream"]):
         cfg = load_config(CONFIG, BASE + extra)
-        check_placement_runs(split_ranks(cfg, 4), cfg)
+        assert split_ranks(cfg, 4).engine_ranks == (2, 3)
 
 
 def test_sglang_engine_tp2_shards_reach_the_ranks_on_its_schedulers_gpus():
@@ -74,9 +75,3 @@ def test_sglang_engine_across_nodes_refused_in_one_line():
                               "engine.kind=sglang", "parallel.tp=2", "train.save_interval=-1"])
     assert decide(ok, world_size=16, local_world_size=8, cuda=True, te=False).groups.count == 2
 
-
-def test_lora_refused():
-    cfg = load_config(CONFIG, BASE)
-    cfg.model.lora.targets = ["q_proj"]
-    with pytest.raises(ConfigError, match=r"^model.lora.targets: is not available with engine.placement=separate"):
-        check_placement_runs(split_ranks(cfg, 4), cfg)

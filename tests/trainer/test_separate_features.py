@@ -1,7 +1,8 @@
 """Features under engine.placement=separate that once were refused. Learner parts (PPO's critic, on-policy
 distillation) live on the training ranks only; the engine rank holds no model (learner/engine_rank.py) and joins the
 critic's whole-job collectives (optimizer construction, checkpoint save). Partial rollout is a source: every rank
-holds the same buffer (the pool hands every rank every group), the engine rank included. torchrun with 3 gloo ranks: 2 training ranks (TP2) and 1 engine rank
+holds the same buffer (the pool hands every rank every group), the engine rank included. torchrun with 3 gloo ranks
+(LoRA: 4, 2 + 2 engine ranks): 2 training ranks (TP2) and 1 engine rank
 (reference engine), the tiny model in float32, 2 steps, a checkpoint after step 2. Step 1's engine-vs-trainer
 logprob gap is held to 1e-5: the engine generated with exactly the weights the trainer scores with."""
 from __future__ import annotations
@@ -85,3 +86,46 @@ def test_reference_engine_tp2_with_separate_engines(models, tmp_path):
         assert recs[s]["logprob_diff/max_abs"] <= bound, (s, recs[s]["logprob_diff/max_abs"])
         assert recs[s]["sync/bytes"] > 0 and recs[s]["rollout/engines"] == 1.0
     assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()
+
+
+def test_lora_with_separate_engines(models, tmp_path):
+    """LoRA with 2 training ranks (DP2) and 2 engine ranks (two reference engines): the startup sync sends the base
+    and the adapters, every step's sync only the adapters, point to point, which each engine rank loads as the
+    version's named adapter. Every step's engine-vs-trainer gap <= 1e-5 (PEFT on HF against Megatron's adapter
+    hooks) while the adapters (lr 1e-2) move the policy away from the frozen base: the engines generate with the
+    trainer's adapters."""
+    run = tmp_path / "run"
+    lora = {"model.lora.targets": "qkv,o_proj,gate_up,down", "model.lora.rank": 4, "model.lora.alpha": 8,
+            "model.lora.lr": 1e-2}
+    p = launch(base_overrides(models[0], run, **{**SEPARATE3, "engine.ranks": 2, "parallel.tp": 1, "train.steps": 3,
+                                                 "train.save_interval": 0, **lora}),
+               tmp_path, timeout=900, nproc=4)
+    assert "engine ranks 2-3 (2: 2 engine(s) of tp 1)" in p.stdout
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert recs[s]["logprob_diff/max_abs"] <= 1e-5, (s, recs[s]["logprob_diff/max_abs"])
+    # the startup sync sent the base; every step's sync the adapters alone, the same rows each time
+    assert all(recs[s]["sync/adapters_only"] == 1.0 for s in (1, 2, 3))
+    assert recs[1]["sync/bytes"] == recs[2]["sync/bytes"] == recs[3]["sync/bytes"] > 0
+    # the policy the engines sample moved away from the frozen base (the KL reference) by far more than the gap
+    assert recs[3]["kl/mean"] > 1e-3, recs[3]["kl/mean"]
+
+
+@pytest.mark.slow  # a fourth 4-rank run
+def test_lora_stream_with_separate_engines(models, tmp_path):
+    """LoRA, separate placement and rollout.async=stream together: the engine ranks pause in place, receive the
+    adapters point to point and retire the version their paused requests hold; every trained token is within
+    max_staleness of its step and nothing is aborted."""
+    run = tmp_path / "run"
+    lora = {"model.lora.targets": "qkv,o_proj,gate_up,down", "model.lora.rank": 4, "model.lora.alpha": 8,
+            "model.lora.lr": 1e-2}
+    launch(base_overrides(models[0], run, **{**SEPARATE3, "engine.ranks": 2, "parallel.tp": 1, "train.steps": 3,
+                                             "train.save_interval": 0, "rollout.async": "stream",
+                                             "rollout.max_new_tokens": 24, **lora}), tmp_path, timeout=900, nproc=4)
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2, 3]
+    for s in (1, 2, 3):
+        lags = {int(k.rsplit("_", 1)[1]) for k in recs[s] if k.startswith("rollout/tokens_lag_")}
+        assert lags and 0 <= min(lags) and max(lags) <= 1, (s, lags)
+        assert recs[s]["rollout/aborted_per_update"] == 0.0 and recs[s]["sync/adapters_only"] == 1.0

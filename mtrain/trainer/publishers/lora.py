@@ -8,10 +8,14 @@ LoRA registry and memory pool), the reference engine's PEFT layers, the same pro
 (mtrain/rollout/lora_adapters.py: load the new, route new requests to it, unload the old once unused). The engine
 keeps its base weights between steps (the loop does not release them with LoRA: they never change). Both plans go
 through the same planner and executor as a full sync (mtrain/trainer/publishers/colocated.py); the adapter plan in push mode into
-the HF layout, since both engines take whole adapter tensors and slice them per rank themselves.
+the HF layout, since both engines take whole adapter tensors and slice them per rank themselves. With
+engine.placement=separate both plans are point-to-point syncs (publishers/separate.py): the engine rank receives the
+adapter rows and its AdapterTarget scatters them into whole tensors (`pull_weights`, the pull protocol's table run
+on the engine rank's own host tensors), then loads them the same way.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules
@@ -20,8 +24,15 @@ from mtrain.layouts.table import ModelLayout
 
 def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
     """PEFT LoraConfig fields of the engine's adapter (the reference engine injects them; SGLang's
-    lora_target_modules / max_lora_rank come from the same names)."""
-    return {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(lora_layout(base, spec))}
+    lora_target_modules / max_lora_rank come from the same names). With expert rows also `experts` and
+    `module_targets` (the names of the non-expert rows): the reference engine wraps transformers' fused expert
+    parameters, not modules of those names (mtrain/rollout/reference_engine_lora_experts.py)."""
+    table = lora_layout(base, spec)
+    out = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(table)}
+    if any(w.expert is not None for w in table.weights):
+        dense = replace(table, weights=[w for w in table.weights if w.expert is None])
+        out.update(experts=True, module_targets=peft_target_modules(dense) if dense.weights else [])
+    return out
 
 
 class AdapterTarget:
@@ -29,28 +40,56 @@ class AdapterTarget:
     (HF layout, one destination rank) and, when the sync finishes, loads them into the engine under the
     version's name (`switch_adapter`), then closes the engine's sync (weight_version, prefix cache flush)."""
 
-    def __init__(self, engine, lora: dict):
-        self.engine, self.lora = engine, lora
+    def __init__(self, engine, lora: dict, keep_in_use: bool = False):
+        """keep_in_use: rollout.async=stream, whose syncs run with requests paused in place on the previous adapter
+        (switch_adapter retires it instead of waiting for them)."""
+        self.engine, self.lora, self.keep_in_use = engine, lora, keep_in_use
         self.tensors: dict = {}
+        self._pulled: dict = {}  # separate placement: HF name -> whole tensor, written in place every sync
+        self._pull = None
 
     def update_weights(self, rank_tensors) -> None:
         # the executor reuses its bucket buffers: keep copies (adapters are small)
         for name, t in rank_tensors[0]:
             self.tensors[name] = t.detach().clone()
 
+    def pull_weights(self, jobs: list, version: int | None = None) -> None:
+        """Separate placement (publishers/separate.py): one received bucket of the adapter plan (PullJob, HF
+        layout, one destination rank) scattered into whole adapter tensors; `version` closes the sync. The
+        tensors persist, so sync.delta's changed-pieces-only buckets leave the rest as they were."""
+        import torch
+
+        from mtrain.reshard.pull_protocol import PullSender, PullState, run_pull
+        job = jobs[0]
+        if job is not None:
+            if self._pull is None:
+                self._pull = (PullSender(1), PullState())
+            sender, state = self._pull
+            device = job.sources[0].device if job.sources else "cpu"  # where the received buckets live
+            for name, shape in job.targets:  # float32 holds every sync dtype exactly; the engine casts on load
+                if name not in self._pulled:
+                    self._pulled[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+            run_pull(self._pulled, sender.payload(0, job, False, torch.empty(0)), state)
+            sender.confirm(0, job)
+        if version is not None:
+            self.tensors = {k: v.clone() for k, v in self._pulled.items()}
+            self.finish_weight_update(version)
+
     def finish_weight_update(self, version: int) -> None:
         from mtrain.rollout.lora_adapters import switch_adapter
         tensors, self.tensors = self.tensors, {}
-        switch_adapter(self.engine, version, tensors, self.lora)
+        switch_adapter(self.engine, version, tensors, self.lora, keep_in_use=self.keep_in_use)
         self.engine.finish_weight_update(version)
 
 
 class AdapterSync:
-    def __init__(self, make_sync: Callable[..., object], base: ModelLayout, spec: LoraSpec, engine):
+    def __init__(self, make_sync: Callable[..., object], base: ModelLayout, spec: LoraSpec, engine,
+                 keep_in_use: bool = False):
         """make_sync(table, **overrides): a WeightSync over the rows of `table` (same groups and options; overrides
-        replace engine / engine_kind / mode). engine: this rank's engine (a group leader) or None."""
+        replace engine / engine_kind / mode). engine: this rank's engine (a group leader) or None. keep_in_use:
+        see AdapterTarget."""
         self.first = make_sync(base)
-        target = AdapterTarget(engine, engine_lora_args(base, spec)) if engine is not None else None
+        target = AdapterTarget(engine, engine_lora_args(base, spec), keep_in_use) if engine is not None else None
         self.adapters = make_sync(lora_layout(base, spec), engine=target, engine_kind="hf", mode="push")
         self.synced = False
 

@@ -8,7 +8,9 @@ group ranks take no part; SGLang at engine.tp=k has k destination ranks, rank r 
 r into buffers on its own GPU, the GPU SGLang's scheduler r runs on (the leader starts all k schedulers from
 base_gpu_id = its local rank, `SeparateGroups.sglang_placement`), and the group hands those buffers to SGLang exactly
 as colocated owners do (publishers/spread_pull.py): each rank serializes its own rank's request, the leader sends
-them in one engine call."""
+them in one engine call. With LoRA (publishers/lora.py) one SeparateSync carries the base (first sync) and a
+second one the adapter table's rows, whole tensors at HF names (engine_kind="hf"), into the engine rank's
+`AdapterTarget`, which loads them as the version's named adapter."""
 from __future__ import annotations
 
 import functools
@@ -40,13 +42,17 @@ def destination_ranks(groups, dst_tp: int) -> EngineRanks:
 class SeparateSync:
     """`sync(version)` on both sides of separate placement; the same interface as `WeightSync`."""
 
-    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype):
+    def __init__(self, cfg, decisions, layout, rank: int, *, chunks=None, engine=None, dtype: torch.dtype,
+                 engine_kind: str | None = None):
+        """engine: on an engine rank, what `pull_weights(jobs, version)` writes into (the engine, or the LoRA
+        AdapterTarget); engine_kind: the destination layout (default: the engine's own, decisions.engine_layout)."""
         from mtrain.reshard.megatron_side import tensor_lookup
         g = decisions.groups
         self.engine, self.rank = engine, rank
-        dst_tp = 1 if decisions.engine_layout == "hf" else g.tp
+        kind = engine_kind or decisions.engine_layout
+        dst_tp = 1 if kind == "hf" else g.tp
         self.engines = destination_ranks(g, dst_tp)
-        dst = engine_layout(decisions.engine_layout, dst_tp, cfg.engine.ep, decisions.engine_fp8)
+        dst = engine_layout(kind, dst_tp, cfg.engine.ep, decisions.engine_fp8)
         plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
         executor, self.delta = Executor, None
         if cfg.sync.delta:  # only what changed travels (mtrain/reshard/delta.py, docs/design-delta-sync.md)
