@@ -17,7 +17,8 @@ Cases:
                masked out of the loss). The planner shares the longest common prefix of a group's rows, which in
                a tool rollout is the prompt: each sample's turns are its own.
 
-    cd REPO && OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases long_prompt          # one case: 3-5 min on 2 busy cores
+    # one case per call: 3-5 min each on 2 busy cores
+    OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases long_prompt --json out.json
     OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases multi_turn --json out.json
 """
 from __future__ import annotations
@@ -155,7 +156,7 @@ def main() -> int:
                 pk = build(mode, mb)
                 total += pk.total
                 idx = torch.tensor(mb)
-                stream = pack(pk, tokens[idx], width, "tokens").unsqueeze(0)
+                stream = pack(pk, tokens, width, "tokens").unsqueeze(0)  # pk.rows index the whole batch
                 pos = pk.position_ids()
                 logits = model(stream, pos, None, packed_seq_params=pk.packed_seq_params("cpu", True, pos))
                 lp = unpack(pk, token_logprobs(logits, stream, args.vocab, 1.0)[0], width - 1, width)
