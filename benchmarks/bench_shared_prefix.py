@@ -17,9 +17,9 @@ Cases:
                masked out of the loss). The planner shares the longest common prefix of a group's rows, which in
                a tool rollout is the prompt: each sample's turns are its own.
 
-    # one case per call: 3-5 min each on 2 busy cores
-    OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases long_prompt --json out.json
-    OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases multi_turn --json out.json
+    # one case per call, as docs/results.md ran them: 2-6 min each on 2 busy cores
+    OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases long_prompt --repeats 5 --json out.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases multi_turn --repeats 5 --json out.json
 """
 from __future__ import annotations
 
