@@ -79,9 +79,13 @@ class Cell:
 # ---- what is refused today, and why: ONE list. Each entry: (the refused key, which cells it refuses, a pattern of
 # the run's error). A cell matching an entry is xfail(strict) and must fail with that very error
 # (KnownRefusal); failing any other way is a real bug. Remove an entry once its refusal is gone: its cells then run.
-# (SGLang engines at engine.tp 2 under separate placement are refused too, but the CPU's reference engine runs
-# there today, so no CPU cell fails for it.)
+# engine.kind stays auto, as users leave it: separate placement then refuses engine.tp 2 on a CPU as it does SGLang's.
+# (Naming engine.kind=reference gets past that check and fails building the sync instead: SeparateSync plans the
+# reference engine's one-rank HF layout onto a 2-rank engine group, "every engine needs 1 ranks (its layout's
+# world), got ((2, 3),)"; mtrain/trainer/publishers/separate.py, mtrain/reshard/remote.py engine_plans.)
 REFUSED_TODAY = [
+    ("engine.tp 2 with engine.placement=separate",
+     lambda c: c.placement == "separate_tp2", r"engine\.tp: 2 with engine\.placement=separate is not available"),
     ("engine.placement=separate with model.lora.targets",
      lambda c: c.lora != "off" and c.separate, r"separate with LoRA is not (supported|available)"),
     ("rollout.async=stream with model.lora.targets",
@@ -165,9 +169,6 @@ def overrides(cell: Cell, hf: dict[str, Path], run_dir: Path) -> list[str]:
     o: dict = {"train.steps": 2, "train.save_interval": 1 if cell.killed else -1, "train.micro_batch_size": 2,
                "rollout.prompts_per_step": PROMPTS, "rollout.samples_per_prompt": SAMPLES, "model.dtype": "float32",
                "reward.fn": SIGNAL_REWARD,
-               # named, not auto: engine.kind=auto on a CPU is the reference engine too, but separate placement's
-               # check refuses engine.tp 2 unless the kind is named (mtrain/job_split.check_placement_runs)
-               "engine.kind": "reference",
                # MoE trains at TP1 with EP2 without Transformer Engine (docs/design-trainer.md)
                "parallel.tp": 1 if cell.moe else 2, "parallel.ep": 2 if cell.moe else 1}
     if cell.rollout == "partial":
