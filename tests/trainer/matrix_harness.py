@@ -213,14 +213,15 @@ def _run(cmd: list[str], cwd: Path, cell: Cell, timeout: float) -> subprocess.Co
 
 def _kill_after(cmd: list[str], cwd: Path, marker: Path, timeout: float) -> None:
     """SIGKILL every process of the job once `marker` exists; a run that ends first failed (steps=2, kill at 1)."""
-    p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    log = cwd / "killed_run.err"  # a file, not a pipe: a full pipe would stall the job before the marker
+    with open(log, "w") as err:
+        p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
         while not marker.exists():
             if p.poll() is not None:
                 raise AssertionError(f"exit {p.returncode} before {marker} appeared\n{' '.join(cmd)}\n"
-                                     f"{p.stderr.read()[-6000:]}")
+                                     f"{log.read_text()[-6000:]}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"{marker} did not appear within {timeout} s")
             time.sleep(0.05)
