@@ -239,8 +239,9 @@ def run_cell(cell: Cell, hf: dict[str, Path], tmp: Path, timeout: float = 600) -
         try:
             _kill_after(cmd, tmp, run / "checkpoints" / "step_1" / "COMPLETE", timeout)
         except AssertionError as e:  # a refusal stops the first launch already
+            errors = re.findall(r"mtrain: error: .*", (tmp / "killed_run.err").read_text())
             for key, pattern in refusals(cell):
-                if re.search(pattern, str(e)):
+                if any(re.search(pattern, x) for x in errors):
                     raise KnownRefusal(f"refused today: {key}") from e
             raise
     p = _run(cmd, tmp, cell, timeout)
