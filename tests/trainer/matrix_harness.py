@@ -186,7 +186,9 @@ def overrides(cell: Cell, hf: dict[str, Path], run_dir: Path) -> list[str]:
     elif cell.learner == "distill":
         o["algo.distill.teacher_path"] = hf[f"{arch}/teacher"]
     if cell.lora != "off":
-        targets = "qkv,o_proj,experts" if cell.lora == "experts" else "qkv,o_proj,gate_up,down"
+        # a MoE (here for routing replay) has no dense MLP for gate_up/down: attention only, or with its experts
+        mlp = {"experts": ",experts", "on": "" if cell.moe else ",gate_up,down"}[cell.lora]
+        targets = "qkv,o_proj" + mlp
         o.update({"model.lora.targets": targets, "model.lora.rank": 4, "model.lora.alpha": 8, "model.lora.lr": 1e-3})
     if cell.routing == "replay":
         o["algo.routing_replay"] = "rollout"
