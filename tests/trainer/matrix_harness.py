@@ -5,7 +5,7 @@ Axes (values in the order the ids use them):
     rollout     off | partial | one_step | stream
     generation  single (one turn) | tools (multi-turn calculator) | agent (OpenAI-front agents, serve.agent)
     learner     grpo | ppo (critic) | distill (teacher)
-    lora        off | on (dense linears) | experts (adapters on the routed experts of a MoE)
+    lora        off | on (attention and MLP linears; attention only on a MoE) | experts (and the routed experts)
     routing     off | replay (algo.routing_replay=rollout on a MoE)
     placement   colocated (2 ranks) | separate engine.tp 1 | separate engine.tp 2 (2 training + 2 engine ranks)
 
