@@ -79,24 +79,9 @@ class Cell:
 # ---- what is refused today, and why: ONE list. Each entry: (the refused key, which cells it refuses, a pattern of
 # the run's error). A cell matching an entry is xfail(strict) and must fail with that very error
 # (KnownRefusal); failing any other way is a real bug. Remove an entry once its refusal is gone: its cells then run.
-# engine.kind stays auto, as users leave it: separate placement then refuses engine.tp 2 on a CPU as it does SGLang's.
-# (Naming engine.kind=reference gets past that check and fails building the sync instead: SeparateSync plans the
-# reference engine's one-rank HF layout onto a 2-rank engine group, "every engine needs 1 ranks (its layout's
-# world), got ((2, 3),)"; mtrain/trainer/publishers/separate.py, mtrain/reshard/remote.py engine_plans.)
-REFUSED_TODAY = [
-    ("engine.tp 2 with engine.placement=separate",
-     lambda c: c.placement == "separate_tp2", r"engine\.tp: 2 with engine\.placement=separate is not available"),
-    ("engine.placement=separate with model.lora.targets",
-     lambda c: c.lora != "off" and c.separate, r"separate with LoRA is not (supported|available)"),
-    ("rollout.async=stream with model.lora.targets",
-     lambda c: c.lora != "off" and c.rollout == "stream", r"stream with LoRA is not supported"),
-    ("serve.agent with engine.placement=separate",
-     lambda c: c.generation == "agent" and c.separate, r"serve\.agent: is not available with engine\.placement=separate"),
-    # not a refusal yet but a failure at the first adapter load: the trainer sends one adapter per expert linear,
-    # the reference engine's PEFT model (transformers 5 fuses Qwen3-MoE experts) holds one per fused tensor
-    ("model.lora.targets=experts on the reference engine",
-     lambda c: c.lora == "experts", r"load_lora_adapter\('policy-v0'\): unknown \[.*\.experts\."),
-]
+# Empty: every cell of the matrix runs (LoRA with separate placement, stream and experts; agents and engine.tp 2
+# with separate placement).
+REFUSED_TODAY: list = []
 
 
 def refusals(cell: Cell) -> list[tuple[str, str]]:

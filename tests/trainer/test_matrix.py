@@ -16,7 +16,7 @@ from matrix_harness import (AXES, EXCLUDED, Cell, KnownRefusal, check_run, model
 SLICE = [
     Cell("off", "agent", "ppo", "off", "replay", "colocated"),
     Cell("partial", "tools", "distill", "on", "off", "colocated"),
-    Cell("one_step", "single", "grpo", "off", "off", "separate_tp1"),
+    Cell("one_step", "single", "grpo", "experts", "off", "separate_tp2"),
     Cell("stream", "single", "ppo", "off", "off", "colocated"),
 ]
 PAIRWISE = pairwise_cells()
