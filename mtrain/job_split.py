@@ -31,8 +31,6 @@ def check_async(cfg) -> None:
         return
     if r.partial:
         raise _fail("rollout.async", f"{mode} with rollout.partial=true is not available; use one of them")
-    if cfg.serve.agent is not None:
-        raise _fail("rollout.async", f"{mode} with serve.agent is not available (agents drive the pool themselves)")
     if r.offpolicy == "tis" and cfg.algo.tis_cap is None:
         raise _fail("rollout.offpolicy", "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
     if mode == "stream" and cfg.multi_turn.rollout_fn is not None:

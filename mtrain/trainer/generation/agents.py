@@ -38,7 +38,9 @@ def _front(front, s):
 
 class AgentRollout:
     """The `GenerationFunction` of server-based RL: openai-client agents through each leader's front. The agents
-    choose their own sampling (greedy evaluation is theirs to do) and drive the pool given at construction."""
+    choose their own sampling (greedy evaluation is theirs to do) and run on the pool of the call: the loop's, or
+    rollout.async's background pool (its own gloo group and engine clients; one front per engine client, so the
+    agents of a background rollout reach the engines through fronts of their own, while the loop's stay idle)."""
     reports_tool_metrics = False  # agents' trajectories carry their own metrics
 
     def __init__(self, cfg, pool: RolloutPool, tokenizer, *, max_positions: int, model_name: str):
@@ -58,16 +60,17 @@ class AgentRollout:
             max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
 
     def __call__(self, pool, samples, *, n, seed, prefix, greedy=False, max_new_tokens=None) -> RolloutResult:
-        return self.run(samples, n, prefix)
+        return self.run(samples, n, prefix, pool=pool)
 
-    def run(self, samples, n: int, rid_prefix: str) -> RolloutResult:
+    def run(self, samples, n: int, rid_prefix: str, pool: RolloutPool | None = None) -> RolloutResult:
         from mtrain.serve.openai_agent import agent_group_fn
 
         with_images = [s.index for s in samples if getattr(s, "images", ())]
         if with_images:  # the OpenAI front takes text messages only
             raise ValueError(f"sample {with_images[0]} has images: serve.agent rollouts (the OpenAI front) do not "
                              f"support image prompts yet; multi_turn.rollout_fn runs tool rollouts with images")
-        run = self.pool.run(len(samples), agent_group_fn(self.fronts, self.agent, samples, n, rid_prefix=rid_prefix),
+        pool = self.pool if pool is None else pool
+        run = pool.run(len(samples), agent_group_fn(self.fronts, self.agent, samples, n, rid_prefix=rid_prefix),
                             rid_prefix=rid_prefix)
         trajectories = [t for group in run.results for t in group]
         missing = [t.rid for t in trajectories if t.reward is None]
