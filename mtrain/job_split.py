@@ -33,9 +33,6 @@ def check_async(cfg) -> None:
         raise _fail("rollout.async", f"{mode} with rollout.partial=true is not available; use one of them")
     if r.offpolicy == "tis" and cfg.algo.tis_cap is None:
         raise _fail("rollout.offpolicy", "tis needs algo.tis_cap (the cap of the trainer/rollout probability ratio)")
-    if mode == "stream" and cfg.multi_turn.rollout_fn is not None:
-        raise _fail("rollout.async", "stream with multi_turn.rollout_fn is not available (tool calls would be paused "
-                                     "mid-turn by updates in place); use one_step")
     if r.max_staleness is not None and r.max_staleness < 1:
         raise _fail("rollout.max_staleness", f"{r.max_staleness} with rollout.async={mode} leaves nothing to train "
                                              "on (every token is one version old); use >= 1 or null")

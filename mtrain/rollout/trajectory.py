@@ -104,22 +104,26 @@ class Trajectory:
                 return s.text
         return ""
 
-    def add_model_tokens(self, ids: list[int], logprobs: list[float], version: int, text: str = "", *,
+    def add_model_tokens(self, ids: list[int], logprobs: list[float], version: int | list[int], text: str = "", *,
                          continue_last: bool = False, top_logprobs: list | None = None) -> None:
         """Append generated tokens as a new model turn, or (continue_last: a turn resumed after an abort) extend
-        the last model segment; each token keeps the weight version it was sampled under."""
+        the last model segment; each token keeps the weight version it was sampled under (`version`: one for all,
+        or one per token, `Completion.versions`: an update in place may land inside a turn)."""
+        versions = list(version) if isinstance(version, list) else [version] * len(ids)
+        if len(versions) != len(ids):
+            raise ValueError(f"trajectory {self.rid}: {len(ids)} model tokens with {len(versions)} versions")
         if continue_last:
             if not self.segments or self.segments[-1].kind != "model":
                 raise ValueError(f"trajectory {self.rid}: nothing to continue (the last segment is not a model turn)")
             s = self.segments[-1]
             s.ids += ids
             s.logprobs += logprobs
-            s.versions += [version] * len(ids)
+            s.versions += versions
             s.text += text
             if top_logprobs is not None or s.top_logprobs is not None:  # a side without a head: empty lists
                 s.top_logprobs = (s.top_logprobs or [[]] * (len(s.ids) - len(ids))) + list(top_logprobs or [[]] * len(ids))
         else:
-            self.segments.append(Segment("model", list(ids), list(logprobs), [version] * len(ids), text,
+            self.segments.append(Segment("model", list(ids), list(logprobs), versions, text,
                                          None if top_logprobs is None else list(top_logprobs)))
 
     @property

@@ -201,6 +201,35 @@ def test_abort_mid_turn_then_resume_at_the_same_turn(trained):
         slow.shutdown()
 
 
+def test_update_in_place_mid_turn_tags_each_token(trained):
+    """rollout.async=stream: a weight update in place lands inside a turn (pause between two decoding steps, sync,
+    continue): the turn goes on with its KV and tool calls, and its tokens carry the version each was sampled under."""
+    engine, weights = trained
+    slow = train_engine_copy(weights, decode_delay_s=0.01)
+    ctx = ctx_for()
+    try:
+        async def update_soon():
+            task = asyncio.create_task(rollout_group(TOOL_SAMPLE, 1, LocalClient(slow), ctx))
+            while not slow.active_requests():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            slow.pause_in_place()
+            slow.update_weights([[(k, v.clone()) for k, v in weights]])
+            slow.finish_weight_update(2)
+            slow.continue_generation()
+            return await task
+        t, = asyncio.run(update_soon())
+        assert t.finish_reason == "stop" and t.reward == 1.0 and t.turns == 2 and ctx.tools.open_sessions == []
+        assert TOK.decode(t.segments[1].ids) == TURN1 + TOK.eos_token
+        first = t.segments[1].versions
+        k = first.count(1)
+        assert 0 < k < len(first) and first == [1] * k + [2] * (len(first) - k), first
+        assert t.segments[3].versions == [2] * len(t.segments[3].ids)
+        assert [c["output"] for c in t.tool_calls] == ["56088", "81"]
+    finally:
+        slow.shutdown()
+
+
 def test_non_finite_rewards_never_reach_a_trajectory(trained):
     """A tool's NaN reward, and a reward function's 10**400 (beyond a float), stop the group with one RewardError
     naming where it came from, instead of a NaN reward (or an OverflowError) in the batch."""

@@ -180,7 +180,8 @@ async def _turns(traj: Trajectory, client: EngineClient, ctx: RolloutContext, se
                           routed_experts_start=start,
                           vision=traj.vision)  # the same images every turn: the engine prefills them again
             comp = await client.generate(req)
-            comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.weight_version
+            # per token: rollout.async=stream's update in place may land inside a turn (Completion.token_versions)
+            comp_ids, comp_lp, finish, version = comp.output_ids, comp.logprobs, comp.finish_reason, comp.versions
             comp_top = comp.top_logprobs  # score centering's head (None unless asked for)
         traj.add_model_tokens(list(comp_ids), list(comp_lp), version, continue_last=resuming, top_logprobs=comp_top)
         if room > 0:
