@@ -92,15 +92,9 @@ def refusals(cell: Cell) -> list[tuple[str, str]]:
 # config check (mtrain/job_split.check_async, config_checks); tests/trainer/test_matrix.py asserts they still are
 # refused, so a combination that starts running shows up there and moves into the matrix.
 EXCLUDED = [
-    ("rollout.async with serve.agent (agents drive the pool themselves)",
-     lambda c: c.generation == "agent" and c.rollout in ("one_step", "stream"),
-     Cell(rollout="one_step", generation="agent"), r"one_step with serve\.agent is not available"),
     ("serve.agent with rollout.partial (agents drive their own turns)",
      lambda c: c.generation == "agent" and c.rollout == "partial", Cell(rollout="partial", generation="agent"),
      r"serve\.agent: agents drive their own turns"),
-    ("rollout.async=stream with multi_turn.rollout_fn (tool calls would pause mid-turn)",
-     lambda c: c.generation == "tools" and c.rollout == "stream", Cell(rollout="stream", generation="tools"),
-     r"stream with multi_turn\.rollout_fn is not available"),
 ]
 
 

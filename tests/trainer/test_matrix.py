@@ -14,10 +14,10 @@ from matrix_harness import (AXES, EXCLUDED, Cell, KnownRefusal, check_run, model
                             refusals, run_cell)
 
 SLICE = [
-    Cell("off", "agent", "ppo", "off", "replay", "colocated"),
+    Cell("off", "agent", "ppo", "off", "replay", "separate_tp1"),
     Cell("partial", "tools", "distill", "on", "off", "colocated"),
     Cell("one_step", "single", "grpo", "experts", "off", "separate_tp2"),
-    Cell("stream", "single", "ppo", "off", "off", "colocated"),
+    Cell("stream", "agent", "ppo", "off", "off", "colocated"),
 ]
 PAIRWISE = pairwise_cells()
 CELLS = PAIRWISE + [c for c in SLICE if c not in PAIRWISE]
