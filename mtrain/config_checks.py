@@ -197,7 +197,8 @@ def validate(cfg: RunConfig) -> None:
     from mtrain.job_split import check_async
     check_async(cfg)  # engine.placement / engine.ranks / rollout.async (docs/design-async.md)
     _check(cfg.serve.agent is None or not (r.partial or mt.rollout_fn), "serve.agent",
-           "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn")
+           "agents drive their own turns: use serve.agent without rollout.partial and multi_turn.rollout_fn "
+           "(rollout.async=stream keeps long agent runs going across updates)")
     _check(a.routing_replay != "rollout" or cfg.parallel.cp == 1 or cfg.train.max_tokens_per_micro_batch is not None,
            "algo.routing_replay", "replaying the engine's routing under context parallelism (parallel.cp > 1) needs "
            "packed micro-batches: set train.max_tokens_per_micro_batch (padded CP rows are not mapped yet)")
