@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -102,11 +101,7 @@ def main() -> int:
     args = ap.parse_args()
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    # one process: init_distributed defaults RANK/WORLD_SIZE and picks a free MASTER_PORT
     from mtrain.config import load_config
     from mtrain.dist import init_distributed
     from mtrain.trainer.learner.actor import Actor, token_logprobs
