@@ -90,7 +90,7 @@ def _generation(t, hf_dir):
     cfg = t.cfg
     if cfg.serve.agent:  # server-based RL: openai-client agents through each leader's front (agent_step.py)
         from mtrain.trainer.generation.agents import AgentRollout
-        return AgentRollout(cfg, t.pool, t.tokenizer, max_positions=t.max_positions or 4096,
+        return AgentRollout(cfg, t.tokenizer, max_positions=t.max_positions or 4096,
                             model_name=cfg.serve.model_name or hf_dir.name)
     if cfg.multi_turn.rollout_fn:  # multi-turn tool rollouts (docs/design-tools.md)
         from mtrain.rollout.agents.setup import build_tool_server, load_rollout_fn

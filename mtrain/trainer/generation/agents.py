@@ -43,14 +43,13 @@ class AgentRollout:
     agents of a background rollout reach the engines through fronts of their own, while the loop's stay idle)."""
     reports_tool_metrics = False  # agents' trajectories carry their own metrics
 
-    def __init__(self, cfg, pool: RolloutPool, tokenizer, *, max_positions: int, model_name: str):
+    def __init__(self, cfg, tokenizer, *, max_positions: int, model_name: str):
         from mtrain.serve.openai_agent import FrontRegistry
         from mtrain.serve.api_key import api_key_of
         from mtrain.serve.front import OpenAIFront
         from mtrain.serve.server import FrontServer
 
         s = cfg.serve
-        self.pool = pool
         self.agent = load_agent(s.agent, model_name)
         api_key, _ = api_key_of(cfg)
         self.fronts = FrontRegistry(lambda client: FrontServer(
@@ -60,18 +59,17 @@ class AgentRollout:
             max_concurrency=s.max_concurrency, shutdown_grace_s=s.shutdown_grace_s, read_timeout_s=s.read_timeout_s))
 
     def __call__(self, pool, samples, *, n, seed, prefix, greedy=False, max_new_tokens=None) -> RolloutResult:
-        return self.run(samples, n, prefix, pool=pool)
+        return self.run(pool, samples, n, prefix)
 
-    def run(self, samples, n: int, rid_prefix: str, pool: RolloutPool | None = None) -> RolloutResult:
+    def run(self, pool: RolloutPool, samples, n: int, rid_prefix: str) -> RolloutResult:
         from mtrain.serve.openai_agent import agent_group_fn
 
         with_images = [s.index for s in samples if getattr(s, "images", ())]
         if with_images:  # the OpenAI front takes text messages only
             raise ValueError(f"sample {with_images[0]} has images: serve.agent rollouts (the OpenAI front) do not "
                              f"support image prompts yet; multi_turn.rollout_fn runs tool rollouts with images")
-        pool = self.pool if pool is None else pool
         run = pool.run(len(samples), agent_group_fn(self.fronts, self.agent, samples, n, rid_prefix=rid_prefix),
-                            rid_prefix=rid_prefix)
+                       rid_prefix=rid_prefix)
         trajectories = [t for group in run.results for t in group]
         missing = [t.rid for t in trajectories if t.reward is None]
         if missing:
