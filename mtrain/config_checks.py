@@ -249,14 +249,13 @@ def _check_lora(cfg: RunConfig) -> None:
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")
-    slots = e.server_args.get("max_loras_per_batch")
-    _check(e.kind != "sglang" or slots is None or int(slots) >= 2, "engine.server_args.max_loras_per_batch",
-           f"{slots}: a LoRA sync needs 2 pool slots (the new adapter version, and the previous one while its "
-           "requests finish; mtrain/rollout/lora_adapters.py)")
-    live = lora_live_versions(cfg)
+    slots, live = e.server_args.get("max_loras_per_batch"), lora_live_versions(cfg)
+    why = ("a LoRA sync needs 2 pool slots (the new adapter version, and the previous one while its requests "
+           "finish; mtrain/rollout/lora_adapters.py)") if cfg.rollout.async_mode != "stream" else (
+        f"rollout.async=stream with max_staleness {live - 1} keeps up to {live} adapter versions in one batch "
+        f"(requests keep the adapter they started on); set it >= {live}")
     _check(e.kind != "sglang" or slots is None or int(slots) >= live, "engine.server_args.max_loras_per_batch",
-           f"{slots}: rollout.async=stream with max_staleness {live - 1} keeps up to {live} adapter versions in one "
-           f"batch (requests keep the adapter they started on); set it >= {live}")
+           f"{slots}: {why}")
 
 
 def check_on_policy(cfg: RunConfig) -> None:
