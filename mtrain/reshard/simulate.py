@@ -367,8 +367,8 @@ def format_report(rep: Report, summary: dict, hw: Hardware, bucket_bytes: int) -
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtrain.reshard.simulate", description=__doc__.split("\n")[0])
+def add_plan_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that choose the job and the links (also read by mtrain.reshard.simulate_delta)."""
     ap.add_argument("--config", default="deepseek_v3", help=f"one of {', '.join(CONFIGS)} or a config.json path")
     ap.add_argument("--train", default="tp=1,pp=16,ep=32", help="tp,pp,ep,etp,cp,dp[,first,last] (uneven PP)")
     ap.add_argument("--engine", default="tp=8,ep=8", help="engine tp,ep")
@@ -379,20 +379,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink GB/s per direction per GPU")
     ap.add_argument("--ib-gbitps", type=float, default=400.0, help="InfiniBand Gb/s per GPU")
     ap.add_argument("--gpus-per-node", type=int, default=8)
+
+
+def simulate_from_args(a: argparse.Namespace) -> tuple[Report, Hardware]:
+    """Plan the job the add_plan_arguments options name; SimulationError / LayoutError name a bad option."""
+    path = CONFIGS.get(a.config, Path(a.config))
+    if not Path(path).is_file():
+        raise SimulationError(f"--config {a.config!r}: no such config (known: {', '.join(CONFIGS)})")
+    cfg = json.loads(Path(path).read_text())
+    train = training_layout(cfg, parse_sizes(a.train, "train", ("tp", "pp", "ep", "etp", "cp", "dp",
+                                                                "first", "last")), a.world)
+    es = parse_sizes(a.engine, "engine", ("tp", "ep"))
+    engine = SGLangLayout(tp=es.get("tp", 1), ep=es.get("ep", 1))
+    hw = Hardware(gpus_per_node=a.gpus_per_node, hbm_bw=a.hbm_tbps * 1e12, nvlink_bw=a.nvlink_gbps * 1e9,
+                  ib_bw=a.ib_gbitps * 1e9 / 8)
+    return simulate(cfg, train, engine, engines=a.engines, hw=hw, bucket_bytes=a.bucket_mb << 20), hw
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtrain.reshard.simulate", description=__doc__.split("\n")[0])
+    add_plan_arguments(ap)
     ap.add_argument("--json", default=None, help="write the summary and per-GPU stats here")
     a = ap.parse_args(argv)
     try:
-        path = CONFIGS.get(a.config, Path(a.config))
-        if not Path(path).is_file():
-            raise SimulationError(f"--config {a.config!r}: no such config (known: {', '.join(CONFIGS)})")
-        cfg = json.loads(Path(path).read_text())
-        train = training_layout(cfg, parse_sizes(a.train, "train", ("tp", "pp", "ep", "etp", "cp", "dp",
-                                                                    "first", "last")), a.world)
-        es = parse_sizes(a.engine, "engine", ("tp", "ep"))
-        engine = SGLangLayout(tp=es.get("tp", 1), ep=es.get("ep", 1))
-        hw = Hardware(gpus_per_node=a.gpus_per_node, hbm_bw=a.hbm_tbps * 1e12, nvlink_bw=a.nvlink_gbps * 1e9,
-                      ib_bw=a.ib_gbitps * 1e9 / 8)
-        rep = simulate(cfg, train, engine, engines=a.engines, hw=hw, bucket_bytes=a.bucket_mb << 20)
+        rep, hw = simulate_from_args(a)
     except (SimulationError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

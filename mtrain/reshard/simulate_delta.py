@@ -20,9 +20,7 @@ it also assumes every message has the same changed fraction.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from mtrain.layouts import LayoutError
 from mtrain.reshard import simulate as sim
@@ -73,26 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtrain.reshard.simulate_delta", description=__doc__.split("\n")[0])
     ap.add_argument("--changed", default="0.006,0.012,0.05",
                     help="changed fractions of the elements per sync (NeMo-DCR: 0.6-1.2 %% per GRPO step)")
-    ap.add_argument("--config", default="deepseek_v3")
-    ap.add_argument("--train", default="tp=1,pp=16,ep=32")
-    ap.add_argument("--engine", default="tp=8,ep=8")
-    ap.add_argument("--world", type=int, default=512)
-    ap.add_argument("--engines", type=int, default=None, help="engines to plan (default: all)")
-    ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--ib-gbitps", type=float, default=400.0)
+    sim.add_plan_arguments(ap)
     a = ap.parse_args(argv)
     try:
         changed = [float(x) for x in a.changed.split(",") if x.strip()]
         for f in changed:
             wire_share(f)
-        cfg = json.loads(Path(sim.CONFIGS.get(a.config, a.config)).read_text())
-        train = sim.training_layout(cfg, sim.parse_sizes(a.train, "train", ("tp", "pp", "ep", "etp", "cp", "dp",
-                                                                            "first", "last")), a.world)
-        es = sim.parse_sizes(a.engine, "engine", ("tp", "ep"))
-        hw = sim.Hardware(ib_bw=a.ib_gbitps * 1e9 / 8)
-        rep = sim.simulate(cfg, train, sim.SGLangLayout(tp=es.get("tp", 1), ep=es.get("ep", 1)), engines=a.engines,
-                           hw=hw, bucket_bytes=a.bucket_mb << 20)
-    except (sim.SimulationError, LayoutError, OSError, ValueError) as e:
+        rep, hw = sim.simulate_from_args(a)
+    except (sim.SimulationError, LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"training {rep.train} -> {rep.engines} engine(s) {rep.engine}; bucket {a.bucket_mb} MiB")
