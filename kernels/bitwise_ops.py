@@ -16,8 +16,15 @@ get the same bits whatever the batch, sequence length or tensor-parallel split:
   scalar-tail paths can differ by an ulp in float32, while their float64 results round to the same float32.
 
 Cost: a product tensor of [rows, N, K] per linear, so this is for correctness on small CPU models, not speed.
+
+On CUDA tensors `linear`, `linear_fp32`, `causal_attention` and `token_logprobs` run the fixed-tile Triton kernels of
+`bitwise_gpu.py` instead (tree sums of [rows, N, K] products do not fit a real model on a GPU); both sides then call
+them on the same device, so they agree with each other, not with the CPU forms. The other ops are elementwise or
+tree sums and give the same bits on a GPU whatever the shape.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -52,6 +59,9 @@ ROW_BLOCK_ELEMENTS = 1 << 24  # float32 elements of one [rows, N, K] product blo
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T in float32 with a `tree_sum` over K: each output element depends on its own row
     and column only (batch-invariant), in blocks of rows to bound the product's memory. Differentiable."""
+    if x.is_cuda:
+        from .bitwise_gpu import linear_fp32 as gpu_linear_fp32
+        return gpu_linear_fp32(x, weight)
     w = weight.float()
     n, k = w.shape
     flat = x.reshape(-1, k).float()
@@ -63,7 +73,11 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear_fp32` rounded to x's dtype, then + bias (in that dtype)."""
-    out = linear_fp32(x, weight).to(x.dtype)
+    if x.is_cuda:
+        from .bitwise_gpu import linear as gpu_linear
+        out = gpu_linear(x, weight)
+    else:
+        out = linear_fp32(x, weight).to(x.dtype)
     return out + bias if bias is not None else out
 
 
@@ -74,11 +88,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.float() * (xf / torch.sqrt(var + eps)[..., None])).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(theta: float, d: int, device: torch.device) -> torch.Tensor:
+    """float64 RoPE frequencies, made on the CPU (the same bits on every device) and kept per device: no host-to-device
+    copy inside a CUDA graph capture of the engine's decode step."""
+    return (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).to(device)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE (Llama/Qwen3, Megatron's non-interleaved layout) of x [T, H, D] at integer positions [T]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    ang = positions.to(torch.float64)[:, None] * _inv_freq(float(theta), d, positions.device)[None, :]
     cos = torch.cos(ang).float()[:, None, :]
     sin = torch.sin(ang).float()[:, None, :]
     xf = x.float()
@@ -90,6 +110,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """One sequence's causal attention: q [T, H, D], k and v [T, Hkv, D] (grouped-query: H a multiple of Hkv);
     returns [T, H, D] in q's dtype. Scores, softmax and the weighted sum of values are tree sums; masked keys give
     exact zeros, so query t's result is the same for any sequence length >= t + 1."""
+    if q.is_cuda:
+        from .bitwise_gpu import packed_causal_attention
+        return packed_causal_attention(q, k, v, [0, q.shape[0]], scale)
     t, h, d = q.shape
     rep = h // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
@@ -116,7 +139,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """float32 log_softmax(logits / T)[target] over the last dimension (the full vocabulary), fixed order.
-    logits [..., V], target [...] -> [...]. Differentiable."""
+    logits [..., V], target [...] -> [...]. Differentiable. On CUDA: SGLang's sampler's formula (bitwise_gpu)."""
+    if logits.is_cuda:
+        from .bitwise_gpu import token_logprobs as sampler_logprobs
+        return sampler_logprobs(logits, target, temperature)
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature

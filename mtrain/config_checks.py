@@ -264,11 +264,16 @@ def check_on_policy(cfg: RunConfig) -> None:
         return
     key, e = "numerics.on_policy", cfg.engine
     import torch  # only in this mode: engine.kind=auto means SGLang where a GPU is
-    _check(e.kind == "reference" or (e.kind == "auto" and not torch.cuda.is_available()), key, "bitwise with engine.kind=sglang is not built yet (the GPU route is planned in "
-           "docs/design-on-policy.md); use engine.kind=reference")
+    sglang = e.kind == "sglang" or (e.kind == "auto" and torch.cuda.is_available())
     _check(e.weight_dtype == "auto", key, f"bitwise needs the engine to hold the trainer's dtype (engine.weight_dtype="
            f"auto), got {e.weight_dtype}")
-    _check(e.tp == 1, key, f"bitwise runs the CPU reference engine, which has engine.tp=1; got engine.tp={e.tp}")
+    _check(e.tp == 1, key, f"bitwise engines run at engine.tp=1 (the reference engine has no TP; on SGLang the "
+           f"row-parallel sums would be the all-reduce's); got engine.tp={e.tp}")
+    # The CPU ops add a row-parallel layer's ranks by the same fixed tree as one rank; the GPU linear adds K in
+    # ascending chunks into one accumulator, which a split over ranks cannot reproduce (docs/design-on-policy.md).
+    _check(not sglang or cfg.parallel.tp == 1, key, f"bitwise on SGLang needs parallel.tp=1 (the GPU kernel's K order "
+           f"cannot be split over ranks); got parallel.tp={cfg.parallel.tp}")
+    _check(not sglang or not cfg.model.train_vision, key, "bitwise on SGLang serves text models (Llama, Qwen3)")
     _check(not cfg.model.lora.targets, key, "bitwise is not built for LoRA adapters")
     _check(cfg.algo.routing_replay == "off", key, "bitwise is built for dense models: algo.routing_replay must be off")
     _check(cfg.parallel.cp == 1 and cfg.parallel.pp == 1, key,

@@ -118,15 +118,30 @@ class BitwiseCoreAttention(MegatronModule):
         return ops.causal_attention(ops.rope(q, pos, self.rope_theta), ops.rope(k, pos, self.rope_theta), v,
                                     self.scale)
 
+    def _packed_gpu(self, q, k, v, cu):
+        """All packed sequences in one launch of the engine's attention kernel (kernels/bitwise_gpu.py)."""
+        from mtrain.kernels.bitwise_gpu import packed_causal_attention
+        pos = torch.cat([torch.arange(b - a, device=q.device) for a, b in zip(cu[:-1], cu[1:])])
+        return packed_causal_attention(ops.rope(q, pos, self.rope_theta), ops.rope(k, pos, self.rope_theta), v, cu,
+                                       self.scale)
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:  # THD: [t, 1, heads, hn], sequences delimited by cu_seqlens
             if getattr(packed_seq_params, "mtrain_tree", None) is not None:
                 raise ValueError("numerics.on_policy=bitwise: shared-prefix (tree) attention is not built for it")
             cu = getattr(packed_seq_params, "mtrain_host_cu_seqlens", None) or packed_seq_params.cu_seqlens_q.tolist()
+            if query.is_cuda:
+                out = self._packed_gpu(query[:, 0], key[:, 0], value[:, 0], list(cu))[:, None]
+                return out.reshape(out.shape[0], out.shape[1], -1)
             q, k, v = query[:, 0], key[:, 0], value[:, 0]
             parts = [self._one(q[a:b], k[a:b], v[a:b]) for a, b in zip(cu[:-1], cu[1:]) if b > a]
             out = torch.cat(parts)[:, None]
+        elif query.is_cuda:  # [s, b, ...]: b sequences of s tokens, packed batch-major
+            s_len, b = query.shape[:2]
+            flat = [x.transpose(0, 1).reshape(b * s_len, *x.shape[2:]) for x in (query, key, value)]
+            out = self._packed_gpu(*flat, [i * s_len for i in range(b + 1)]).reshape(b, s_len, *query.shape[2:])
+            out = out.transpose(0, 1)
         else:
             out = torch.stack([self._one(query[:, i], key[:, i], value[:, i]) for i in range(query.shape[1])], dim=1)
         return out.reshape(out.shape[0], out.shape[1], -1)

@@ -49,7 +49,9 @@ from mtrain.rollout.sglang_engine_weights import SGLangWeights
 from mtrain.rollout.sglang_preflight import preflight_problems, sgl_kernel_extensions, unknown_server_args
 from mtrain.rollout.sglang_loader import STATUS_DIR_ENV, collect_errors
 from mtrain.rollout.sglang_wire import (  # noqa: F401 - re-exported: the engine's public helpers
+    BITWISE_MODEL_PACKAGE,
     _marker_tensor,
+    bitwise_architecture,
     sglang_image_data,
     completion_from_output,
     engine_server_args,
@@ -75,9 +77,12 @@ class SGLangEngine(SGLangRequests, SGLangWeights, SGLangControl, RolloutEngine):
         deterministic: bool = False,
         server_args: Mapping[str, Any] | None = None,
         routing=None,
+        on_policy: str = "off",
     ) -> None:
         """routing: a `mtrain.rollout.routing.RoutingShape` to return every request's routed experts (routing
-        replay): the server starts with `enable_return_routed_experts` and each request asks for them."""
+        replay): the server starts with `enable_return_routed_experts` and each request asks for them.
+        on_policy: numerics.on_policy; "bitwise" serves the model through mtrain's bitwise classes
+        (mtrain/rollout/sglang_models/bitwise.py, docs/design-on-policy.md)."""
         try:
             import sglang
             from sglang.srt.managers import io_struct
@@ -109,9 +114,13 @@ class SGLangEngine(SGLangRequests, SGLangWeights, SGLangControl, RolloutEngine):
         self._lora = bool((server_args or {}).get("enable_lora"))
         self.adapters = AdapterVersions()
         self._status_dir = tempfile.mkdtemp(prefix="mtrain-sglang-status-")
+        bitwise = on_policy == "bitwise"
+        override = bitwise_architecture(((_config_of(model_path) or {}).get("architectures") or ["?"])[0]) \
+            if bitwise else None
         kwargs = engine_server_args(model_path, tp_size=self.tp_size, mem_fraction_static=mem_fraction_static,
                                     base_gpu_id=base_gpu_id, load_format=load_format, random_seed=random_seed,
-                                    deterministic=deterministic, extra=server_args, routed_experts=routing is not None)
+                                    deterministic=deterministic, extra=server_args, routed_experts=routing is not None,
+                                    architecture_override=override)
         # Refuse, before a 40-110 s start, what would kill the schedulers at the first request (sglang_preflight.py).
         problems = unknown_server_args(server_args or {}, _server_arg_names()) + preflight_problems(
             kwargs, _config_of(model_path), sgl_kernel_extensions())
@@ -125,6 +134,8 @@ class SGLangEngine(SGLangRequests, SGLangWeights, SGLangControl, RolloutEngine):
         children_before = _child_pids()
         logging_before = logging_state()
         env = {STATUS_DIR_ENV: self._status_dir}
+        if bitwise:  # the schedulers register mtrain's model classes at import (sglang/srt/models/registry.py)
+            env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = BITWISE_MODEL_PACKAGE
         if self.node_part:
             env["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         with engine_environment(extra=env):

@@ -5,6 +5,7 @@ Facts with file:line are in docs/sglang-layout.md.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -28,6 +29,20 @@ def _launch_sigquit_handler(signum: int, frame: Any) -> None:
     logger.error("SGLang: a child process failed during engine start (SIGQUIT)")
 
 
+# numerics.on_policy=bitwise: SGLang serves the model through mtrain's own classes (mtrain/rollout/sglang_models/),
+# registered by SGLang's external-model extension point and picked by an architecture override.
+BITWISE_MODEL_PACKAGE = "mtrain.rollout.sglang_models"
+BITWISE_SERVED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def bitwise_architecture(architecture: str) -> str:
+    """The class name mtrain's bitwise model for an HF architecture has (sglang_models/bitwise.py)."""
+    if architecture not in BITWISE_SERVED:
+        raise EngineError(f"numerics.on_policy=bitwise on SGLang serves {', '.join(BITWISE_SERVED)}; this model is "
+                          f"{architecture}")
+    return "MtrainBitwise" + architecture
+
+
 def engine_server_args(
     model_path: str,
     *,
@@ -39,8 +54,10 @@ def engine_server_args(
     deterministic: bool = False,
     extra: Mapping[str, Any] | None = None,
     routed_experts: bool = False,
+    architecture_override: str | None = None,
 ) -> dict[str, Any]:
-    """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py)."""
+    """The `sglang.Engine(**kwargs)` an mtrain engine starts with (names checked against server_args.py).
+    architecture_override: the model class SGLang builds instead of config.json's (numerics.on_policy=bitwise)."""
     args: dict[str, Any] = dict(
         model_path=model_path,
         tp_size=tp_size,
@@ -82,6 +99,8 @@ def engine_server_args(
         custom_sigquit_handler=_launch_sigquit_handler,
         log_level="error",
     )
+    if architecture_override:
+        args["json_model_override_args"] = json.dumps({"architectures": [architecture_override]})
     if routed_experts:  # routing replay: requests may then ask for meta_info["routed_experts"] (server_args.py:3364)
         args["enable_return_routed_experts"] = True
     for k, v in (extra or {}).items():

@@ -72,7 +72,7 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     engine = SGLangEngine(str(hf_dir), tp_size=tp, base_gpu_id=base_gpu_id,
                           mem_fraction_static=cfg.engine.mem_fraction_static, load_format="dummy",
                           random_seed=cfg.train.seed + decisions.groups.group_of(rank), server_args=server_args,
-                          routing=routing_shape(hf_config) if replay else None)
+                          routing=routing_shape(hf_config) if replay else None, on_policy=cfg.numerics.on_policy)
     print(f"mtrain: rank {rank}'s SGLang engine started in {time.perf_counter() - t0:.1f} s; its first requests "
           f"compile Triton kernels on a fresh machine (about a minute, seen on an H200)", flush=True)
     return engine

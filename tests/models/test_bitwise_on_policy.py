@@ -206,12 +206,15 @@ def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, dtype):
         assert r["logprob_diff/max_abs"] == 0.0, (dtype, step, r["logprob_diff/max_abs"])
 
 
-def test_bitwise_refuses_sglang_in_one_line():
+def test_bitwise_on_sglang_is_refused_only_where_the_gpu_kernels_cannot_be_bitwise():
     from mtrain.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="numerics.on_policy: bitwise with engine.kind=sglang is not built yet"):
-        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml",
-                    ["numerics.on_policy=bitwise", "engine.kind=sglang"])
+    cfg = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    assert load_config(cfg, ["numerics.on_policy=bitwise", "engine.kind=sglang"]).numerics.on_policy == "bitwise"
+    with pytest.raises(ConfigError, match="numerics.on_policy: bitwise on SGLang needs parallel.tp=1"):
+        load_config(cfg, ["numerics.on_policy=bitwise", "engine.kind=sglang", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match="numerics.on_policy: bitwise engines run at engine.tp=1"):
+        load_config(cfg, ["numerics.on_policy=bitwise", "engine.kind=sglang", "engine.tp=2", "parallel.tp=2"])
     with pytest.raises(ConfigError, match="numerics.on_policy"):
         load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml", ["numerics.on_policy=exact"])
 

@@ -1,0 +1,221 @@
+"""GPU forms of the bitwise on-policy ops whose result a GPU library would make depend on the batch (Triton).
+
+Why: on a GPU the trainer (Megatron) and the engine (SGLang, in process) run the same model on different shapes: the
+engine decodes one row per request and prefills prompts in chunks, the trainer runs packed sequences of thousands of
+tokens. cuBLAS picks its algorithm, tiling and split-K by shape, and attention kernels split the keys by batch size,
+so the same token's logprob differs in its low bits between the two sides. The kernels here fix every choice:
+
+- `linear`: one tile shape for every call (BLOCK_M x BLOCK_N, K in BLOCK_K chunks added in ascending order into a
+  float32 accumulator, the same tensor-core instruction). An output element depends only on its own row of x, its
+  own row of the weight and those constants: not on how many rows the call has, nor on where the row or the column
+  sits in its tile. Rows and K past the end are loaded as exact zeros.
+- `paged_attention`: one program per (query token, KV head), whose keys are read through an index table (the
+  engine's req_to_token rows; for the trainer, a table of its packed sequences). A query's keys 0..pos are visited
+  in BLOCK_N blocks from position 0 with the online softmax; keys past pos are loaded as zeros and masked to -inf.
+  So a query gives the same bits in a decode step, in a prefill chunk with or without a cached prefix, and in the
+  trainer's full sequence.
+
+The other bitwise ops (RMSNorm by fixed trees, RoPE, SiLU, elementwise IEEE arithmetic) are already the same bits on
+a GPU whatever the shape: CUDA elementwise kernels apply one per-element function, vectorised or not.
+
+Backward passes (the trainer) use cuBLAS and SDPA on the saved inputs: the gradient needs no bitwise agreement.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tile for every linear: changing it changes the bits on both sides
+LINEAR_WARPS, LINEAR_STAGES = 4, 3
+ATTN_BLOCK_N = 64  # keys per block of the online softmax
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
+
+
+@triton.jit(do_not_specialize=["M", "N", "K"])
+def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K),
+                    other=0.0)
+        if IEEE:  # float32 models: no TF32 rounding of the inputs
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    flat = x.reshape(-1, k)
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    out = torch.empty(flat.shape[0], n, device=x.device, dtype=out_dtype)
+    if flat.shape[0] and n:
+        grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
+        _linear_kernel[grid](flat, w, out, flat.shape[0], n, k, flat.stride(0), flat.stride(1), w.stride(0),
+                             w.stride(1), out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                             IEEE=x.dtype == torch.float32, num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
+    return out.reshape(*x.shape[:-1], n)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, out_dtype):
+        ctx.save_for_backward(x, weight)
+        return _linear_forward(x, weight, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (g.to(weight.dtype) @ weight).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g.t().to(x.dtype) @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        return gx, gw, None
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T with float32 output (the accumulator, not rounded). Differentiable."""
+    return _Linear.apply(x, weight, torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same product rounded once to x's dtype. Differentiable."""
+    return _Linear.apply(x, weight, x.dtype)
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, row_ptr, pos_ptr, table_ptr, n_tokens,
+                            sqt, sqh, skt, skh, svt, svh, sot, soh, s_table, scale,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                            IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    hk = tl.program_id(1)
+    row = tl.load(row_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = hk * G + g
+    q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + d[None, :], mask=g[:, None] < G, other=0.0)
+    m = tl.full((GP,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((GP,), dtype=tl.float32)
+    acc = tl.zeros((GP, D), dtype=tl.float32)
+    n_keys = pos + 1
+    for n0 in range(0, n_keys, BN):
+        offs = n0 + tl.arange(0, BN)
+        valid = offs < n_keys
+        slot = tl.load(table_ptr + row * s_table + offs, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slot[:, None] * skt + hk * skh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * svt + hk * svh + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:  # float32 models: no TF32 rounding of the inputs
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(o_ptr + t * sot + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each query token over keys 0..position of its table row.
+
+    q [T, H, D]; k_cache, v_cache [slots, Hkv, D] (H a multiple of Hkv); table [R, L] slot ids; rows, positions [T]
+    (the token's table row and its position). Returns [T, H, D] in q's dtype. Forward only (no autograd)."""
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    group = h // hkv
+    if h != group * hkv or d & (d - 1) or d < 16:
+        raise ValueError(f"bitwise attention: {h} query heads over {hkv} KV heads of dim {d} (needs a whole group "
+                         f"per KV head and a power-of-two head dim >= 16)")
+    out = torch.empty_like(q)
+    if t:
+        gp = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+        _paged_attention_kernel[(t, hkv)](
+            q, k_cache, v_cache, out, rows, positions, table, t,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), table.stride(0), float(scale), G=group, GP=gp, D=d, BN=ATTN_BLOCK_N,
+            IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def packed_tables(cu_seqlens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(table, rows, positions) of packed sequences [cu[i], cu[i+1]): row i lists the packed offsets of sequence i."""
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    width = max(lengths, default=1) or 1
+    starts = torch.tensor(cu_seqlens[:-1], dtype=torch.int64)
+    table = (starts[:, None] + torch.arange(width)[None, :]).to(torch.int32)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+    positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.int64)
+    return table.to(device), rows.to(device=device, dtype=torch.int32), positions.to(device=device, dtype=torch.int32)
+
+
+class _PackedAttention(torch.autograd.Function):
+    """Forward: `paged_attention` over the packed sequences. Backward: SDPA per sequence on the saved q, k, v (the
+    gradient of the same function, computed in another order)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.cu, ctx.scale = cu_seqlens, scale
+        table, rows, positions = packed_tables(cu_seqlens, q.device)
+        return paged_attention(q, k, v, table, rows, positions, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        group = q.shape[1] // k.shape[1]
+        for a, b in zip(ctx.cu[:-1], ctx.cu[1:]):
+            if b <= a:
+                continue
+            with torch.enable_grad():
+                qs, ks, vs = (x[a:b].detach().transpose(0, 1).requires_grad_() for x in (q, k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qs[None], ks.repeat_interleave(group, 0)[None], vs.repeat_interleave(group, 0)[None],
+                    is_causal=True, scale=ctx.scale)[0]
+                dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), grad[a:b].transpose(0, 1))
+            gq[a:b], gk[a:b], gv[a:b] = dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+        return gq, gk, gv, None, None
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                            scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences (q [T, H, D], k and v [T, Hkv, D], host cu_seqlens). Differentiable."""
+    return _PackedAttention.apply(q, k, v, list(cu_seqlens), float(scale))
+
+
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The sampled token's logprob as SGLang 0.5.17's sampler returns it (layers/sampler.py, the standard path):
+    float32 logits divided by a temperature *tensor* (a CUDA tensor-by-scalar division is a multiplication by the
+    reciprocal, another rounding), softmax, log; greedy (temperature 0) takes log_softmax. Differentiable."""
+    x = logits.float()
+    flat = x.reshape(-1, x.shape[-1])
+    if temperature == 0:
+        logp = torch.log_softmax(flat, dim=-1)
+    else:
+        temps = torch.full((flat.shape[0], 1), float(temperature), device=flat.device, dtype=torch.float32)
+        logp = torch.log(torch.softmax(flat / temps, dim=-1))
+    return logp.gather(-1, target.reshape(-1, 1).long()).reshape(target.shape)

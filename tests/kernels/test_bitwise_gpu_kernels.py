@@ -1,0 +1,120 @@
+"""The GPU bitwise kernels (kernels/bitwise_gpu.py) in Triton's interpreter: the engine's ways of reaching a token
+(prefill, chunked prefill over a cached prefix, one decode step at a time, through a scattered KV cache) give the same
+bits as the trainer's packed sequences, and each is right against float64 math written from the formulas.
+
+The interpreter runs the kernels' logic (tiling, masks, index tables, online softmax) with NumPy arithmetic, in float32
+(it has no bf16 matrix product); the same checks in bf16 on the GPU's compiled kernels are in
+benchmarks/gpu_bitwise_check.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtrain.kernels import bitwise_gpu as g
+
+
+def _ref_attention(q, k, v, scale):
+    """float64 causal attention of one sequence, grouped-query."""
+    rep = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", qd, kd) * scale
+    t = q.shape[0]
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", torch.softmax(s, -1), vd)
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 96, generator=gen).to(dtype)  # K = 96: one full and one partial K block
+    w = torch.randn(40, 96, generator=gen).to(dtype)
+    full = g.linear_fp32(x, w)
+    for lo, hi in ((0, 1), (5, 6), (64, 70), (3, 67)):
+        assert torch.equal(g.linear_fp32(x[lo:hi], w), full[lo:hi]), (lo, hi)
+    # a column computed inside another tile of the weight (the trainer's fused QKV orders columns differently)
+    assert torch.equal(g.linear_fp32(x, w[7:33]), full[:, 7:33])
+    ref = x.double() @ w.double().t()
+    assert (full.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert g.linear(x, w).dtype == dtype and torch.equal(g.linear(x, w), full.to(dtype))
+
+
+def test_linear_backward_is_the_matmul_gradient():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 32, generator=gen, requires_grad=True)
+    w = torch.randn(16, 32, generator=gen, requires_grad=True)
+    gy = torch.randn(9, 16, generator=gen)
+    g.linear_fp32(x, w).backward(gy)
+    assert torch.allclose(x.grad, gy @ w.detach(), atol=1e-5)
+    assert torch.allclose(w.grad, gy.t() @ x.detach(), atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (3, 1, 32)])
+def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(2)
+    lengths = [70, 5, 33]  # the first spans two key blocks
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=gen).float()
+    k = torch.randn(total, kv_heads, dim, generator=gen).float()
+    v = torch.randn(total, kv_heads, dim, generator=gen).float()
+    scale = dim ** -0.5
+    cu = [0] + list(itertools_accumulate(lengths))
+    trainer = g.packed_causal_attention(q, k, v, cu, scale)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        ref = _ref_attention(q[a:b], k[a:b], v[a:b], scale)
+        assert (trainer[a:b].double() - ref).abs().max() < 1e-5, i
+
+    # The engine: sequence 0 in a KV cache at scattered slots, reached by a prefill of 40 tokens, a chunk of 20
+    # over that cached prefix, then one decode step per token.
+    n = lengths[0]
+    slots = torch.randperm(300, generator=gen)[:n]
+    k_cache = torch.zeros(300, kv_heads, dim, dtype=torch.float32)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[slots], v_cache[slots] = k[:n], v[:n]
+    table = torch.zeros(4, 128, dtype=torch.int32)
+    table[2, :n] = slots.to(torch.int32)  # the request's row of req_to_token
+    pieces = [(0, 40), (40, 60)] + [(p, p + 1) for p in range(60, n)]
+    for a, b in pieces:
+        rows = torch.full((b - a,), 2, dtype=torch.int32)
+        pos = torch.arange(a, b, dtype=torch.int32)
+        out = g.paged_attention(q[a:b], k_cache, v_cache, table, rows, pos, scale)
+        assert torch.equal(out, trainer[a:b]), (a, b)
+
+
+def itertools_accumulate(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def test_packed_attention_backward_matches_sdpa():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(12, 4, 16, generator=gen, requires_grad=True)
+    k = torch.randn(12, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(12, 2, 16, generator=gen, requires_grad=True)
+    gy = torch.randn(12, 4, 16, generator=gen)
+    g.packed_causal_attention(q, k, v, [0, 7, 12], 0.25).backward(gy)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    ref_grads = []
+    for t in (q, k, v):
+        t.grad = None
+    out = torch.cat([_ref_attention(q[a:b], k[a:b], v[a:b], 0.25) for a, b in ((0, 7), (7, 12))]).float()
+    out.backward(gy)
+    ref_grads = [t.grad for t in (q, k, v)]
+    for got, ref in zip(grads, ref_grads):
+        assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def test_sampler_logprobs_follow_sglangs_formula():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 50, generator=gen, dtype=torch.float64).float()
+    target = torch.tensor([0, 3, 49, 7, 7])
+    for t in (1.0, 0.7):
+        got = g.token_logprobs(logits, target, t)
+        ref = torch.log_softmax(logits.double() / t, -1).gather(-1, target[:, None])[:, 0]
+        assert (got.double() - ref).abs().max() < 1e-5
+    greedy = g.token_logprobs(logits, target, 0)
+    assert torch.equal(greedy, torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0])
+    assert not math.isnan(float(greedy.sum()))
