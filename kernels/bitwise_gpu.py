@@ -15,8 +15,11 @@ so the same token's logprob differs in its low bits between the two sides. The k
   So a query gives the same bits in a decode step, in a prefill chunk with or without a cached prefix, and in the
   trainer's full sequence.
 
-The other bitwise ops (RMSNorm by fixed trees, RoPE, SiLU, elementwise IEEE arithmetic) are already the same bits on
-a GPU whatever the shape: CUDA elementwise kernels apply one per-element function, vectorised or not.
+- `rms_norm`: one program per row and one reduction tree over the row's power-of-two block, in one launch (the CPU
+  form's tree of torch additions is the same bits on a GPU too, at a dozen launches per norm).
+
+The other bitwise ops (RoPE, SiLU, elementwise IEEE arithmetic) are already the same bits on a GPU whatever the
+shape: CUDA elementwise kernels apply one per-element function, vectorised or not.
 
 Backward passes (the trainer) use cuBLAS and SDPA on the saved inputs: the gradient needs no bitwise agreement.
 """
@@ -26,15 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tile for every linear: changing it changes the bits on both sides
-LINEAR_WARPS, LINEAR_STAGES = 4, 3
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64  # one tile for every linear: changing it changes the bits on both sides
+LINEAR_WARPS, LINEAR_STAGES = 4, 4
 ATTN_BLOCK_N = 64  # keys per block of the online softmax
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
 
 
-@triton.jit(do_not_specialize=["M", "N", "K"])
+# M (rows) is not specialised: one compiled kernel for every batch, and no recompilation per row count. N and K
+# (a layer's shape) are, and EVEN_K drops the K mask: both only change how the tiles are loaded, not the arithmetic.
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -43,10 +48,14 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K),
-                    other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=rn[None, :] < N, other=0.0)
+        else:
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K),
+                        other=0.0)
         if IEEE:  # float32 models: no TF32 rounding of the inputs
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -65,7 +74,8 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtyp
         grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
         _linear_kernel[grid](flat, w, out, flat.shape[0], n, k, flat.stride(0), flat.stride(1), w.stride(0),
                              w.stride(1), out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                             IEEE=x.dtype == torch.float32, num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
+                             IEEE=x.dtype == torch.float32, EVEN_K=k % BLOCK_K == 0, num_warps=LINEAR_WARPS,
+                             num_stages=LINEAR_STAGES)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -95,6 +105,50 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The same product rounded once to x's dtype. Differentiable."""
     return _Linear.apply(x, weight, x.dtype)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / D  # one reduction tree per BLOCK: the same for every row and every row count
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    y = w * (x / tl.sqrt_rn(var + eps))
+    tl.store(out_ptr + row * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _rms_norm_reference(x, weight, eps):
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        d = x.shape[-1]
+        flat = x.reshape(-1, d).contiguous()
+        out = torch.empty_like(flat)
+        if flat.shape[0]:
+            _rms_norm_kernel[(flat.shape[0],)](flat, weight.contiguous(), out, flat.shape[0], d, float(eps),
+                                               BLOCK=triton.next_power_of_2(d), num_warps=4)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            gx, gw = torch.autograd.grad(_rms_norm_reference(xs, ws, ctx.eps), (xs, ws), grad)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, float32 inside, one launch, rounded to x's dtype.
+    Differentiable (backward: torch's formula on the saved input)."""
+    return _RmsNorm.apply(x, weight, float(eps))
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -150,6 +204,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if h != group * hkv or d & (d - 1) or d < 16:
         raise ValueError(f"bitwise attention: {h} query heads over {hkv} KV heads of dim {d} (needs a whole group "
                          f"per KV head and a power-of-two head dim >= 16)")
+    k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if t:
         gp = max(MIN_DOT_ROWS, triton.next_power_of_2(group))

@@ -17,7 +17,7 @@ get the same bits whatever the batch, sequence length or tensor-parallel split:
 
 Cost: a product tensor of [rows, N, K] per linear, so this is for correctness on small CPU models, not speed.
 
-On CUDA tensors `linear`, `linear_fp32`, `causal_attention` and `token_logprobs` run the fixed-tile Triton kernels of
+On CUDA tensors `linear`, `linear_fp32`, `rms_norm`, `causal_attention` and `token_logprobs` run the fixed-tile Triton kernels of
 `bitwise_gpu.py` instead (tree sums of [rows, N, K] products do not fit a real model on a GPU); both sides then call
 them on the same device, so they agree with each other, not with the CPU forms. The other ops are elementwise or
 tree sums and give the same bits on a GPU whatever the shape.
@@ -83,6 +83,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension, float32 inside, rounded to x's dtype."""
+    if x.is_cuda:  # one kernel launch instead of a tree of them (bitwise_gpu)
+        from .bitwise_gpu import rms_norm as gpu_rms_norm
+        return gpu_rms_norm(x, weight, eps)
     xf = x.float()
     var = tree_sum(xf * xf) / xf.shape[-1]
     return (weight.float() * (xf / torch.sqrt(var + eps)[..., None])).to(x.dtype)

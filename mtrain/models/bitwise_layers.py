@@ -102,6 +102,32 @@ class BitwiseMLP(MLP):
         return out, out_bias
 
 
+class _EngineAttention(torch.autograd.Function):
+    """Forward: the engine's attention kernel over the packed sequences (its bits). Backward: the varlen flash
+    attention the default trainer uses, recomputed on the saved q, k, v (one launch per layer; the gradient needs no
+    bitwise agreement)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, scale):
+        from mtrain.kernels.bitwise_gpu import packed_tables, paged_attention
+        ctx.save_for_backward(q, k, v)
+        ctx.cu, ctx.scale = list(cu), float(scale)
+        table, rows, positions = packed_tables(ctx.cu, q.device)
+        return paged_attention(q, k, v, table, rows, positions, ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from mtrain.models.varlen_attention import causal_packed_attention
+        q, k, v = ctx.saved_tensors
+        cu = ctx.cu
+        with torch.enable_grad():
+            qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+            out = causal_packed_attention(qs, ks, vs, torch.tensor(cu, dtype=torch.int32, device=q.device), cu,
+                                          max(b - a for a, b in zip(cu[:-1], cu[1:])), ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), grad)
+        return gq, gk, gv, None, None
+
+
 class BitwiseCoreAttention(MegatronModule):
     """Causal attention of each sequence with RoPE applied here (positions 0.. per sequence, or per packed
     sequence from `packed_seq_params.cu_seqlens_q`). query [s, b, np, hn], key/value [s, b, ng, hn] ->
@@ -120,10 +146,9 @@ class BitwiseCoreAttention(MegatronModule):
 
     def _packed_gpu(self, q, k, v, cu):
         """All packed sequences in one launch of the engine's attention kernel (kernels/bitwise_gpu.py)."""
-        from mtrain.kernels.bitwise_gpu import packed_causal_attention
         pos = torch.cat([torch.arange(b - a, device=q.device) for a, b in zip(cu[:-1], cu[1:])])
-        return packed_causal_attention(ops.rope(q, pos, self.rope_theta), ops.rope(k, pos, self.rope_theta), v, cu,
-                                       self.scale)
+        return _EngineAttention.apply(ops.rope(q, pos, self.rope_theta), ops.rope(k, pos, self.rope_theta), v, cu,
+                                      self.scale)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):

@@ -118,3 +118,20 @@ def test_sampler_logprobs_follow_sglangs_formula():
     greedy = g.token_logprobs(logits, target, 0)
     assert torch.equal(greedy, torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0])
     assert not math.isnan(float(greedy.sum()))
+
+
+def test_rms_norm_rows_do_not_depend_on_the_batch_and_match_float64():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 96, generator=gen, requires_grad=True)  # 96: a row shorter than its power-of-two block
+    w = torch.randn(96, generator=gen, requires_grad=True)
+    full = g.rms_norm(x, w, 1e-6)
+    assert torch.equal(g.rms_norm(x[5:6], w, 1e-6), full[5:6])
+    assert torch.equal(g.rms_norm(x[:, None, :], w, 1e-6)[:, 0], full)  # per-head rows (Qwen3's q/k norms)
+    xd, wd = x.detach().double(), w.detach().double()
+    ref = wd * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (full.detach().double() - ref).abs().max() < 1e-5
+    gy = torch.randn(37, 96, generator=gen)
+    full.backward(gy)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (wr * xr / torch.sqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6)).backward(gy)
+    assert torch.allclose(x.grad, xr.grad, atol=1e-4) and torch.allclose(w.grad, wr.grad, atol=1e-4)
