@@ -3,19 +3,23 @@
 # the engine in process, bitwise and off one after the other on the same random model, for a SmolLM2-shaped Llama
 # and a Qwen3-shaped model. Each run's per-step logprob gap and phase times go to $OUT (summary: bitwise_runs.json).
 # From the repository root on the GPU machine, after `source benchmarks/gpu_setup.sh`.
-#   MODELS="smollm2 qwen3" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
+#   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
+# EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
+# KERNELS=0 skips the kernel checks.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
 out=${OUT:-$work}
 mkdir -p "$work" "$out"
 failed=0
-python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" > "$out/log_bitwise_kernels.txt" 2>&1 ||
-    failed=$((failed + 1))
-tail -n 1 "$out/log_bitwise_kernels.txt"
+if [ "${KERNELS:-1}" = 1 ]; then
+    python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" > "$out/log_bitwise_kernels.txt" 2>&1 ||
+        failed=$((failed + 1))
+    tail -n 1 "$out/log_bitwise_kernels.txt"
+fi
 common="model.dtype=bfloat16 engine.kind=sglang engine.mem_fraction_static=0.3 train.steps=${STEPS:-5}
   rollout.prompts_per_step=16 rollout.samples_per_prompt=8 rollout.max_new_tokens=${NEW:-128} rollout.max_prompt_len=128
-  train.micro_batch_size=32 train.save_interval=-1 train.eval_interval=0 model.fp32_lm_head=false"
+  train.micro_batch_size=32 train.save_interval=-1 train.eval_interval=0 model.fp32_lm_head=false ${EXTRA:-}"
 declare -A shape=(
   [smollm2]="--arch llama --set hidden_size=576 num_hidden_layers=30 num_attention_heads=9 num_key_value_heads=3
              head_dim=64 intermediate_size=1536 vocab_size=49152 rope_theta=100000 tie_word_embeddings=true
@@ -27,7 +31,7 @@ for model in ${MODELS:-smollm2 qwen3}; do
     hf=$work/$model/hf
     [ -f "$hf/config.json" ] || (cd "$work" && python -m mtrain init-tiny --out "$hf" ${shape[$model]} > /dev/null) ||
         { echo "== $model: init-tiny failed"; failed=$((failed + 1)); continue; }
-    for mode in bitwise off; do
+    for mode in ${MODES:-bitwise off}; do
         name=${model}_$mode
         rm -rf "$work/$name"
         (cd "$work" && timeout ${RUN_LIMIT:-240} torchrun --nproc-per-node 1 -m mtrain train \

@@ -131,7 +131,7 @@ class _EngineAttention(torch.autograd.Function):
 class BitwiseCoreAttention(MegatronModule):
     """Causal attention of each sequence with RoPE applied here (positions 0.. per sequence, or per packed
     sequence from `packed_seq_params.cu_seqlens_q`). query [s, b, np, hn], key/value [s, b, ng, hn] ->
-    [s, b, np * hn]."""
+    [s, b, np * hn]; packed: query [t, np, hn] (or [t, 1, np, hn]) -> [t, 1, np * hn]."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, rope_theta: float = 10000.0,
                  **kwargs) -> None:
@@ -156,12 +156,14 @@ class BitwiseCoreAttention(MegatronModule):
             if getattr(packed_seq_params, "mtrain_tree", None) is not None:
                 raise ValueError("numerics.on_policy=bitwise: shared-prefix (tree) attention is not built for it")
             cu = getattr(packed_seq_params, "mtrain_host_cu_seqlens", None) or packed_seq_params.cu_seqlens_q.tolist()
+            # qkv_format="thd": Megatron's Attention squeezes the dummy batch dimension before the core attention
+            # ([t, heads, hn]) and reshapes what it returns to [t, 1, heads * hn] itself.
+            q, k, v = (x[:, 0] if x.dim() == 4 else x for x in (query, key, value))
             if query.is_cuda:
-                out = self._packed_gpu(query[:, 0], key[:, 0], value[:, 0], list(cu))[:, None]
-                return out.reshape(out.shape[0], out.shape[1], -1)
-            q, k, v = query[:, 0], key[:, 0], value[:, 0]
-            parts = [self._one(q[a:b], k[a:b], v[a:b]) for a, b in zip(cu[:-1], cu[1:]) if b > a]
-            out = torch.cat(parts)[:, None]
+                out = self._packed_gpu(q, k, v, list(cu))
+            else:
+                out = torch.cat([self._one(q[a:b], k[a:b], v[a:b]) for a, b in zip(cu[:-1], cu[1:]) if b > a])
+            return out.reshape(out.shape[0], 1, -1)
         elif query.is_cuda:  # [s, b, ...]: b sequences of s tokens, packed batch-major
             s_len, b = query.shape[:2]
             flat = [x.transpose(0, 1).reshape(b * s_len, *x.shape[2:]) for x in (query, key, value)]

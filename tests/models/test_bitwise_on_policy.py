@@ -198,7 +198,8 @@ def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, dtype):
     _torchrun(["-m", "mtrain", "train", str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"),
                f"model.hf_path={hf}", f"train.run_dir={run}", "train.steps=2", "train.save_interval=0",
                "train.eval_interval=0", "parallel.tp=2", "engine.kind=reference", f"model.dtype={dtype}",
-               "numerics.on_policy=bitwise"], tmp_path, timeout=900)
+               # packed micro-batches: Megatron hands the core attention THD tensors [t, heads, hn]
+               "train.max_tokens_per_micro_batch=96", "numerics.on_policy=bitwise"], tmp_path, timeout=900)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in recs if "weight_version" in r}
     assert sorted(steps) == [1, 2], dtype
