@@ -11,7 +11,9 @@ through the same planner and executor as a full sync (mtrain/trainer/publishers/
 the HF layout, since both engines take whole adapter tensors and slice them per rank themselves. With
 engine.placement=separate both plans are point-to-point syncs (publishers/separate.py): the engine rank receives the
 adapter rows and its AdapterTarget scatters them into whole tensors (`pull_weights`, the pull protocol's table run
-on the engine rank's own host tensors), then loads them the same way.
+on the engine rank's own host tensors), then loads them the same way. A vision-language model with
+model.train_vision trains its vision tower in full beside the adapters: every later sync also writes the tower's rows
+(a third plan, the base table's vision rows only) before the adapter switch.
 """
 from __future__ import annotations
 
