@@ -102,8 +102,24 @@ def merge(adapter_dir: Path, hf: Path, out: Path) -> None:
             shutil.copy2(f, out / f.name)
 
 
+def refuse_vision_language(hf: Path) -> None:
+    """A LoRA run of Qwen2.5-VL trains adapters on the language model and, with model.train_vision, the whole vision
+    tower: a PEFT directory of it needs transformers' in-memory names (model.language_model.*) and the tower as
+    PEFT modules_to_save, which this exporter does not write yet. Refused before any work rather than exported
+    without the tower."""
+    try:
+        cfg = json.loads((hf / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # write_adapter names the unreadable file
+    if cfg.get("vision_config") is not None:
+        raise CheckpointError(f"{hf}: export-lora of a vision-language model ({cfg.get('model_type')}) is not built "
+                              f"yet (the adapters' transformers names and the trained vision tower as PEFT "
+                              f"modules_to_save); the run's checkpoint holds both")
+
+
 def export_lora(mcore, hf, out, *, merged: bool = False, overwrite: bool = False) -> Path:
     mcore, hf = Path(mcore), Path(hf)
+    refuse_vision_language(hf)
     out = check_output_dir(out, overwrite)
     check_dist_checkpoint(mcore, need_config=False)
     if not merged:

@@ -244,8 +244,6 @@ def _check_lora(cfg: RunConfig) -> None:
     if not lo.targets:
         return
     _check(len(set(lo.targets)) == len(lo.targets), "model.lora.targets", f"names a target twice: {lo.targets}")
-    _check(not cfg.model.train_vision, "model.lora.targets", "LoRA with model.train_vision=true is not supported "
-           "(adapters go on the language model only; the vision tower stays frozen)")
     max_rank = e.server_args.get("max_lora_rank")
     _check(max_rank is None or lo.rank <= int(max_rank), "model.lora.rank",
            f"{lo.rank} is above the engine's max_lora_rank ({max_rank}, engine.server_args.max_lora_rank)")

@@ -12,9 +12,6 @@ def check_model(cfg, hf_config: dict) -> None:
     lo = cfg.model.lora
     if not lo.targets:
         return
-    if hf_config.get("vision_config") is not None:
-        raise ConfigError(f"model.lora.targets: LoRA on a vision-language model ({hf_config.get('model_type')}) is not "
-                          "supported yet (the adapter table covers the text-only architectures)")
     try:
         lora_layout(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False),
                     LoraSpec(lo.rank, float(lo.alpha), tuple(lo.targets)))

@@ -1,6 +1,7 @@
 """model.lora bad input: one ConfigError line naming the key, before anything is built."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,6 @@ CONFIG = REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     (["model.lora.targets=qkv,qkv"], "model.lora.targets: names a target twice"),
     (["model.lora.targets=qkv", "model.lora.dropout=1.0"], "model.lora.dropout: must be in [0, 1)"),
     (["model.lora.targets=qkv", "model.lora.lr=0"], "model.lora.lr: must be > 0 or null"),
-    (["model.lora.targets=qkv", "model.train_vision=true"], "model.lora.targets: LoRA with model.train_vision=true"),
     (["model.lora.targets=qkv", "model.lora.rank=64", "engine.server_args.max_lora_rank=32"],
      "model.lora.rank: 64 is above the engine's max_lora_rank (32"),
     (["model.lora.targets=qkv", "engine.kind=sglang", "rollout.async=stream", "rollout.max_staleness=2",
@@ -60,11 +60,28 @@ def test_targets_checked_against_the_model(model_type, overrides, message):
     assert str(e.value).startswith("model.lora.targets: ") and message in str(e.value)
 
 
-def test_vision_language_model_refused():
+def test_vision_language_model_adapters_on_the_language_model_only():
+    """Qwen2.5-VL with LoRA (and model.train_vision): accepted; the adapter rows are the language model's, and the
+    engine's PEFT config keeps adapters off the vision tower, whose MLP has gate/up/down_proj linears too."""
+    from mtrain.layouts import model_layout
+    from mtrain.layouts.lora import LoraSpec, lora_layout
     from mtrain.lora_checks import check_model
-    cfg = load_config(CONFIG, ["model.hf_path=x", "model.lora.targets=qkv"])
-    with pytest.raises(ConfigError, match="LoRA on a vision-language model"):
-        check_model(cfg, {"model_type": "qwen2_5_vl", "vision_config": {}})
+    from mtrain.tiny_configs import tiny_config
+    from mtrain.trainer.publishers.lora import engine_lora_args, vision_layout
+    cfg = load_config(CONFIG, ["model.hf_path=x", "model.lora.targets=qkv,gate_up,down", "model.train_vision=true"])
+    hf = tiny_config("qwen2_5_vl")
+    check_model(cfg, hf)
+    base = model_layout(hf)
+    spec = LoraSpec(4, 8.0, ("qkv", "gate_up", "down"))
+    names = [p.name for w in lora_layout(base, spec).weights for p in w.hf]
+    assert names and all(n.startswith("model.layers.") for n in names), names[:4]
+    vision = [p.name for w in vision_layout(base).weights for p in w.hf]
+    assert vision and all(n.startswith("visual.") for n in vision)
+    assert len(vision_layout(base).weights) < len(base.weights)
+    args = engine_lora_args(base, spec)
+    assert re.fullmatch(args["exclude_modules"], "model.visual.blocks.0.mlp.gate_proj")
+    assert not re.fullmatch(args["exclude_modules"], "model.language_model.layers.0.mlp.gate_proj")
+    assert "exclude_modules" not in engine_lora_args(model_layout(tiny_config("llama")), spec)
 
 
 def test_cli_prints_one_line_before_work(tmp_path):

@@ -197,10 +197,11 @@ def _build_adapter(module, base: Weight, rows: list[Weight], rank_in_group: int,
 
 
 def attach_lora(chunks, hf_config: dict, spec: LoraSpec, dropout: float = 0.0, *, te: bool = False,
-                divisible_by: int = 128, layout=None) -> ModelLayout:
+                divisible_by: int = 128, layout=None, also_train: tuple[str, ...] = ()) -> ModelLayout:
     """Freeze every base parameter of ``chunks`` and attach the adapters of ``spec``; returns the adapter table.
 
-    ``layout``: the training MegatronLayout (default: read from parallel_state)."""
+    ``layout``: the training MegatronLayout (default: read from parallel_state). ``also_train``: name prefixes of
+    base parameters that stay trainable in full (a VLM's vision tower under model.train_vision: ``("vision.",)``)."""
     from mtrain.reshard.megatron_side import current_layout
 
     base = model_layout(hf_config, te=te, make_vocab_size_divisible_by=divisible_by, mtp=False)
@@ -229,9 +230,10 @@ def attach_lora(chunks, hf_config: dict, spec: LoraSpec, dropout: float = 0.0, *
             module.register_forward_hook(_hook)
             module.sharded_state_dict = _lora_sharded_state_dict(module, module.sharded_state_dict)
             attached += 1
-    for c in chunks:  # adapters are the only trainable parameters
-        for n, p in c.named_parameters():
-            p.requires_grad_(".lora." in n)
+    from mtrain.reshard.megatron_side import unwrap
+    for c in chunks:  # adapters are the only trainable parameters, beside the also_train ones
+        for n, p in unwrap(c).named_parameters():
+            p.requires_grad_(".lora." in n or n.startswith(also_train))
     return adapters
 
 

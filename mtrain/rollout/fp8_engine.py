@@ -90,9 +90,10 @@ class Fp8ReferenceEngine(ReferenceEngine):
     @torch.no_grad()
     def finish_weight_update(self, version: int) -> None:
         with self._model_lock:
-            # only a sync that wrote base weights quantizes them: a LoRA adapter-only sync leaves the base on its grid
-            # (re-quantizing FP8 values need not give back the same bits: the block scale is recomputed)
-            for group in self._fp8_groups if self._sync_open else ():
+            # only the weights this sync wrote are quantized: a LoRA adapter-only sync, or one that writes only a
+            # trained vision tower, leaves the base on its grid (re-quantizing FP8 values need not give back the same
+            # bits: the block scale is recomputed).
+            for group in [g for g in self._fp8_groups if any(n in self._written for n in g)] if self._sync_open else ():
                 views = [self._views[n] for n in group]
                 full = torch.cat(views) if len(views) > 1 else views[0]
                 q, s = quantize_blocks(full, BLOCK)

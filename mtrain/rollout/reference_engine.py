@@ -85,6 +85,7 @@ class ReferenceEngine(ReferenceWeights, ReferenceLoraSlots, ReferenceDecoding, R
         self._version = 0
         self._stale: set[str] = set()  # names not written since weights were resumed
         self._sync_open = False  # update_weights called, finish_weight_update not yet
+        self._written: set[str] = set()  # the weights this open sync wrote (a LoRA run's vision sync writes a few)
         self._pull = None  # (pull_protocol.PullSender, PullState) once pull mode is used
         self._released: set[str] = set()
         self._shut = False

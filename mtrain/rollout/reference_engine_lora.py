@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.protocol import EngineError
 from mtrain.rollout.reference_engine_lora_experts import fuse_expert_tensors, peft_lora_config, wrapper_params
@@ -93,15 +94,19 @@ class ReferenceLoraSlots:
         """The HF name (the adapter table's) -> PEFT parameter of adapter slot `slot` (built once per slot)."""
         if slot in self._slot_cache:
             return self._slot_cache[slot]
-        out = self._slot_cache[slot] = wrapper_params(self._model, slot)  # fused experts, by their own names
-        wrapped = {id(p) for p in out.values()}
+        out = wrapper_params(self._model, slot)  # fused experts, by their own names
+        wrapped, plain = {id(p) for p in out.values()}, {}
         for pname, p in self._model.named_parameters():
             if id(p) in wrapped:
                 continue
             for ab in ("lora_A", "lora_B"):
                 tag = f".{ab}.{slot}."
                 if tag in pname:
-                    out[pname.replace(".base_layer.", ".").replace(tag, f".{ab}.")] = p
+                    plain[pname.replace(".base_layer.", ".").replace(tag, f".{ab}.")] = p
+        # in-memory module paths -> the checkpoint's (Qwen2.5-VL: model.language_model.layers.* -> model.layers.*),
+        # transformers' own save-time renaming, as for the base weights (hf_disk_views); identity for text models
+        out.update(revert_weight_conversion(self._model, plain))
+        self._slot_cache[slot] = out
         return out
 
     def _use_adapter(self, name: str | None) -> None:

@@ -23,15 +23,18 @@ _PER_EXPERT = re.compile(r"^(?P<path>.+\.experts)\.(?P<e>\d+)\.(?P<lin>gate_proj
 
 
 def peft_lora_config(lora: dict):
-    """PEFT's LoraConfig for the engine's adapter slots: lora = {r, lora_alpha, target_modules[, experts,
-    module_targets]} (mtrain.trainer.publishers.lora.engine_lora_args). With experts the fused expert parameters are
-    target_parameters and target_modules keeps only the names of the non-expert rows."""
+    """PEFT's LoraConfig for the engine's adapter slots: lora = {r, lora_alpha, target_modules[, exclude_modules,
+    experts, module_targets]} (mtrain.trainer.publishers.lora.engine_lora_args). With experts the fused expert
+    parameters are target_parameters and target_modules keeps only the names of the non-expert rows.
+    exclude_modules: a vision-language model's vision tower, whose MLP shares the language model's linear names."""
     import peft
+    exclude = {"exclude_modules": lora["exclude_modules"]} if lora.get("exclude_modules") else {}
     if not lora.get("experts"):
         return peft.LoraConfig(lora_dropout=0.0, r=lora["r"], lora_alpha=lora["lora_alpha"],
-                               target_modules=list(lora["target_modules"]))
+                               target_modules=list(lora["target_modules"]), **exclude)
     r, alpha = int(lora["r"]), float(lora["lora_alpha"])
     return peft.LoraConfig(lora_dropout=0.0, r=r, lora_alpha=alpha, target_modules=list(lora["module_targets"]),
+                           **exclude,
                            target_parameters=[f"mlp.experts.{p}" for p in FUSED],
                            rank_pattern={"gate_up_proj": 2 * r}, alpha_pattern={"gate_up_proj": 2 * alpha})
 

@@ -45,6 +45,7 @@ class ReferenceWeights:
                 for name, tensor in bucket:
                     self._views[name].copy_(tensor)
             self._stale -= seen
+            self._written |= seen
             self._sync_open = True
 
     def pull_weights(self, jobs: list, version: int | None = None) -> None:
@@ -70,6 +71,7 @@ class ReferenceWeights:
                     raise EngineError(f"pull_weights: {e}") from None
                 sender.confirm(0, jobs[0])
                 self._stale -= set(names)
+                self._written |= set(names)
                 self._sync_open = True
         if version is not None:
             self.finish_weight_update(version)
@@ -105,6 +107,7 @@ class ReferenceWeights:
                                   f"the weights were resumed: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
             self._version = version
             self._sync_open = False
+            self._written = set()
 
     # ---------------------------------------------------------------- memory
     def release_memory(self, tags: Iterable[str] = MEMORY_TAGS) -> None:

@@ -143,4 +143,6 @@ def _publisher(t, lora):
     # LoRA: the base once, then a named adapter per step (mtrain/trainer/publishers/lora.py)
     from mtrain.trainer.publishers.lora import AdapterSync
     # stream syncs with requests paused in place on the previous adapter: they keep it (lora_adapters.py)
-    return AdapterSync(make_sync, t.layout, lora, t.engine, keep_in_use=cfg.rollout.async_mode == "stream")
+    # model.train_vision: the vision tower trains in full beside the adapters and its rows travel every sync
+    return AdapterSync(make_sync, t.layout, lora, t.engine, keep_in_use=cfg.rollout.async_mode == "stream",
+                       train_vision=cfg.model.train_vision)

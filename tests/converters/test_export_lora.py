@@ -111,6 +111,16 @@ def test_export_refuses_checkpoint_without_adapters(saved, tmp_path):
     assert p.returncode == 2 and "no lora.json" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_export_refuses_a_vision_language_model_in_one_line(saved, tmp_path):
+    """LoRA on Qwen2.5-VL (with a trained vision tower) runs; its PEFT export is not built: one line, no output."""
+    from mtrain.tiny_vlm import write_tiny_vlm
+    hf = write_tiny_vlm(tmp_path / "vlm", seed=0)
+    p = _cli("export-lora", "--mcore", str(saved / "mcore"), "--hf", str(hf), "--out", str(tmp_path / "x"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "export-lora of a vision-language model (qwen2_5_vl) is not built yet" in p.stderr, p.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def _cli_seed(seed: str, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONHASHSEED=seed)
     return subprocess.run([sys.executable, "-m", "mtrain.converters", *args], env=env, capture_output=True,

@@ -28,6 +28,7 @@ from mtrain.models.builder import pipeline_split_overrides
 from mtrain.models.fp32_head import install_fp32_lm_head
 from mtrain.models.token_logprobs import token_logprobs as chunked_token_logprobs
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
+from mtrain.layouts.vlm import MEGATRON_VISION
 from mtrain.trainer.batch import RolloutBatch
 from mtrain.trainer.prefix_tree import make_tree_pack, plan_shared_micro_batches, shared_rows
 from mtrain.trainer.packing import make_pack, pack, padded_cp_inputs, plan_micro_batches, unpack, unpack_index
@@ -151,7 +152,9 @@ class Actor:
             install_fp32_lm_head(chunks)
         # model.lora: base frozen, adapters the only trainable parameters (the KL reference keeps the base alone)
         self.lora_spec = spec = lora_spec_of(cfg) if trainable else None
-        self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed()) if spec else None
+        # with model.train_vision the vision tower and merger train in full beside the adapters (docs/design-lora.md)
+        self.lora = attach_lora(chunks, hf_config, spec, cfg.model.lora.dropout, te=te_installed(),
+                                also_train=(MEGATRON_VISION,) if cfg.model.train_vision else ()) if spec else None
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         if self.dtype == torch.bfloat16:
@@ -175,11 +178,13 @@ class Actor:
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
         lr = cfg.model.lora.lr if self.lora is not None and cfg.model.lora.lr is not None else o.lr
-        self.optimizer = get_megatron_optimizer(optimizer_config(
+        opt_cfg = optimizer_config(
             optimizer="adam", lr=lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload)), self.chunks)
+            use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_options(o.cpu_offload))
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks, config_overrides=vision_lr_overrides(
+            opt_cfg, o.lr) if self.lora is not None and cfg.model.train_vision and lr != o.lr else None)
         steps = max(cfg.train.steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.warmup_steps else lr, max_lr=lr, min_lr=o.min_lr,
@@ -442,3 +447,12 @@ class Actor:
         if self.replay is not None and self.replay.own:
             self.replay.replay_pass()
         return self._run(micro, loss_fn, forward_only=False)
+
+
+def vision_lr_overrides(opt_cfg, vision_lr: float) -> dict:
+    """Megatron's standard parameter-group overrides plus one: the fully trained vision tower of a LoRA run keeps
+    optim.lr (its scheduler's peak), while model.lora.lr is the adapters' (the optimizer's base lr)."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+    # DDP / Float16Module prefix the names with module.: match the tower anywhere in the path
+    return {**get_standard_config_overrides(opt_cfg), ParamKey(name=f"*{MEGATRON_VISION}*"): {"max_lr": vision_lr}}

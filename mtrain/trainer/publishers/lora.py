@@ -11,7 +11,9 @@ through the same planner and executor as a full sync (mtrain/trainer/publishers/
 the HF layout, since both engines take whole adapter tensors and slice them per rank themselves. With
 engine.placement=separate both plans are point-to-point syncs (publishers/separate.py): the engine rank receives the
 adapter rows and its AdapterTarget scatters them into whole tensors (`pull_weights`, the pull protocol's table run
-on the engine rank's own host tensors), then loads them the same way.
+on the engine rank's own host tensors), then loads them the same way. A vision-language model with
+model.train_vision trains its vision tower in full beside the adapters: every later sync also writes the tower's rows
+(a third plan, the base table's vision rows only) before the adapter switch.
 """
 from __future__ import annotations
 
@@ -20,6 +22,15 @@ from typing import Callable
 
 from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules
 from mtrain.layouts.table import ModelLayout
+from mtrain.layouts.vlm import HF_VISION
+
+# PEFT exclude_modules (a full-match regex on module paths): transformers' Qwen2.5-VL holds its tower at model.visual
+VISION_MODULES = r".*\bvisual\..*"
+
+
+def vision_layout(base: ModelLayout) -> ModelLayout:
+    """The rows of a vision-language model's vision tower and patch merger (none for a text model)."""
+    return replace(base, weights=[w for w in base.weights if any(p.name.startswith(HF_VISION) for p in w.hf)])
 
 
 def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
@@ -29,6 +40,8 @@ def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
     parameters, not modules of those names (mtrain/rollout/reference_engine_lora_experts.py)."""
     table = lora_layout(base, spec)
     out = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(table)}
+    if vision_layout(base).weights:  # Qwen2.5-VL's vision MLP has gate/up/down_proj too: adapters stay off it
+        out["exclude_modules"] = VISION_MODULES
     if any(w.expert is not None for w in table.weights):
         dense = replace(table, weights=[w for w in table.weights if w.expert is None])
         out.update(experts=True, module_targets=peft_target_modules(dense) if dense.weights else [])
@@ -84,13 +97,15 @@ class AdapterTarget:
 
 class AdapterSync:
     def __init__(self, make_sync: Callable[..., object], base: ModelLayout, spec: LoraSpec, engine,
-                 keep_in_use: bool = False):
+                 keep_in_use: bool = False, train_vision: bool = False):
         """make_sync(table, **overrides): a WeightSync over the rows of `table` (same groups and options; overrides
         replace engine / engine_kind / mode). engine: this rank's engine (a group leader) or None. keep_in_use:
-        see AdapterTarget."""
+        see AdapterTarget. train_vision: the vision tower and merger train in full beside the adapters, so every
+        later sync also writes their rows (a full-weights sync of those rows only) before the adapter switch."""
         self.first = make_sync(base)
         target = AdapterTarget(engine, engine_lora_args(base, spec), keep_in_use) if engine is not None else None
         self.adapters = make_sync(lora_layout(base, spec), engine=target, engine_kind="hf", mode="push")
+        self.vision = make_sync(vision_layout(base)) if train_vision else None
         self.synced = False
 
     def publish(self, version: int) -> dict[str, float]:
@@ -99,9 +114,14 @@ class AdapterSync:
 
     def sync(self, version: int) -> dict[str, float]:
         later = self.synced
-        out = self.adapters.sync(version) if later else _merge(self.first.sync(version), self.adapters.sync(version))
+        # the first sync writes the whole base (vision rows included); later ones the trained vision rows, then the
+        # adapter, so a request that starts on the new adapter also encodes its images with the new tower
+        full = (self.vision if later else self.first)
+        out = self.adapters.sync(version) if full is None else _merge(full.sync(version), self.adapters.sync(version))
         self.synced = True
-        out["sync/adapters_only"] = float(later)
+        out["sync/adapters_only"] = float(later and self.vision is None)
+        if self.vision is not None:
+            out["sync/adapters_and_vision"] = float(later)
         return out
 
 
