@@ -202,6 +202,29 @@ def test_bitwise_moe_trainer_tp1_equals_engine_tp1():
     _check(run_on_ranks(_compare, 1, (1,), True, MOE, timeout=900)[0])
 
 
+def _state_layout(rank: int, world: int) -> dict:
+    """{on_policy: (state dict names and shapes, sharded state dict keys)} of the tiny Qwen3-MoE, TP1."""
+    from mtrain.dist import init_distributed
+    from mtrain.models import build_model
+    init_distributed(tp=world)
+    out = {}
+    for mode in ("off", "bitwise"):
+        chunks, _ = build_model(_config("qwen3_moe"), params_dtype=torch.float32, on_policy=mode)
+        out[mode] = ({k: tuple(v.shape) for k, v in chunks[0].state_dict().items() if "_extra_state" not in k},
+                     sorted(k for k in chunks[0].sharded_state_dict() if "_extra_state" not in k))
+        out[mode + "_mlp"] = type(chunks[0].decoder.layers[1].mlp).__name__
+    return out
+
+
+def test_bitwise_moe_keeps_megatron_parameters():
+    """The bitwise MoE layer keeps Megatron's parameter names, shapes and sharded state dict (checkpoints, converters
+    and weight sync see the same model)."""
+    out = run_on_ranks(_state_layout, 1, timeout=300)[0]
+    assert out["bitwise_mlp"] == "BitwiseMoELayer" and out["off_mlp"] == "MoELayer"
+    assert any(".mlp.experts.local_experts.7.linear_fc2.weight" in k for k in out["off"][0])
+    assert out["bitwise"] == out["off"]
+
+
 def test_default_mode_differs_but_is_close():
     """Without the mode the kernels differ: not all equal, all within float32/bf16 noise (the gap the mode closes)."""
     results = run_on_ranks(_compare, 1, (1,), False, timeout=900)[0]
