@@ -273,7 +273,10 @@ def check_on_policy(cfg: RunConfig) -> None:
            f"cannot be split over ranks); got parallel.tp={cfg.parallel.tp}")
     _check(not sglang or not cfg.model.train_vision, key, "bitwise on SGLang serves text models (Llama, Qwen3)")
     _check(not cfg.model.lora.targets, key, "bitwise is not built for LoRA adapters")
-    _check(cfg.algo.routing_replay == "off", key, "bitwise is built for dense models: algo.routing_replay must be off")
+    _check(cfg.algo.routing_replay == "off", key, "bitwise computes the same routes on both sides (no replay): "
+           "algo.routing_replay must be off")
+    _check(cfg.parallel.ep == 1, key, f"bitwise is not built for expert parallelism: EP ranks hold different tokens, "
+           f"which its MoE layer computes locally without a dispatcher; got parallel.ep={cfg.parallel.ep}")
     _check(cfg.parallel.cp == 1 and cfg.parallel.pp == 1, key,
            f"bitwise is built for tensor parallelism only (parallel.pp=1, parallel.cp=1), got pp={cfg.parallel.pp} "
            f"cp={cfg.parallel.cp}")

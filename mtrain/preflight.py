@@ -107,7 +107,9 @@ def check_moe_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     from mtrain.compat.no_te import te_installed
     from mtrain.models.hf_config import ModelConfigError, map_hf_config
     p = cfg.parallel
-    if p.tp == 1:
+    # numerics.on_policy=bitwise: its MoE layer computes every token on every TP rank without megatron-core's
+    # dispatcher (mtrain/models/bitwise_moe.py), so TP needs no sequence parallelism there
+    if p.tp == 1 or cfg.numerics.on_policy == "bitwise":
         return
     try:
         experts = map_hf_config(hf_config).config_kwargs.get("num_moe_experts")

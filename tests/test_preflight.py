@@ -150,6 +150,9 @@ def test_moe_with_tensor_parallel_is_refused_without_sequence_parallel(tmp_path)
     if not te_installed():
         fails(cfg_for(moe, tmp_path, "parallel.tp=2"), r"Transformer Engine is not importable here", world=2)
     assert preflight(cfg_for(moe, tmp_path, "parallel.ep=2", "parallel.cp=2"), world=2)["model_type"] == "qwen3_moe"
+    # numerics.on_policy=bitwise: its MoE layer computes every token on every TP rank (no dispatcher, no SP needed)
+    bitwise = cfg_for(moe, tmp_path, "parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
+    assert preflight(bitwise, world=2)["model_type"] == "qwen3_moe"
     # dense models are not affected
     dense = write_tiny_hf("qwen3", tmp_path / "dense")
     assert preflight(cfg_for(dense, tmp_path, "parallel.tp=2", "parallel.cp=2"), world=4)

@@ -181,8 +181,9 @@ def _norm(spec):
 
 
 def _bitwise_mlp(mlp):
-    """The dense MLP's spec with bitwise fc1/fc2 inside a BitwiseMLP. megatron-core 0.16 gives a ModuleSpec of MLP;
-    0.19 a builder, functools.partial(MLP.as_mlp_submodule, submodules=...), which TransformerLayer calls as is."""
+    """The dense MLP's spec with bitwise fc1/fc2 inside a BitwiseMLP (a MoE layer's: a BitwiseMoELayer, bitwise_moe.py).
+    megatron-core 0.16 gives a ModuleSpec of MLP; 0.19 a builder, functools.partial(MLP.as_mlp_submodule,
+    submodules=...), which TransformerLayer calls as is."""
     fc = {"linear_fc1": BitwiseColumnParallelLinear, "linear_fc2": BitwiseRowParallelLinear}
     if isinstance(mlp, functools.partial) and getattr(mlp.func, "__self__", None) is MLP:
         kw = dict(mlp.keywords)
@@ -190,7 +191,11 @@ def _bitwise_mlp(mlp):
         return functools.partial(BitwiseMLP.as_mlp_submodule, *mlp.args, **kw)
     if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
         return dataclasses.replace(mlp, module=BitwiseMLP, submodules=dataclasses.replace(mlp.submodules, **fc))
-    raise ValueError("numerics.on_policy=bitwise supports dense models only (no MoE)")
+    from mtrain.models.bitwise_moe import bitwise_moe_spec  # Qwen3-MoE layers: mtrain/models/bitwise_moe.py
+    moe = bitwise_moe_spec(mlp, fc)
+    if moe is None:
+        raise ValueError(f"numerics.on_policy=bitwise: an MLP built by {mlp!r} is not built for it")
+    return moe
 
 
 def bitwise_layer_spec(layer_spec: ModuleSpec, rope_theta: float) -> ModuleSpec:
@@ -225,9 +230,10 @@ def bitwise_mapped(mapped):
     """(the mapped HF config with RoPE moved into the core attention, rope theta); one line for what the mode
     cannot compute bit for bit yet."""
     kw = mapped.model_kwargs
-    if mapped.mla or mapped.vision or mapped.config_kwargs.get("num_moe_experts") or \
+    moe = mapped.config_kwargs.get("num_moe_experts") and mapped.model_type != "qwen3_moe"  # bitwise_moe.py
+    if mapped.mla or mapped.vision or moe or \
             kw.get("position_embedding_type") != "rope" or kw.get("rope_scaling") or kw.get("rotary_percent", 1.0) != 1.0:
-        raise ValueError(f"numerics.on_policy=bitwise supports dense models with plain RoPE (Llama, Qwen2/3 shapes); "
+        raise ValueError(f"numerics.on_policy=bitwise supports Llama, Qwen2/3 and Qwen3-MoE shapes with plain RoPE; "
                          f"{mapped.model_type} with these settings is not built for it")
     if mapped.config_kwargs.get("add_qkv_bias"):
         raise ValueError("numerics.on_policy=bitwise: attention biases (Qwen2) are not built for it")

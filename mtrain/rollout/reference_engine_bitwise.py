@@ -9,6 +9,10 @@ Each decoding step recomputes the whole sequence (no KV cache): the ops are batc
 changes no bits, and it keeps the engine's forward a single function of the tokens. `tp_size` > 1 computes every
 row-parallel layer (o_proj, down_proj) as that many ranks would, a tree over each rank's K slice then the top of
 the tree over the ranks' float32 partials, to show that the engine's split does not change the bits either.
+
+Qwen3-MoE blocks go through `mtrain.kernels.bitwise_moe_ops.moe`, the function the trainer's BitwiseMoELayer calls,
+with the HF model's router and fused expert tensors. `record_routing` returns the experts this forward chose for every
+input token (`Completion.routed_experts`, routing replay's layout), recorded at the step that first computed the token.
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ from typing import Any
 
 import torch
 
+from mtrain.kernels import bitwise_moe_ops as moe_ops
 from mtrain.kernels import bitwise_ops as ops
 from mtrain.rollout.protocol import Completion, EngineError, Request
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.reference_engine_sampling import sample_token, top_alternatives
 
-SUPPORTED = ("llama", "qwen3")
+SUPPORTED = ("llama", "qwen3", "qwen3_moe")
 
 
 def reference_engine_class(on_policy: str) -> type[ReferenceEngine]:
@@ -34,9 +39,9 @@ class BitwiseReferenceEngine(ReferenceEngine):
     """ReferenceEngine whose forward and sampled-token logprobs are the fixed-order ops'."""
 
     def __init__(self, config, *, tp_size: int = 1, **kwargs: Any) -> None:
-        for key in ("record_routing", "lora"):
-            if kwargs.get(key):
-                raise EngineError(f"numerics.on_policy=bitwise: the reference engine's {key} is not built for it")
+        if kwargs.get("lora"):
+            raise EngineError("numerics.on_policy=bitwise: the reference engine's lora is not built for it")
+        record = bool(kwargs.pop("record_routing", False))  # recorded by this forward, not the HF model's hooks
         super().__init__(config, **kwargs)
         cfg = self._config
         rope = getattr(cfg, "rope_scaling", None) or {}
@@ -49,6 +54,11 @@ class BitwiseReferenceEngine(ReferenceEngine):
         self._theta = float(getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {})["rope_theta"])
         self._eps = float(cfg.rms_norm_eps)
         self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        from mtrain.rollout.routing import routing_shape
+        self._route_shape = routing_shape(cfg.to_dict())  # None: dense
+        if record and self._route_shape is None:
+            raise EngineError("record_routing: the model has no MoE layers, there is no routing to record")
+        self._record = record
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -59,18 +69,37 @@ class BitwiseReferenceEngine(ReferenceEngine):
         parts = [ops.linear_fp32(x[..., r * k:(r + 1) * k], weight[:, r * k:(r + 1) * k]) for r in range(self.tp_size)]
         return ops.tree_sum(torch.stack(parts, dim=-1)).to(x.dtype)
 
+    def _mlp(self, mlp, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the MLP block's output, expert ids [T, k] of a Qwen3-MoE block or None for a dense one)."""
+        if not hasattr(mlp, "experts"):
+            act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight), ops.linear(y, mlp.up_proj.weight))
+            return self._row_parallel(act, mlp.down_proj.weight), None
+        ex = mlp.experts  # transformers 5: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = ops.linear(rows, ex.gate_up_proj[e]).chunk(2, dim=-1)
+            return self._row_parallel(ops.silu_mul(gate, up), ex.down_proj[e])
+
+        return moe_ops.moe(y, mlp.gate.weight, int(self._config.num_experts_per_tok),
+                           bool(self._config.norm_topk_prob), expert)
+
     @torch.no_grad()
-    def bitwise_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] (the model's dtype) of token rows [B, T], every row from position 0."""
+    def bitwise_logits(self, tokens: torch.Tensor, routes: list | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (the model's dtype) of token rows [B, T], every row from position 0. `routes`, when
+        given, gets each row's expert ids [T, layers, top_k] (routing replay's layout: zeros for dense layers)."""
         m = self._model.model
         h, d = self._config.num_attention_heads, self._head_dim
         hkv = self._config.num_key_value_heads
         rows = []
+        shape = self._route_shape
+        if routes is not None and shape is None:
+            raise EngineError("bitwise_logits: a dense model has no routes")
         for row in tokens:
             t = row.shape[0]
+            chosen = torch.zeros((t, shape.num_layers, shape.top_k), dtype=shape.dtype) if routes is not None else None
             pos = torch.arange(t)
             x = m.embed_tokens.weight[row]
-            for layer in m.layers:
+            for li, layer in enumerate(m.layers):
                 a = layer.self_attn
                 y = ops.rms_norm(x, layer.input_layernorm.weight, self._eps)
                 q = ops.linear(y, a.q_proj.weight).view(t, h, d)
@@ -82,10 +111,13 @@ class BitwiseReferenceEngine(ReferenceEngine):
                 q, k = ops.rope(q, pos, self._theta), ops.rope(k, pos, self._theta)
                 o = ops.causal_attention(q, k, v, d ** -0.5).reshape(t, h * d)
                 x = x + self._row_parallel(o, a.o_proj.weight)
-                mlp = layer.mlp
                 y = ops.rms_norm(x, layer.post_attention_layernorm.weight, self._eps)
-                act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight), ops.linear(y, mlp.up_proj.weight))
-                x = x + self._row_parallel(act, mlp.down_proj.weight)
+                out, ids = self._mlp(layer.mlp, y)
+                x = x + out
+                if chosen is not None and ids is not None:
+                    chosen[:, li] = ids.to(shape.dtype)
+            if chosen is not None:
+                routes.append(chosen)
             x = ops.rms_norm(x, m.norm.weight, self._eps)
             rows.append(ops.linear(x, self._model.lm_head.weight))
         return torch.stack(rows)
@@ -98,6 +130,7 @@ class BitwiseReferenceEngine(ReferenceEngine):
         logprobs: list[list[float]] = [[] for _ in reqs]
         tops: list[list | None] = [[] if r.params.top_logprobs else None for r in reqs]
         finish: list[str | None] = [None] * len(reqs)
+        routed: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: rows of the positions first computed
         gens = [torch.Generator().manual_seed(r.params.seed if r.params.seed is not None
                                               else int.from_bytes(os.urandom(7), "little")) for r in reqs]
         while True:
@@ -108,7 +141,10 @@ class BitwiseReferenceEngine(ReferenceEngine):
             alive = [i for i in range(len(reqs)) if finish[i] is None]
             if not alive:
                 break
-            logits = self.bitwise_logits(torch.tensor([seqs[i] for i in alive]))[:, -1, :].float()
+            routes = [] if self._record else None
+            logits = self.bitwise_logits(torch.tensor([seqs[i] for i in alive]), routes)[:, -1, :].float()
+            for row, i in enumerate(alive if routes is not None else ()):
+                routed[i].append(routes[row][sum(len(r) for r in routed[i]):])  # the prompt, then one per step
             for row, i in enumerate(alive):
                 params = reqs[i].params
                 token, _ = sample_token(logits[row], params, gens[i])  # the choice; its logprob comes next
@@ -128,5 +164,7 @@ class BitwiseReferenceEngine(ReferenceEngine):
                     self._progress[reqs[i].rid] = len(outputs[i])
         return [Completion(rid=r.rid, prompt_ids=list(r.prompt_ids), output_ids=outputs[i], logprobs=logprobs[i],
                            finish_reason=finish[i], weight_version=self._version,  # type: ignore[arg-type]
-                           top_logprobs=tops[i], vision=r.vision)
+                           top_logprobs=tops[i], vision=r.vision,
+                           routed_experts=torch.cat(routed[i])[r.routed_experts_start:].clone() if routed[i] else None,
+                           routed_experts_start=r.routed_experts_start)
                 for i, r in enumerate(reqs)]

@@ -1,6 +1,8 @@
 """numerics.on_policy=bitwise: the logprob the reference engine returns for each sampled token equals, bit for bit
 (torch.equal), the one the trainer's Megatron model recomputes from the same weights, for a tiny Llama and a tiny
 Qwen3 with random weights (norms included), float32 and bf16: trainer TP1 and TP2 against engine TP1 and TP2.
+For a tiny Qwen3-MoE (a dense layer, then a MoE layer with top-4 of 8 experts) the experts each side chose for every
+token are equal too, without routing replay.
 
 The default mode is checked too, as the reason for the mode: there the two sides differ (but stay close)."""
 from __future__ import annotations
@@ -19,14 +21,18 @@ from mtrain.dist import run_on_ranks
 REPO = Path(__file__).resolve().parents[2]
 
 ARCHS = ("llama", "qwen3")
+MOE = ("qwen3_moe",)
 DTYPES = ("float32", "bfloat16")
 PROMPTS = ([5, 17, 33, 2, 91, 40], [7, 7, 120, 64, 3, 19], [11, 42, 8])  # two prompt lengths: two decode groups
 
 
 def _config(arch: str) -> dict:
     from mtrain.tiny_configs import numerics_config
-    # power-of-two row-parallel inputs (o_proj: heads x head_dim, down_proj: intermediate), as TP2 bitwise needs
-    return numerics_config(arch, intermediate_size=128, num_hidden_layers=2)
+    # power-of-two row-parallel inputs (o_proj: heads x head_dim, down_proj: intermediate), as TP2 bitwise needs;
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers), layer 1 MoE with experts of 32; top-4 so that the fixed order of
+    # the combination matters (two terms add the same in either order)
+    extra = dict(num_experts_per_tok=4) if arch in MOE else {}
+    return numerics_config(arch, intermediate_size=128, num_hidden_layers=2, **extra)
 
 
 def _engine_rollout(arch: str, dtype: torch.dtype, engine_tp: int, bitwise: bool):
@@ -39,12 +45,12 @@ def _engine_rollout(arch: str, dtype: torch.dtype, engine_tp: int, bitwise: bool
 
     cfg = _config(arch)
     hf = make_hf_model(cfg, seed=3)
-    engine = (BitwiseReferenceEngine(cfg, dtype=dtype, tp_size=engine_tp) if bitwise
+    engine = (BitwiseReferenceEngine(cfg, dtype=dtype, tp_size=engine_tp, record_routing=arch in MOE) if bitwise
               else ReferenceEngine(cfg, dtype=dtype))
     sd = hf.state_dict()
-    with torch.no_grad():
-        for name, view in engine._views.items():
-            view.copy_(sd[name].to(dtype))
+    with torch.no_grad():  # the same HF classes: the in-memory names (MoE experts fused) match one to one
+        for name, t in engine._model.state_dict().items():
+            t.copy_(sd[name].to(dtype))
     params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=11)
     reqs = [Request(rid=f"r{i}", prompt_ids=list(p), params=params) for i, p in enumerate(PROMPTS)]
     out = engine.generate(reqs)
@@ -52,8 +58,11 @@ def _engine_rollout(arch: str, dtype: torch.dtype, engine_tp: int, bitwise: bool
     return hf, cfg, out
 
 
-def _trainer_logprobs(hf, cfg: dict, dtype: torch.dtype, completions, bitwise: bool) -> list[torch.Tensor]:
-    """The trainer's recomputed logprob of every sampled token (Megatron model, TP of the live parallel_state)."""
+def _trainer_logprobs(hf, cfg: dict, dtype: torch.dtype, completions, bitwise: bool, routes: list | None = None
+                      ) -> list[torch.Tensor]:
+    """The trainer's recomputed logprob of every sampled token (Megatron model, TP of the live parallel_state);
+    `routes` gets each completion's expert ids [tokens, layers, k] (zeros for dense layers), read from the bitwise
+    MoE layers after the forward."""
     from hf_reference import hf_to_megatron_tp1
     from megatron.core import parallel_state as ps
 
@@ -69,6 +78,11 @@ def _trainer_logprobs(hf, cfg: dict, dtype: torch.dtype, completions, bitwise: b
     for c in completions:
         tokens = torch.tensor([c.prompt_ids + c.output_ids])
         logits = forward_logits(chunks, tokens)[0]  # [s, vocab] float32 (full vocabulary, gathered)
+        if routes is not None:
+            layers = chunks[0].decoder.layers
+            k = cfg["num_experts_per_tok"]
+            routes.append(torch.stack([l.mlp.mtrain_routes[:, 0] if hasattr(l.mlp, "mtrain_routes") else
+                                       torch.zeros(tokens.shape[1], k, dtype=torch.long) for l in layers], dim=1))
         n = len(c.prompt_ids)
         pos = logits[n - 1:-1]
         target = torch.tensor(c.output_ids)
@@ -99,6 +113,14 @@ def _tp1_state(cfg: dict, dtype: torch.dtype, bitwise: bool) -> dict:
             names[p + "self_attention.q_layernorm.weight"] = torch.zeros(hd)
             names[p + "self_attention.k_layernorm.weight"] = torch.zeros(hd)
         names[p + "pre_mlp_layernorm.weight"] = torch.zeros(h)
+        freq = c.get("moe_layer_freq")
+        if isinstance(freq, list) and freq[i]:  # Megatron's MoE names; expert TP splits fc1/fc2 as the dense MLP's
+            e, fe = c["num_moe_experts"], c["moe_ffn_hidden_size"]
+            names[p + "mlp.router.weight"] = torch.zeros(e, h)
+            for j in range(e):
+                names[p + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = torch.zeros(2 * fe, h)
+                names[p + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = torch.zeros(h, fe)
+            continue
         names[p + "mlp.linear_fc1.weight"] = torch.zeros(2 * f, h)
         names[p + "mlp.linear_fc2.weight"] = torch.zeros(h, f)
     names["decoder.final_layernorm.weight"] = torch.zeros(h)
@@ -128,27 +150,39 @@ def _shard(full: dict, local: dict, tp: int, rank: int, cfg: dict) -> dict:
     return out
 
 
-def _compare(rank: int, world: int, engine_tps: tuple, bitwise: bool) -> dict:
+def _compare(rank: int, world: int, engine_tps: tuple, bitwise: bool, archs: tuple = ARCHS,
+             dtypes: tuple = DTYPES) -> dict:
+    """{(arch, dtype, engine tp): (logprobs torch.equal, max |diff|, sampled tokens, routes equal or None for dense,
+    MoE layers' (token, layer) rows compared)}."""
     from mtrain.dist import init_distributed
     init_distributed(tp=world)
     result = {}
-    for arch in ARCHS:
-        for dname in DTYPES:
+    for arch in archs:
+        for dname in dtypes:
             dtype = getattr(torch, dname)
             for etp in engine_tps:
                 hf, cfg, completions = _engine_rollout(arch, dtype, etp, bitwise)
-                mine = _trainer_logprobs(hf, cfg, dtype, completions, bitwise)
+                routes = [] if bitwise and arch in MOE else None
+                mine = _trainer_logprobs(hf, cfg, dtype, completions, bitwise, routes)
                 theirs = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+                same_routes, rows = None, 0
+                if routes is not None:  # the engine has no row for the last sampled token (never fed forward)
+                    pairs = [(r[:len(c.prompt_ids) + len(c.output_ids) - 1], c.routed_experts.long())
+                             for r, c in zip(routes, completions)]
+                    same_routes = all(torch.equal(a, b) for a, b in pairs)
+                    rows = sum(int((b != 0).any(-1).sum()) for _, b in pairs)
                 result[(arch, dname, etp)] = (all(torch.equal(a, b) for a, b in zip(mine, theirs)),
                                               max(float((a - b).abs().max()) for a, b in zip(mine, theirs)),
-                                              sum(len(c.output_ids) for c in completions))
+                                              sum(len(c.output_ids) for c in completions), same_routes, rows)
     return result
 
 
 def _check(results: dict) -> None:
-    for key, (equal, diff, n) in results.items():
+    for key, (equal, diff, n, same_routes, rows) in results.items():
         assert n > 0, key
         assert equal, f"{key}: trainer and engine logprobs differ (max |diff| {diff:.3e})"
+        if key[0] in MOE:
+            assert rows > 0 and same_routes, f"{key}: the engine's and the trainer's experts differ ({rows} rows)"
 
 
 @pytest.fixture(autouse=True)
@@ -163,11 +197,39 @@ def test_bitwise_trainer_tp1_equals_engine_tp1():
     _check(run_on_ranks(_compare, 1, (1,), True, timeout=900)[0])
 
 
+def test_bitwise_moe_trainer_tp1_equals_engine_tp1():
+    """Tiny Qwen3-MoE, float32 and bf16: the same experts for every token and the same logprobs, no replay."""
+    _check(run_on_ranks(_compare, 1, (1,), True, MOE, timeout=900)[0])
+
+
+def _state_layout(rank: int, world: int) -> dict:
+    """{on_policy: (state dict names and shapes, sharded state dict keys)} of the tiny Qwen3-MoE, TP1."""
+    from mtrain.dist import init_distributed
+    from mtrain.models import build_model
+    init_distributed(tp=world)
+    out = {}
+    for mode in ("off", "bitwise"):
+        chunks, _ = build_model(_config("qwen3_moe"), params_dtype=torch.float32, on_policy=mode)
+        out[mode] = ({k: tuple(v.shape) for k, v in chunks[0].state_dict().items() if "_extra_state" not in k},
+                     sorted(k for k in chunks[0].sharded_state_dict() if "_extra_state" not in k))
+        out[mode + "_mlp"] = type(chunks[0].decoder.layers[1].mlp).__name__
+    return out
+
+
+def test_bitwise_moe_keeps_megatron_parameters():
+    """The bitwise MoE layer keeps Megatron's parameter names, shapes and sharded state dict (checkpoints, converters
+    and weight sync see the same model)."""
+    out = run_on_ranks(_state_layout, 1, timeout=300)[0]
+    assert out["bitwise_mlp"] == "BitwiseMoELayer" and out["off_mlp"] == "MoELayer"
+    assert any(".mlp.experts.local_experts.7.linear_fc2.weight" in k for k in out["off"][0])
+    assert out["bitwise"] == out["off"]
+
+
 def test_default_mode_differs_but_is_close():
     """Without the mode the kernels differ: not all equal, all within float32/bf16 noise (the gap the mode closes)."""
     results = run_on_ranks(_compare, 1, (1,), False, timeout=900)[0]
-    assert not all(eq for eq, _, _ in results.values()), "the default mode is already bitwise: the mode is moot"
-    for key, (_, diff, _) in results.items():
+    assert not all(r[0] for r in results.values()), "the default mode is already bitwise: the mode is moot"
+    for key, (_, diff, *_) in results.items():
         assert diff < (1e-3 if "float32" in key else 0.2), f"{key}: default-mode gap {diff} is not numerical noise"
 
 
@@ -182,18 +244,32 @@ def _torchrun(args: list[str], cwd, timeout: float) -> subprocess.CompletedProce
 
 def test_bitwise_trainer_tp2_equals_engine_tp1_and_tp2(tmp_path):
     """torchrun, 2 ranks (gloo), trainer TP2; engines TP1 and TP2 (the latter split as 2 ranks would)."""
-    _torchrun([__file__, str(tmp_path / "result")], tmp_path, timeout=900)
+    _torchrun([__file__, str(tmp_path / "result"), "dense"], tmp_path, timeout=900)
     for rank in (0, 1):
         _check(torch.load(tmp_path / f"result.{rank}", weights_only=False))
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # ~90 s each
-def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, dtype):
+def test_bitwise_moe_trainer_tp2_equals_engine_tp1_and_tp2(tmp_path):
+    """The same for the tiny Qwen3-MoE: trainer TP2 (expert TP 2, EP 1: every expert's fc1 columns and fc2 K split
+    over the ranks) against engines TP1 and TP2; routes and logprobs equal."""
+    _torchrun([__file__, str(tmp_path / "result"), "moe"], tmp_path, timeout=900)
+    for rank in (0, 1):
+        _check(torch.load(tmp_path / f"result.{rank}", weights_only=False))
+
+
+# the tiny Qwen3-MoE of the routing-replay tests (4 experts, top-2, every layer MoE, experts of 32), 2 layers
+RUN_MODELS = {"llama": {"intermediate_size": 128}, "qwen3_moe": {"num_hidden_layers": 2}}
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3_moe", "float32"),  # 30-50 s each
+                                        pytest.param("llama", "bfloat16", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_moe", "bfloat16", marks=pytest.mark.slow)])
+def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, arch, dtype):
     """`torchrun --nproc-per-node 2 -m mtrain train ... numerics.on_policy=bitwise parallel.tp=2`, 2 GRPO steps:
-    logprob_diff/max_abs is exactly 0 at every step."""
+    logprob_diff/max_abs is exactly 0 at every step (Qwen3-MoE: without routing replay)."""
     from mtrain.tiny_hf import write_tiny_hf
 
-    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides={"intermediate_size": 128})
+    hf = write_tiny_hf(arch, tmp_path / "hf", seed=0, overrides=RUN_MODELS[arch])
     run = tmp_path / f"run_{dtype}"
     _torchrun(["-m", "mtrain", "train", str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"),
                f"model.hf_path={hf}", f"train.run_dir={run}", "train.steps=2", "train.save_interval=0",
@@ -202,9 +278,9 @@ def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, dtype):
                "train.max_tokens_per_micro_batch=96", "numerics.on_policy=bitwise"], tmp_path, timeout=900)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in recs if "weight_version" in r}
-    assert sorted(steps) == [1, 2], dtype
+    assert sorted(steps) == [1, 2], (arch, dtype)
     for step, r in steps.items():
-        assert r["logprob_diff/max_abs"] == 0.0, (dtype, step, r["logprob_diff/max_abs"])
+        assert r["logprob_diff/max_abs"] == 0.0, (arch, dtype, step, r["logprob_diff/max_abs"])
 
 
 def test_bitwise_on_sglang_is_refused_only_where_the_gpu_kernels_cannot_be_bitwise():
@@ -220,6 +296,14 @@ def test_bitwise_on_sglang_is_refused_only_where_the_gpu_kernels_cannot_be_bitwi
         load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml", ["numerics.on_policy=exact"])
 
 
+def test_bitwise_refuses_expert_parallelism_in_one_line():
+    from mtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="bitwise is not built for expert parallelism: .* got parallel.ep=2"):
+        load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml",
+                    ["numerics.on_policy=bitwise", "engine.kind=reference", "parallel.ep=2"])
+
+
 if __name__ == "__main__":  # one rank of the torchrun launch above: trainer TP2 against engines TP1 and TP2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.save(_compare(rank, world, (1, 2), True), f"{sys.argv[1]}.{rank}")
+    torch.save(_compare(rank, world, (1, 2), True, MOE if sys.argv[2] == "moe" else ARCHS), f"{sys.argv[1]}.{rank}")

@@ -140,7 +140,8 @@ class Actor:
         if cfg.train.shared_prefix and not self.rope_per_token:  # the tree stream's positions need per-token RoPE
             raise ModelConfigError("train.shared_prefix needs mtrain's local attention with per-token RoPE (no "
                                    "Transformer Engine, parallel.cp=1, plain RoPE, no vision tower)")
-        if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
+        if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel and \
+                cfg.numerics.on_policy != "bitwise":  # the bitwise MoE layer needs no SP (preflight.py says why)
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
             raise ModelConfigError(f"parallel.tp={c.tensor_model_parallel_size} with a MoE model trains only with sequence "
