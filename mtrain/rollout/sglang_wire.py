@@ -32,7 +32,7 @@ def _launch_sigquit_handler(signum: int, frame: Any) -> None:
 # numerics.on_policy=bitwise: SGLang serves the model through mtrain's own classes (mtrain/rollout/sglang_models/),
 # registered by SGLang's external-model extension point and picked by an architecture override.
 BITWISE_MODEL_PACKAGE = "mtrain.rollout.sglang_models"
-BITWISE_SERVED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+BITWISE_SERVED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def bitwise_architecture(architecture: str) -> str:

@@ -53,6 +53,9 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
     if cfg.engine.ep > 1:
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     server_args.update(production_server_args(cfg))
+    if cfg.numerics.on_policy == "bitwise" and hf_config.get("num_experts"):
+        # the bitwise MoE runs the experts its tokens chose (data-dependent shapes): no decode graph can hold that
+        server_args["disable_cuda_graph"] = True
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     placement = decisions.groups.sglang_placement(rank, local_rank=local_rank,
                                                   dist_init_addr=engine_rendezvous(decisions.groups, rank))

@@ -1,4 +1,4 @@
-"""SGLang model classes for numerics.on_policy=bitwise: Llama and Qwen3 computed with mtrain's bitwise ops.
+"""SGLang model classes for numerics.on_policy=bitwise: Llama, Qwen3 and Qwen3-MoE computed with mtrain's bitwise ops.
 
 The engine's sampled-token logprob must equal the trainer's recompute bit for bit (docs/design-on-policy.md). The
 trainer's Megatron layers call `mtrain.kernels.bitwise_ops`; these classes make SGLang's forward call the very same
@@ -7,7 +7,8 @@ are SGLang's own, so weight sync, release/resume and the KV cache work unchanged
 
   embed -> per layer: RMSNorm, fused QKV linear, (Qwen3: per-head q/k RMSNorm), RoPE, attention over the KV cache
   (`bitwise_gpu.paged_attention`, which gives a query the same bits in a decode step, a prefill chunk or the
-  trainer's packed sequence), o_proj, residual add; RMSNorm, gate|up linear, SiLU * up, down_proj, residual add ->
+  trainer's packed sequence), o_proj, residual add; RMSNorm, gate|up linear, SiLU * up, down_proj (Qwen3-MoE: the
+  shared fixed-order MoE of kernels/bitwise_moe_ops.py), residual add ->
   final RMSNorm -> LM head by the bitwise linear, rounded to the model's dtype as the trainer's output layer does.
 
 They subclass SGLang's own classes (construction and weight loading are inherited) and are selected by an
@@ -22,7 +23,9 @@ import torch
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
+from mtrain.kernels import bitwise_moe_ops as moe_ops
 from mtrain.kernels import bitwise_ops as ops
 from mtrain.kernels.bitwise_gpu import paged_attention
 
@@ -89,8 +92,7 @@ class _BitwiseForward:
                                 positions, a.attn.scaling)
             h = h + ops.linear(o.reshape(n, -1), a.o_proj.weight)
             x = ops.rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            gate, up = ops.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
-            h = h + ops.linear(ops.silu_mul(gate, up), mlp.down_proj.weight)
+            h = h + self._mlp(mlp, x)
         h = ops.rms_norm(h, model.norm.weight, model.norm.variance_epsilon)
         if not hasattr(self, "_bitwise_head"):
             self._bitwise_head = _BitwiseHead(self.lm_head)
@@ -98,6 +100,26 @@ class _BitwiseForward:
 
 
 # Named by mtrain.rollout.sglang_wire.bitwise_architecture (the override mtrain starts the engine with).
+    def _mlp(self, mlp, x):
+        if not hasattr(mlp, "experts"):
+            gate, up = ops.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+            return ops.linear(ops.silu_mul(gate, up), mlp.down_proj.weight)
+        # Qwen3-MoE: the trainer's BitwiseMoELayer calls the same function (kernels/bitwise_moe_ops.py). SGLang's
+        # fused experts hold w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I]. The routing is data-dependent
+        # (which experts run), so this forward cannot be captured in a CUDA graph: mtrain starts such an engine
+        # without decode graphs.
+        w13, w2 = mlp.experts.w13_weight, mlp.experts.w2_weight
+
+        def expert(e, rows):
+            gate, up = ops.linear(rows, w13[e]).chunk(2, dim=-1)
+            return ops.linear(ops.silu_mul(gate, up), w2[e])
+
+        cfg = self.config
+        out, _ = moe_ops.moe(x, mlp.gate.weight, int(cfg.num_experts_per_tok),
+                             bool(getattr(cfg, "norm_topk_prob", True)), expert)
+        return out
+
+
 class MtrainBitwiseLlamaForCausalLM(_BitwiseForward, LlamaForCausalLM):
     pass
 
@@ -106,4 +128,8 @@ class MtrainBitwiseQwen3ForCausalLM(_BitwiseForward, Qwen3ForCausalLM):
     pass
 
 
-EntryClass = [MtrainBitwiseLlamaForCausalLM, MtrainBitwiseQwen3ForCausalLM]
+class MtrainBitwiseQwen3MoeForCausalLM(_BitwiseForward, Qwen3MoeForCausalLM):
+    pass
+
+
+EntryClass = [MtrainBitwiseLlamaForCausalLM, MtrainBitwiseQwen3ForCausalLM, MtrainBitwiseQwen3MoeForCausalLM]
