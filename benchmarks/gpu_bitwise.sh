@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # numerics.on_policy=bitwise with SGLang on one GPU: the kernels' checks (gpu_bitwise_check.py), then GRPO runs with
-# the engine in process, bitwise and off one after the other on the same random model, for a SmolLM2-shaped Llama
-# a Qwen3-shaped model and a small Qwen3-MoE (qwen3moe). Each run's per-step logprob gap and phase times go to $OUT (summary: bitwise_runs.json).
+# the engine in process, bitwise and off one after the other on the same random model, for a SmolLM2-shaped Llama,
+# a Qwen3-shaped model and a small Qwen3-MoE (qwen3moe). Each run's per-step logprob gap and phase times go to $OUT
+# (summary: bitwise_runs.json).
 # From the repository root on the GPU machine, after `source benchmarks/gpu_setup.sh`.
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
