@@ -6,7 +6,8 @@
 # From the repository root on the GPU machine, after `source benchmarks/gpu_setup.sh`.
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
-# KERNELS=0 skips the kernel checks.
+# KERNELS=0 skips the kernel checks; PROFILE=1 also profiles the logprob pass off vs bitwise on the first model
+# (gpu_bitwise_profile.py).
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
@@ -47,6 +48,12 @@ for model in ${MODELS:-smollm2 qwen3}; do
         cp "$work/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
     done
 done
+if [ "${PROFILE:-0}" = 1 ]; then
+    first=$(echo ${MODELS:-smollm2} | awk '{print $1}')
+    python benchmarks/gpu_bitwise_profile.py --hf "$work/$first/hf" --out "$out/bitwise_profile.json" \
+        > "$out/log_bitwise_profile.txt" 2>&1 || failed=$((failed + 1))
+    tail -n 1 "$out/log_bitwise_profile.txt"
+fi
 python - "$out" <<'PY'
 import json, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1]); res = {}
