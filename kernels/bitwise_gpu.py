@@ -25,6 +25,8 @@ Backward passes (the trainer) use cuBLAS and SDPA on the saved inputs: the gradi
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -218,7 +220,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def packed_tables(cu_seqlens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(table, rows, positions) of packed sequences [cu[i], cu[i+1]): row i lists the packed offsets of sequence i."""
+    """(table, rows, positions) of packed sequences [cu[i], cu[i+1]): row i lists the packed offsets of sequence i.
+    Kept for the last few layouts: every layer of a micro-batch asks for the same one."""
+    return _packed_tables(tuple(int(c) for c in cu_seqlens), torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_tables(cu_seqlens: tuple[int, ...], device: torch.device):
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     width = max(lengths, default=1) or 1
     starts = torch.tensor(cu_seqlens[:-1], dtype=torch.int64)

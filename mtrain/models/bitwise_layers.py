@@ -146,7 +146,8 @@ class BitwiseCoreAttention(MegatronModule):
 
     def _packed_gpu(self, q, k, v, cu):
         """All packed sequences in one launch of the engine's attention kernel (kernels/bitwise_gpu.py)."""
-        pos = torch.cat([torch.arange(b - a, device=q.device) for a, b in zip(cu[:-1], cu[1:])])
+        from mtrain.kernels.bitwise_gpu import packed_tables
+        pos = packed_tables(cu, q.device)[2]  # each token's position in its sequence
         return _EngineAttention.apply(ops.rope(q, pos, self.rope_theta), ops.rope(k, pos, self.rope_theta), v, cu,
                                       self.scale)
 
