@@ -23,16 +23,22 @@ def _hf_block(norm_topk_prob: bool):
     return cfg, block
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_block_is_transformers_qwen3_moe(norm_topk_prob):
-    """The same experts as transformers' router, in its top-k order, and its block output to float32 rounding."""
-    cfg, block = _hf_block(norm_topk_prob)
-    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+def _experts(block):
+    """expert(e, rows): the HF block's expert e (fused gate|up, down) by the bitwise ops."""
     ex = block.experts
 
     def expert(e, rows):
         gate, up = ops.linear(rows, ex.gate_up_proj[e]).chunk(2, dim=-1)
         return ops.linear(ops.silu_mul(gate, up), ex.down_proj[e])
+    return expert
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_block_is_transformers_qwen3_moe(norm_topk_prob):
+    """The same experts as transformers' router, in its top-k order, and its block output to float32 rounding."""
+    cfg, block = _hf_block(norm_topk_prob)
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    expert = _experts(block)
 
     with torch.no_grad():
         _, hf_weights, hf_ids = block.gate(x)
@@ -52,11 +58,7 @@ def test_rows_are_independent_and_ties_go_to_the_lower_id():
     probabilities pick the lower expert id."""
     cfg, block = _hf_block(True)
     x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    ex = block.experts
-
-    def expert(e, rows):
-        gate, up = ops.linear(rows, ex.gate_up_proj[e]).chunk(2, dim=-1)
-        return ops.linear(ops.silu_mul(gate, up), ex.down_proj[e])
+    expert = _experts(block)
 
     with torch.no_grad():
         out, ids = moe_ops.moe(x, block.gate.weight, 4, True, expert)
