@@ -109,3 +109,31 @@ def test_the_trainer_passes_them_after_its_own(monkeypatch):
     make_engine(cfg, __import__("pathlib").Path("/m"), {"architectures": ["LlamaForCausalLM"]}, d, 0)
     assert seen["server_args"]["disable_cuda_graph"] is True and "cuda_graph_max_bs_decode" not in seen["server_args"]
     assert seen["server_args"]["enable_fp32_lm_head"] is True
+
+
+def test_bitwise_engine_is_started_on_mtrains_model_class():
+    """numerics.on_policy=bitwise: SGLang builds mtrain's class for the architecture (an override merged with the
+    run's own json_model_override_args); an architecture without one is refused in one line; the classes in
+    mtrain/rollout/sglang_models/bitwise.py carry exactly the names the override gives (read from the source: SGLang
+    does not import on a CPU)."""
+    import ast
+    import json
+    from pathlib import Path
+
+    from mtrain.rollout.protocol import EngineError
+    from mtrain.rollout.sglang_wire import BITWISE_SERVED, bitwise_architecture, engine_server_args
+
+    kw = dict(tp_size=1, mem_fraction_static=0.5, base_gpu_id=0, load_format="dummy", random_seed=0)
+    args = engine_server_args("/m", architecture_override=bitwise_architecture("Qwen3ForCausalLM"), **kw)
+    assert json.loads(args["json_model_override_args"]) == {"architectures": ["MtrainBitwiseQwen3ForCausalLM"]}
+    args = engine_server_args("/m", architecture_override="MtrainBitwiseLlamaForCausalLM",
+                              extra={"json_model_override_args": '{"rope_theta": 5.0}'}, **kw)
+    assert json.loads(args["json_model_override_args"]) == {"rope_theta": 5.0,
+                                                            "architectures": ["MtrainBitwiseLlamaForCausalLM"]}
+    assert "json_model_override_args" not in engine_server_args("/m", **kw)
+    with pytest.raises(EngineError, match="bitwise on SGLang serves .* this model is DeepseekV3ForCausalLM"):
+        bitwise_architecture("DeepseekV3ForCausalLM")
+    src = Path(__file__).resolve().parents[1] / "mtrain" / "rollout" / "sglang_models" / "bitwise.py"
+    classes = {n.name for n in ast.parse(src.read_text()).body if isinstance(n, ast.ClassDef)
+               and n.name.startswith("MtrainBitwise")}
+    assert classes == {bitwise_architecture(a) for a in BITWISE_SERVED}

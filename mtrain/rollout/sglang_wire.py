@@ -109,6 +109,9 @@ def engine_server_args(
                               "(mtrain/rollout/sglang_stream.py) reads SGLang's default cumulative stream chunks")
         if k == "custom_weight_loader":
             args[k] = list(args[k]) + [x for x in v if x not in args[k]]
+        elif k == "json_model_override_args" and architecture_override:  # the run's overrides, and mtrain's class
+            theirs = json.loads(v) if isinstance(v, str) else dict(v)
+            args[k] = json.dumps({**theirs, "architectures": [architecture_override]})
         else:
             args[k] = v
     return args
