@@ -56,6 +56,7 @@ e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the 
 parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds (SmolLM2 staged)
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
 smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
+smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
 bitwise|1|600|numerics.on_policy=bitwise with SGLang: kernels bit-equal, GRPO bitwise vs off (SmolLM2, Qwen3 shapes)
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
 smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
@@ -168,6 +169,10 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
                           fsdp1235:engine.server_args.rl_on_policy_target=fsdp,train.seed=1235 \
                           ppo:algo.name=ppo,critic.lr=1e-5 one_step:rollout.async=one_step ;;
     smollm2_probe) bash benchmarks/gpu_smollm2.sh probe ;;
+    # four runs on one GPU: each bitwise trainer is its own process with its own engine (0.12 of the GPU each)
+    smollm2_bitwise) bw=numerics.on_policy=bitwise,model.fp32_lm_head=false
+                     STAGGER=3 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn recipe1234:train.seed=1234 \
+                         bitwise1234:$bw,train.seed=1234 bitwise1235:$bw,train.seed=1235 bitwise1236:$bw,train.seed=1236 ;;
     smollm2_math) bash benchmarks/gpu_smollm2.sh math engine.mem_fraction_static=0.08 train.save_interval=-1 ;;
     smollm2_f32) bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234,engine.mem_fraction_static=0.2 \
                      f32:model.dtype=float32,engine.weight_dtype=bfloat16,train.seed=1234,engine.mem_fraction_static=0.2 ;;
