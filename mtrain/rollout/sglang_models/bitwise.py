@@ -61,7 +61,8 @@ def _token_rows(forward_batch, n_tokens: int) -> torch.Tensor:
 
 
 class _BitwiseForward:
-    """The forward of a dense Llama-family model by mtrain's bitwise ops (mixed into SGLang's model classes)."""
+    """The forward of a Llama-family model (dense, or with Qwen3-MoE experts) by mtrain's bitwise ops, mixed into
+    SGLang's model classes."""
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
                 pp_proxy_tensors=None, **kwargs):
