@@ -66,7 +66,7 @@ def check_attention(gen) -> dict:
         v = torch.randn(total, hkv, d, device="cuda", generator=gen).bfloat16()
         cu = [0, lengths[0], lengths[0] + lengths[1], total]
         scale = d ** -0.5
-        trainer = g.packed_causal_attention(q, k, v, cu, scale)
+        trainer = g.packed_paged_attention(q, k, v, cu, scale)  # the trainer's forward
         n = lengths[0]
         slots = torch.randperm(4000, device="cuda", generator=gen)[:n]
         kc = torch.zeros(4000, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -84,7 +84,7 @@ def check_attention(gen) -> dict:
             q[:n].transpose(0, 1)[None].float(), k[:n].transpose(0, 1).repeat_interleave(h // hkv, 0)[None].float(),
             v[:n].transpose(0, 1).repeat_interleave(h // hkv, 0)[None].float(), is_causal=True, scale=scale)[0]
         err = float((trainer[:n].float() - ref.transpose(0, 1)).abs().max())
-        ours = _timed(lambda: g.packed_causal_attention(q, k, v, cu, scale), 5)
+        ours = _timed(lambda: g.packed_paged_attention(q, k, v, cu, scale), 5)
         sdpa = _timed(lambda: [torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1).repeat_interleave(h // hkv, 0)[None],
             v[a:b].transpose(0, 1).repeat_interleave(h // hkv, 0)[None], is_causal=True, scale=scale)

@@ -21,7 +21,8 @@ so the same token's logprob differs in its low bits between the two sides. The k
 The other bitwise ops (RoPE, SiLU, elementwise IEEE arithmetic) are already the same bits on a GPU whatever the
 shape: CUDA elementwise kernels apply one per-element function, vectorised or not.
 
-Backward passes (the trainer) use cuBLAS and SDPA on the saved inputs: the gradient needs no bitwise agreement.
+Backward passes (the trainer) use cuBLAS, torch's RMSNorm formula and (mtrain/models/bitwise_layers.py) the varlen
+flash attention on the saved inputs: the gradient needs no bitwise agreement.
 """
 from __future__ import annotations
 
@@ -236,39 +237,12 @@ def _packed_tables(cu_seqlens: tuple[int, ...], device: torch.device):
     return table.to(device), rows.to(device=device, dtype=torch.int32), positions.to(device=device, dtype=torch.int32)
 
 
-class _PackedAttention(torch.autograd.Function):
-    """Forward: `paged_attention` over the packed sequences. Backward: SDPA per sequence on the saved q, k, v (the
-    gradient of the same function, computed in another order)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        ctx.save_for_backward(q, k, v)
-        ctx.cu, ctx.scale = cu_seqlens, scale
-        table, rows, positions = packed_tables(cu_seqlens, q.device)
-        return paged_attention(q, k, v, table, rows, positions, scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        group = q.shape[1] // k.shape[1]
-        for a, b in zip(ctx.cu[:-1], ctx.cu[1:]):
-            if b <= a:
-                continue
-            with torch.enable_grad():
-                qs, ks, vs = (x[a:b].detach().transpose(0, 1).requires_grad_() for x in (q, k, v))
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qs[None], ks.repeat_interleave(group, 0)[None], vs.repeat_interleave(group, 0)[None],
-                    is_causal=True, scale=ctx.scale)[0]
-                dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), grad[a:b].transpose(0, 1))
-            gq[a:b], gk[a:b], gv[a:b] = dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
-        return gq, gk, gv, None, None
-
-
-def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                            scale: float) -> torch.Tensor:
-    """Causal attention of packed sequences (q [T, H, D], k and v [T, Hkv, D], host cu_seqlens). Differentiable."""
-    return _PackedAttention.apply(q, k, v, list(cu_seqlens), float(scale))
+def packed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                           scale: float) -> torch.Tensor:
+    """`paged_attention` over packed sequences (q [T, H, D], k and v [T, Hkv, D], host cu_seqlens): the trainer's
+    forward (its autograd is mtrain.models.bitwise_layers' engine attention). Forward only."""
+    table, rows, positions = packed_tables(cu_seqlens, q.device)
+    return paged_attention(q, k, v, table, rows, positions, scale)
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -17,10 +17,11 @@ get the same bits whatever the batch, sequence length or tensor-parallel split:
 
 Cost: a product tensor of [rows, N, K] per linear, so this is for correctness on small CPU models, not speed.
 
-On CUDA tensors `linear`, `linear_fp32`, `rms_norm`, `causal_attention` and `token_logprobs` run the fixed-tile Triton kernels of
+On CUDA tensors `linear`, `linear_fp32`, `rms_norm` and `token_logprobs` run the fixed-tile Triton kernels of
 `bitwise_gpu.py` instead (tree sums of [rows, N, K] products do not fit a real model on a GPU); both sides then call
-them on the same device, so they agree with each other, not with the CPU forms. The other ops are elementwise or
-tree sums and give the same bits on a GPU whatever the shape.
+them on the same device, so they agree with each other, not with the CPU forms. Attention on a GPU is the engine's
+paged kernel (bitwise_gpu.paged_attention, the trainer's through mtrain.models.bitwise_layers); the other ops are
+elementwise or tree sums and give the same bits on a GPU whatever the shape.
 """
 from __future__ import annotations
 
@@ -113,9 +114,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """One sequence's causal attention: q [T, H, D], k and v [T, Hkv, D] (grouped-query: H a multiple of Hkv);
     returns [T, H, D] in q's dtype. Scores, softmax and the weighted sum of values are tree sums; masked keys give
     exact zeros, so query t's result is the same for any sequence length >= t + 1."""
-    if q.is_cuda:
-        from .bitwise_gpu import packed_causal_attention
-        return packed_causal_attention(q, k, v, [0, q.shape[0]], scale)
     t, h, d = q.shape
     rep = h // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)

@@ -109,11 +109,10 @@ class _EngineAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu, scale):
-        from mtrain.kernels.bitwise_gpu import packed_tables, paged_attention
+        from mtrain.kernels.bitwise_gpu import packed_paged_attention
         ctx.save_for_backward(q, k, v)
         ctx.cu, ctx.scale = list(cu), float(scale)
-        table, rows, positions = packed_tables(ctx.cu, q.device)
-        return paged_attention(q, k, v, table, rows, positions, ctx.scale)
+        return packed_paged_attention(q, k, v, ctx.cu, ctx.scale)
 
     @staticmethod
     def backward(ctx, grad):

@@ -60,7 +60,7 @@ def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_hea
     v = torch.randn(total, kv_heads, dim, generator=gen).float()
     scale = dim ** -0.5
     cu = [0] + list(itertools_accumulate(lengths))
-    trainer = g.packed_causal_attention(q, k, v, cu, scale)
+    trainer = g.packed_paged_attention(q, k, v, cu, scale)  # the trainer's forward
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         ref = _ref_attention(q[a:b], k[a:b], v[a:b], scale)
         assert (trainer[a:b].double() - ref).abs().max() < 1e-5, i
@@ -89,13 +89,17 @@ def itertools_accumulate(xs):
         yield total
 
 
-def test_packed_attention_backward_matches_sdpa():
+def test_trainers_attention_backward_is_the_attention_gradient():
+    """The trainer's bitwise attention (the engine's kernel forward, a recomputed backward) against the gradient of
+    float64 attention written from the formula."""
+    from mtrain.models.bitwise_layers import _EngineAttention
+
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(12, 4, 16, generator=gen, requires_grad=True)
     k = torch.randn(12, 2, 16, generator=gen, requires_grad=True)
     v = torch.randn(12, 2, 16, generator=gen, requires_grad=True)
     gy = torch.randn(12, 4, 16, generator=gen)
-    g.packed_causal_attention(q, k, v, [0, 7, 12], 0.25).backward(gy)
+    _EngineAttention.apply(q, k, v, [0, 7, 12], 0.25).backward(gy)
     grads = [t.grad.clone() for t in (q, k, v)]
     ref_grads = []
     for t in (q, k, v):
