@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from mtrain.kernels.bitwise_ops import exp, linear, tree_sum
+from mtrain.kernels.bitwise_ops import exp, linear, silu_mul, tree_sum
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +44,17 @@ def combine(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) 
     w = weights.float().gather(-1, order)
     y = expert_out.float().gather(-2, order[..., None].expand(*order.shape, expert_out.shape[-1]))
     return tree_sum(y * w[..., None], dim=-2).to(expert_out.dtype)
+
+
+def fused_experts(gate_up: torch.Tensor, down: torch.Tensor,
+                  down_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear):
+    """`moe`'s expert(e, rows) over fused expert tensors, gate_up [E, 2I, H] (gate rows, then up) and down [E, H, I]
+    (transformers' Qwen3-MoE experts; SGLang's w13 / w2): SwiGLU by the bitwise ops. down_linear: the down
+    projection's linear (the reference engine passes its tensor-parallel emulation)."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, gate_up[e]).chunk(2, dim=-1)
+        return down_linear(silu_mul(gate, up), down[e])
+    return expert
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,

@@ -75,11 +75,7 @@ class BitwiseReferenceEngine(ReferenceEngine):
             act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight), ops.linear(y, mlp.up_proj.weight))
             return self._row_parallel(act, mlp.down_proj.weight), None
         ex = mlp.experts  # transformers 5: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]
-
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = ops.linear(rows, ex.gate_up_proj[e]).chunk(2, dim=-1)
-            return self._row_parallel(ops.silu_mul(gate, up), ex.down_proj[e])
-
+        expert = moe_ops.fused_experts(ex.gate_up_proj, ex.down_proj, self._row_parallel)
         return moe_ops.moe(y, mlp.gate.weight, int(self._config.num_experts_per_tok),
                            bool(self._config.norm_topk_prob), expert)
 

@@ -25,12 +25,7 @@ def _hf_block(norm_topk_prob: bool):
 
 def _experts(block):
     """expert(e, rows): the HF block's expert e (fused gate|up, down) by the bitwise ops."""
-    ex = block.experts
-
-    def expert(e, rows):
-        gate, up = ops.linear(rows, ex.gate_up_proj[e]).chunk(2, dim=-1)
-        return ops.linear(ops.silu_mul(gate, up), ex.down_proj[e])
-    return expert
+    return moe_ops.fused_experts(block.experts.gate_up_proj, block.experts.down_proj)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -109,12 +109,7 @@ class _BitwiseForward:
         # fused experts hold w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I]. The routing is data-dependent
         # (which experts run), so this forward cannot be captured in a CUDA graph: mtrain starts such an engine
         # without decode graphs.
-        w13, w2 = mlp.experts.w13_weight, mlp.experts.w2_weight
-
-        def expert(e, rows):
-            gate, up = ops.linear(rows, w13[e]).chunk(2, dim=-1)
-            return ops.linear(ops.silu_mul(gate, up), w2[e])
-
+        expert = moe_ops.fused_experts(mlp.experts.w13_weight, mlp.experts.w2_weight)
         cfg = self.config
         out, _ = moe_ops.moe(x, mlp.gate.weight, int(cfg.num_experts_per_tok),
                              bool(getattr(cfg, "norm_topk_prob", True)), expert)
