@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # numerics.on_policy=bitwise with SGLang on one GPU: the kernels' checks (gpu_bitwise_check.py), then GRPO runs with
 # the engine in process, bitwise and off one after the other on the same random model, for a SmolLM2-shaped Llama,
-# a Qwen3-shaped model and a small Qwen3-MoE (qwen3moe). Each run's per-step logprob gap and phase times go to $OUT
+# a Qwen3-shaped model cut to 8 layers (qwen3), Qwen3-1.7B's shape
+# (qwen3_1_7b) and a small Qwen3-MoE (qwen3moe). Each run's per-step logprob gap and phase times go to $OUT
 # (summary: bitwise_runs.json).
 # From the repository root on the GPU machine, after `source benchmarks/gpu_setup.sh`.
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
@@ -28,6 +29,9 @@ declare -A shape=(
              max_position_embeddings=8192"
   [qwen3]="--arch qwen3 --set hidden_size=1024 num_hidden_layers=8 num_attention_heads=16 num_key_value_heads=8
            head_dim=128 intermediate_size=3072 vocab_size=151936 max_position_embeddings=8192"
+  [qwen3_1_7b]="--arch qwen3 --set hidden_size=2048 num_hidden_layers=28 num_attention_heads=16 num_key_value_heads=8
+               head_dim=128 intermediate_size=6144 vocab_size=151936 tie_word_embeddings=true
+               max_position_embeddings=8192"
   [qwen3moe]="--arch qwen3_moe --set hidden_size=1024 num_hidden_layers=4 num_attention_heads=16 num_key_value_heads=4
               head_dim=128 moe_intermediate_size=384 num_experts=32 num_experts_per_tok=8 vocab_size=151936
               max_position_embeddings=8192"

@@ -7,7 +7,10 @@ must agree on, checked for bit equality, and what the fixed kernels cost against
    step at a time, keys at scattered cache slots) equal the trainer's packed sequences.
 3. torch's softmax and log (SGLang's sampler computes the returned logprob with them): a row's result does not
    depend on how many rows the call has (the trainer reproduces the sampler with the same ops on other row counts).
-4. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
+4. `bitwise_moe_ops.moe` (Qwen3-MoE): a token's experts and output are the same whatever other tokens share its call
+   (the engine routes a decode batch, the trainer a packed micro-batch), so the two sides route alike without
+   routing replay.
+5. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
 
 Usage (GPU machine, after `source benchmarks/gpu_setup.sh`): python benchmarks/gpu_bitwise_check.py --out F.json
 Exit code 1 when any equality fails.
@@ -94,6 +97,24 @@ def check_attention(gen) -> dict:
     return out
 
 
+def check_moe(gen) -> dict:
+    from mtrain.kernels import bitwise_moe_ops as moe_ops
+    e, k, h, inter, n = 32, 8, 1024, 384, 333  # the qwen3moe shape of gpu_bitwise.sh
+    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    router = (torch.randn(e, h, device="cuda", generator=gen) * 0.02).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) * 0.02).bfloat16()
+    down = (torch.randn(e, h, inter, device="cuda", generator=gen) * 0.02).bfloat16()
+    expert = moe_ops.fused_experts(gate_up, down)
+    full, ids = moe_ops.moe(x, router, k, True, expert)
+    same_routes, same_out = True, True
+    for a, b in ((0, 1), (100, 101), (5, 12), (64, 128), (3, 333)):
+        part, part_ids = moe_ops.moe(x[a:b], router, k, True, expert)
+        same_routes &= torch.equal(part_ids, ids[a:b])
+        same_out &= torch.equal(part, full[a:b])
+    return {"qwen3moe": {"routes_equal": bool(same_routes), "outputs_equal": bool(same_out),
+                         "experts_used": int(ids.unique().numel())}}
+
+
 def check_softmax(gen) -> dict:
     out = {}
     for vocab in (49152, 151936):
@@ -113,11 +134,11 @@ def main() -> int:
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "linear": check_linear(gen), "attention": check_attention(gen),
-           "softmax": check_softmax(gen)}
+           "moe": check_moe(gen), "softmax": check_softmax(gen)}
     print(json.dumps(res, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    flags = [v for part in ("linear", "attention") for m in res[part].values() if isinstance(m, dict)
+    flags = [v for part in ("linear", "attention", "moe") for m in res[part].values() if isinstance(m, dict)
              for key, v in m.items() if key.endswith("equal") or key.endswith("_equal_trainer")]
     flags += list(res["softmax"].values())
     ok = all(flags)

@@ -58,6 +58,8 @@ smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh l
 smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
 smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
 bitwise|1|600|numerics.on_policy=bitwise with SGLang: kernels bit-equal, GRPO bitwise vs off (SmolLM2, Qwen3 shapes)
+bitwise_moe|1|420|the same, packed micro-batches, on a small Qwen3-MoE (routes equal without replay)
+bitwise_1_7b|1|480|the same, packed micro-batches, on Qwen3-1.7B's shape
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
 smollm2_math|1|600|math_fractions with the math-verify reward, GPU recipe (SmolLM2 staged, .gpu-extra wheels)
 smollm2_f32|1|600|a float32 trainer under the bf16 engine next to the bf16 recipe: logprob gap, step (SmolLM2 staged)
@@ -113,6 +115,10 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     fp8_loop) OUT=$out/fp8_loop STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 bash benchmarks/gpu_rl_loop.sh ;;
     rl_loop) OUT=$out/rl_loop bash benchmarks/gpu_rl_loop.sh ;;
     bitwise) OUT=$out/bitwise bash benchmarks/gpu_bitwise.sh ;;
+    bitwise_moe) OUT=$out/bitwise_moe MODELS=qwen3moe STEPS=4 RUN_LIMIT=180 \
+                     EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
+    bitwise_1_7b) OUT=$out/bitwise_1_7b MODELS=qwen3_1_7b STEPS=4 RUN_LIMIT=210 KERNELS=0 \
+                      EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
     train) python benchmarks/bench_train_throughput.py --model 1b --samples 128 --max-len 2048 --mbs 2 --budget 4096 \
                --fixed-len 1024 --steps 3 --warmup 1 --out "$out/train_throughput_1b.json" ;;
     packed_attn) python benchmarks/bench_packed_attention.py --max-len 2048 --budget 4096 --samples 128 \
