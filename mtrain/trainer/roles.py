@@ -50,6 +50,7 @@ def _learner(t):
     from mtrain.trainer.learner.actor import Actor
     from mtrain.trainer.learner.offload import TrainOffload
     from mtrain.trainer.learner.policy import DropUniformGroups, KeepAllGroups, NoReference, PolicyLearner
+    from mtrain.trainer.learner.scoring import EngineWhenCurrent, Recompute
     from mtrain.trainer.learner.side_models import SideModels
     from mtrain.trainer.learner.teacher import Distiller, build_teacher
     cfg, d = t.cfg, t.decisions
@@ -70,9 +71,11 @@ def _learner(t):
     side = SideModels(cfg, t.rank, t.train_config, load, arch, d.offload_train)
     estimator = _estimator(cfg, side)
     groups_filter = DropUniformGroups(cfg) if cfg.algo.filter_uniform_groups else KeepAllGroups()
+    # bitwise: the engine's logprobs are the scoring pass's whenever the rollout is of the current weights
+    scorer = (EngineWhenCurrent if cfg.numerics.on_policy == "bitwise" else Recompute)(actor)
     learner = PolicyLearner(cfg, actor=actor, reference=reference, estimator=estimator, terms=terms, side=side,
                             offload=offload, groups_filter=groups_filter, memory=None, tokenizer=t.tokenizer,
-                            run_dir=t.run_dir, rank=t.rank)
+                            run_dir=t.run_dir, rank=t.rank, scorer=scorer)
     return learner, actor
 
 

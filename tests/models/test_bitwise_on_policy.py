@@ -281,6 +281,29 @@ def test_bitwise_run_tp2_logprob_diff_is_zero(tmp_path, arch, dtype):
     assert sorted(steps) == [1, 2], (arch, dtype)
     for step, r in steps.items():
         assert r["logprob_diff/max_abs"] == 0.0, (arch, dtype, step, r["logprob_diff/max_abs"])
+        # synchronous rollout: no scoring pass; the gap above is the first update's forward against the engine
+        assert r["logprobs/scored"] == 0.0, (arch, dtype, step)
+
+
+def test_bitwise_scores_older_versions_itself(tmp_path):
+    """rollout.async=one_step with bitwise: step 1 trains on tokens of the weights it holds (no scoring pass, the
+    update's forward gap exactly 0); from step 2 the tokens are one version old, so the trainer scores them itself,
+    and the gap, now between two weight versions, is not 0."""
+    from mtrain.tiny_hf import write_tiny_hf
+
+    hf = write_tiny_hf("llama", tmp_path / "hf", seed=0, overrides=RUN_MODELS["llama"])
+    run = tmp_path / "run"
+    _torchrun(["-m", "mtrain", "train", str(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml"),
+               f"model.hf_path={hf}", f"train.run_dir={run}", "train.steps=3", "train.save_interval=0",
+               "train.eval_interval=0", "parallel.tp=2", "engine.kind=reference", "model.dtype=float32",
+               "rollout.async=one_step", "numerics.on_policy=bitwise"], tmp_path, timeout=900)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = {r["step"]: r for r in recs if "weight_version" in r}
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[1]["logprobs/scored"] == 0.0 and steps[1]["logprob_diff/max_abs"] == 0.0
+    for step in (2, 3):
+        assert steps[step]["logprobs/scored"] == 1.0, step
+        assert steps[step]["logprob_diff/max_abs"] > 0.0, step
 
 
 def test_bitwise_on_sglang_is_refused_only_where_the_gpu_kernels_cannot_be_bitwise():

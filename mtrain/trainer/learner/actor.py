@@ -197,6 +197,10 @@ class Actor:
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
         self.weight_change = (WeightChange([p for c in self.chunks for p in c.parameters()], self.optimizer)
                               if cfg.train.log_weight_change else None)
+        # Set by the bitwise scorer (learner/scoring.py): the next forward_backward compares its logprobs (the
+        # weights that generated the rollout, before the optimizer steps) with the engine's.
+        self.probe_engine_gap = False
+        self._gap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per micro-batch: sum, count, max
 
     # ---------------------------------------------------------------- forward plumbing
     @property
@@ -392,6 +396,15 @@ class Actor:
             out[mb["rows"]] = o["lp"].float().cpu()
         return out
 
+    def take_engine_gap(self) -> dict[str, float]:
+        """logprob_diff/* of the forward passes probed since the last call (probe_engine_gap)."""
+        gap, self._gap = self._gap, []
+        count = sum(float(c) for _, c, _ in gap)
+        if not count:
+            return {}
+        return {"logprob_diff/mean_abs": sum(float(s) for s, _, _ in gap) / count,
+                "logprob_diff/max_abs": max(float(m) for _, _, m in gap)}
+
     def train_step(self, batch: RolloutBatch, old_lp, adv, ref_lp, norms: dict) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share). norms: global num_tokens / num_seqs."""
         outs = self.forward_backward(batch, old_lp, adv, ref_lp, norms)
@@ -426,9 +439,13 @@ class Actor:
                 raise ValueError("algo.score_centering is on but the batch has no engine top-k logprobs")
             extra.update(head_ids=batch.engine_head_ids, engine_head=batch.engine_head_logprobs)
         micro = self._micro(batch, extra)
+        probe, self.probe_engine_gap = self.probe_engine_gap, False
 
         def loss_fn(mb, logits):
             lp = self._rows(mb, self._logprobs(mb, logits))
+            if probe:
+                d = (lp.detach().float() - mb["engine"].float()).abs()[mb["mask"].bool()]
+                self._gap.append((d.sum(), torch.tensor(float(d.numel())), d.max() if d.numel() else d.new_zeros(())))
             ent = self._rows(mb, self._entropy(mb, logits)) if algo.entropy_coef else None
             head = self._head_logprobs(mb, logits) if algo.score_centering else None
             loss, metrics = policy_loss(algo, lp, mb["old"], mb["adv"], mb["mask"], ref_logprobs=mb.get("ref"),

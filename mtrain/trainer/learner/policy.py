@@ -16,17 +16,8 @@ from mtrain.rollout.trajectory import to_batch
 from mtrain.trainer import checkpoint
 from mtrain.trainer.batch import RolloutBatch, build_batch, dp_rows
 from mtrain.trainer.learner.routing_replay import routing_metrics
+from mtrain.trainer.learner.scoring import Recompute
 from mtrain.trainer.train_samples import write_train_samples
-
-
-def logprob_diff(old_lp, batch) -> dict[str, float]:
-    if old_lp is None:
-        return {}
-    m = batch.response_mask.bool()
-    d = (old_lp - batch.engine_logprobs).abs()[m]
-    if d.numel() == 0:
-        return {}
-    return {"logprob_diff/mean_abs": float(d.mean()), "logprob_diff/max_abs": float(d.max())}
 
 
 class NoReference:
@@ -73,8 +64,9 @@ class DropUniformGroups:
 
 class PolicyLearner:
     def __init__(self, cfg, *, actor, reference, estimator, terms, side, offload, groups_filter, memory, tokenizer,
-                 run_dir: Path, rank: int):
+                 run_dir: Path, rank: int, scorer=None):
         self.cfg, self.actor, self.reference, self.estimator, self.terms = cfg, actor, reference, estimator, terms
+        self.scorer = scorer if scorer is not None else Recompute(actor)  # the proximal logprobs (scoring.py)
         self.side, self.offload, self.groups_filter, self.memory = side, offload, groups_filter, memory
         self.tokenizer, self.run_dir, self.rank = tokenizer, run_dir, rank
         self._moves: dict[str, float] = {}
@@ -128,6 +120,7 @@ class PolicyLearner:
             adv = adv[:rows]
             adv = torch.cat([adv, adv.new_zeros((batch.size - rows, adv.shape[1]))])
             local.update({k: float(v) for k, v in adv_metrics.items()})
+            local.update(self.scorer.begin(batch, step))
             # PPO minibatches: train.global_batch_size samples per optimizer step (default: the whole batch, one
             # step). Every minibatch is scored by the rollout policy before the first update.
             gbs = min(cfg.train.global_batch_size or batch.size, batch.size)
@@ -145,7 +138,7 @@ class PolicyLearner:
                 mb = batch.select(sl)
                 slices.append(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
-                lp = self.actor.logprobs(mb)
+                lp = self.scorer.logprobs(mb)
                 a = adv[sl]
                 for term in self.terms:  # e.g. distillation: adv - coef * (student - teacher logprobs)
                     a = term.advantages(mb, a, lp)
@@ -173,7 +166,7 @@ class PolicyLearner:
             self.memory.resume_weights()
         local.update(moves)
         if old_lp is not None:
-            local.update({**train_metrics, **logprob_diff(old_lp, mine)})
+            local.update({**train_metrics, **self.scorer.gap(old_lp, mine)})
         summary = {"reward/mean": float(full.rewards.mean()),
                    "response_len/mean": float(full.response_lens.float().mean()),
                    "prompt_len/mean": float((full.seq_lens - full.response_lens).float().mean()),
