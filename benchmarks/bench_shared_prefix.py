@@ -1,4 +1,4 @@
-"""train.shared_prefix on the CPU: the trainer's packed forward + backward over a batch of GRPO groups, each
+"""train.shared_prefix on the CPU or one GPU: the trainer's packed forward + backward over a batch of GRPO groups, each
 group's prompt packed once (the tree stream, docs/design-shared-prefix.md) against every row packed whole (the
 ordinary packed path), same process, same model and weights, repeats interleaved.
 
@@ -16,6 +16,9 @@ Cases:
                assistant turns with two tool results between them (the response holds all turns; tool tokens are
                masked out of the loss). The planner shares the longest common prefix of a group's rows, which in
                a tool rollout is the prompt: each sample's turns are its own.
+
+On a GPU (`--dtype bfloat16`, the model where the Actor builds it, CUDA) the same, timed with synchronisation; the
+logprob difference is then bf16's (a different summation order over the same values), stated, not checked.
 
     # one case per call, as docs/results.md ran them: 2-6 min each on 2 busy cores
     OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --cases long_prompt --repeats 5 --json out.json
@@ -97,6 +100,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=8192, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the model's dtype (bfloat16: the GPU's; the step then runs where the Actor built it)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -112,15 +117,17 @@ def main() -> int:
     hf = _hf(args.hidden, args.layers, args.heads, args.kv_heads, args.ffn, args.vocab, 8192)
     cfg = load_config(REPO / "mtrain/configs/tiny_llama_grpo.yaml",
                       ["model.hf_path=unused", f"train.max_tokens_per_micro_batch={args.budget}",
-                       "train.shared_prefix=true", "algo.kl_coef=0"])
+                       "train.shared_prefix=true", "algo.kl_coef=0", f"model.dtype={args.dtype}"])
     actor = Actor(cfg, hf, trainable=False)
     assert actor.rope_per_token, "the tree stream needs mtrain's local attention with per-token RoPE"
-    model = actor.chunks[0].float()
+    model = actor.chunks[0] if args.dtype == "bfloat16" else actor.chunks[0].float()
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for p in model.parameters():
         p.requires_grad_(True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama shape hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV, "
-          f"ffn {args.ffn}, vocab {args.vocab}: {n_params / 1e6:.1f} M parameters, float32; "
+          f"ffn {args.ffn}, vocab {args.vocab}: {n_params / 1e6:.1f} M parameters, {args.dtype} on {device}; "
           f"torch threads {torch.get_num_threads()}", flush=True)
 
     results = {}
@@ -146,20 +153,22 @@ def main() -> int:
             """One training pass over the batch; returns (seconds, stream tokens, [B, W-1] logprobs)."""
             lp_rows = torch.zeros(len(rows), width - 1)
             total = 0
+            sync()
             t0 = time.perf_counter()
             for mb in plans[mode]:
                 pk = build(mode, mb)
                 total += pk.total
                 idx = torch.tensor(mb)
-                stream = pack(pk, tokens, width, "tokens").unsqueeze(0)  # pk.rows index the whole batch
-                pos = pk.position_ids()
-                logits = model(stream, pos, None, packed_seq_params=pk.packed_seq_params("cpu", True, pos))
-                lp = unpack(pk, token_logprobs(logits, stream, args.vocab, 1.0)[0], width - 1, width)
-                m = loss_mask[idx]
-                loss = -torch.where(m, lp, torch.zeros(())).sum() / m.sum()
+                stream = pack(pk, tokens, width, "tokens").unsqueeze(0).to(device)  # pk.rows index the whole batch
+                pos = pk.position_ids().to(device)
+                logits = model(stream, pos, None, packed_seq_params=pk.packed_seq_params(device.type, True, pos))
+                lp = unpack(pk, token_logprobs(logits, stream, args.vocab, 1.0)[0].float(), width - 1, width)
+                m = loss_mask[idx].to(device)
+                loss = -torch.where(m, lp, torch.zeros((), device=device)).sum() / m.sum()
                 loss.backward()
-                lp_rows[idx] = lp.detach()
+                lp_rows[idx] = lp.detach().cpu()
             model.zero_grad(set_to_none=True)
+            sync()
             return time.perf_counter() - t0, total, lp_rows
 
         step("shared")  # warm-up (allocator, first-call paths), not timed

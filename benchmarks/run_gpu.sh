@@ -66,6 +66,7 @@ smollm2_f32|1|600|a float32 trainer under the bf16 engine next to the bf16 recip
 smollm2_lora|1|600|the LoRA demo with the GPU recipe: adapter sync time, gap, step (SmolLM2 staged)
 ppo_distill|1|600|PPO and on-policy distillation on the SmolLM2 demo (gpu_ppo_distill.sh run; SmolLM2 staged)
 separate|2|600|separate placement over NCCL: shard-to-shard sync, one_step on 2 GPUs vs colocated sync on 1
+shared_prefix|1|300|train.shared_prefix vs whole rows: forward+backward step, 2k-token prompts x 8 and a tool task (Qwen3-1.7B-sized Llama, bf16)
 lora_loop|1|400|GRPO with LoRA, adapters synced into SGLang as policy-v{step} (tiny Llama)
 "
 
@@ -186,6 +187,8 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
                       lora:@examples/smollm2/lora.overrides,train.save_interval=-1,engine.mem_fraction_static=0.2 ;;
     ppo_distill) bash benchmarks/gpu_ppo_distill.sh run ;;
     separate) OUT=$out/separate bash benchmarks/gpu_separate_two_gpu.sh ;;
+    shared_prefix) python benchmarks/bench_shared_prefix.py --dtype bfloat16 --hidden 2048 --layers 28 --heads 16 \
+                       --kv-heads 8 --ffn 6144 --vocab 151936 --budget 8192 --repeats 5 --json "$out/shared_prefix.json" ;;
     lora_loop) OUT=$out/lora_loop STEPS=3 MODELS=llama EXTRA="model.lora.targets=qkv,o_proj,gate_up,down
                    model.lora.rank=16 model.lora.alpha=32 model.lora.lr=1e-3" bash benchmarks/gpu_rl_loop.sh ;;
     *) echo "run_gpu.sh: no benchmark named '$1' (bash benchmarks/run_gpu.sh list)" >&2; return 2 ;;
