@@ -72,7 +72,7 @@ class BlockFp8:
             raise PieceTableError(f"{name}: block sizes must be positive, got {self.block}")
         if self.scaling not in SCALINGS:
             raise PieceTableError(f"{name}: scaling must be one of {SCALINGS}, got {self.scaling!r}")
-        if self.scaling == "channel" and (slots != 1 or tuple(self.block) != (1, cols)):
+        if self.scaling == "channel" and (len(self.shape) != 2 or tuple(self.block) != (1, cols)):
             raise PieceTableError(f"{name}: per-channel FP8 needs a 2-D weight and block (1, cols), got shape "
                                   f"{tuple(self.shape)} and block {tuple(self.block)}")
         if dst.dtype != FP8:
