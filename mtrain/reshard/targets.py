@@ -88,7 +88,8 @@ def fp8_storage(view: torch.Tensor, scaling: str) -> torch.Tensor:
         return view
     if view.dim() != 2 or not view.t().is_contiguous():
         raise LoaderError(f"a per-channel FP8 weight is SGLang's [K, N] transposed view of [N, K] storage; this "
-                          f"engine's has shape {tuple(view.shape)} and strides {tuple(view.stride())}")
+                          f"engine's has shape {tuple(view.shape)} and strides {tuple(view.stride())} (a block-FP8 "
+                          "engine's layout? the plan and the engine disagree on engine.fp8_scaling)")
     return view.t()
 
 
