@@ -25,6 +25,7 @@ fp8_kernel|1|600|block-FP8 scatter vs bf16 scatter vs copy (Qwen3-MoE x REPEATS 
 fp8_sync|1|420|FP8 sync bit-equal to SGLang's own FP8 load, and its time vs bf16 (tiny DeepSeek-V3)
 fp8_sync_llama8b|1|420|the same on the Llama-8B shape
 fp8_sync_qwen3moe|1|420|the same on Qwen3-30B-A3B's layer shape
+fp8_sync_channel|1|300|per-channel FP8 sync kernel bit-equal to SGLang's own online quantization (SmolLM2 shapes)
 fp8_decode|1|300|rollout tokens/s, FP8 engine vs bf16 engine
 fp8_loop|1|300|GRPO with an FP8 engine (tiny DeepSeek-V3)
 rl_loop|1|400|GRPO with SGLang colocated, tiny Llama and tiny DeepSeek-V3
@@ -57,6 +58,7 @@ parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds 
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
 smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
 smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
+smollm2_score_centering|1|600|the SmolLM2 GPU recipe on a per-channel FP8 engine, algo.score_centering off vs on, 3 seeds each (SmolLM2 staged)
 bitwise|1|600|numerics.on_policy=bitwise with SGLang: kernels bit-equal, GRPO bitwise vs off (SmolLM2, Qwen3 shapes)
 bitwise_moe|1|420|the same, packed micro-batches, on a small Qwen3-MoE (routes equal without replay)
 bitwise_1_7b|1|480|the same, packed micro-batches, on Qwen3-1.7B's shape
@@ -111,6 +113,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     fp8_sync) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model dsv3tiny --disk --diag-rows 0 ;;
     fp8_sync_llama8b) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model llama8b --contiguous-params ;;
     fp8_sync_qwen3moe) python benchmarks/gpu_fp8_sync.py --out "$out/fp8" --model qwen3moe12l --contiguous-params ;;
+    fp8_sync_channel) python benchmarks/gpu_fp8_channel.py --out "$out/fp8_channel" ;;
     fp8_decode) python benchmarks/gpu_fp8_decode.py --out "$out/fp8_decode" --model "${FP8_DECODE_MODEL:-qwen3moe12l}" \
                     --fp8-backends "${FP8_DECODE_BACKENDS:-triton}" ${FP8_DECODE_GRAPHS:+--cuda-graphs} ;;
     fp8_loop) OUT=$out/fp8_loop STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 bash benchmarks/gpu_rl_loop.sh ;;
@@ -180,6 +183,15 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     smollm2_bitwise) bw=numerics.on_policy=bitwise,model.fp32_lm_head=false
                      STAGGER=3 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn recipe1234:train.seed=1234 \
                          bitwise1234:$bw,train.seed=1234 bitwise1235:$bw,train.seed=1235 bitwise1236:$bw,train.seed=1236 ;;
+    # six runs on one GPU, FP8 engines (SmolLM2: per-channel, engine.fp8_scaling=auto): score centering off vs on
+    # (its k: algo.score_centering_k, default 128), seeds 1234-1236; 0.1 of the GPU each (smollm2_bitwise's four
+    # runs take 0.12: six at 0.1 leave ~32 GB of an H100 to the six trainers), started 3 s apart as there
+    smollm2_score_centering) fp8=engine.weight_dtype=fp8,engine.mem_fraction_static=0.1
+                     STAGGER=3 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn \
+                         off1234:$fp8,train.seed=1234 off1235:$fp8,train.seed=1235 off1236:$fp8,train.seed=1236 \
+                         sc1234:$fp8,algo.score_centering=true,train.seed=1234 \
+                         sc1235:$fp8,algo.score_centering=true,train.seed=1235 \
+                         sc1236:$fp8,algo.score_centering=true,train.seed=1236 ;;
     smollm2_math) bash benchmarks/gpu_smollm2.sh math engine.mem_fraction_static=0.08 train.save_interval=-1 ;;
     smollm2_f32) bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234,engine.mem_fraction_static=0.2 \
                      f32:model.dtype=float32,engine.weight_dtype=bfloat16,train.seed=1234,engine.mem_fraction_static=0.2 ;;

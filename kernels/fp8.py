@@ -27,6 +27,7 @@ from .pieces import (DST_OFFSET, DST_STRIDE, FILL, NCOLS, NROWS, SRC_INDEX, SRC_
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)
+SCALINGS = ("block", "channel")  # BlockFp8.scaling
 SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a block-FP8 destination can be fed
 # block table: w_off, scale_off, row stride, nrows, ncols, first sub-piece, end, whole (1: the block's one sub-piece,
 # from a source, covers it: the interior blocks of a large weight, which the Triton kernel's fast path loads in one
@@ -50,6 +51,9 @@ class BlockFp8:
     scale: torch.Tensor
     shape: tuple[int, ...]
     block: tuple[int, int] = DEFAULT_BLOCK
+    # "block": DeepSeek's amax/448 block math; "channel": SGLang's own per-row quantization of a bf16 weight
+    # (fp8_channel.py), on block (1, cols): a destination row is one scale group
+    scaling: str = "block"
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -66,6 +70,11 @@ class BlockFp8:
         bn, bk = self.block
         if bn <= 0 or bk <= 0:
             raise PieceTableError(f"{name}: block sizes must be positive, got {self.block}")
+        if self.scaling not in SCALINGS:
+            raise PieceTableError(f"{name}: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.scaling == "channel" and (len(self.shape) != 2 or tuple(self.block) != (1, cols)):
+            raise PieceTableError(f"{name}: per-channel FP8 needs a 2-D weight and block (1, cols), got shape "
+                                  f"{tuple(self.shape)} and block {tuple(self.block)}")
         if dst.dtype != FP8:
             raise PieceTableError(f"{name}: a block-FP8 destination must be {FP8}, got {dst.dtype}")
         if dst.numel() != slots * rows * cols:
@@ -224,7 +233,12 @@ def execute_fp8_torch(dst: torch.Tensor, spec: BlockFp8, srcs, table: PieceTable
     slots, nrows, ncols = spec.geometry
     staging = torch.zeros(slots * nrows * ncols, dtype=torch.float32, device=dst.device)
     copy_pieces_torch(staging, srcs, table)
-    q, scale = quantize_blocks(staging.view(slots, nrows, ncols), spec.block)
+    if spec.scaling == "channel":
+        from .fp8_channel import quantize_channels
+        q, scale = quantize_channels(staging.view(nrows, ncols))
+        q, scale = q.view(slots, nrows, ncols), scale.view(slots, nrows, 1)  # block (1, cols): one scale a row
+    else:
+        q, scale = quantize_blocks(staging.view(slots, nrows, ncols), spec.block)
     flat_scale = scale.view(-1)
     idx = torch.from_numpy(blocks[:, 1]).to(dst.device)
     if len(idx) == flat_scale.numel():

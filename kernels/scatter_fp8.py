@@ -95,7 +95,7 @@ def _replay_key(dsts, srcs, quant: Quant) -> tuple | None:
     from . import triton_fp8 as tf
 
     try:
-        q = tuple((d, _raw_sweep([spec.scale]), tuple(spec.shape), tuple(spec.block))
+        q = tuple((d, _raw_sweep([spec.scale]), tuple(spec.shape), tuple(spec.block), spec.scaling)
                   for d, spec in sorted(quant.items()))
     except (AttributeError, TypeError):
         return None
@@ -146,20 +146,20 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
 
     if not plans:
         return []
-    by_block: dict[tuple[int, int], list[int]] = {}
+    by_block: dict[tuple, list[int]] = {}  # one launch per block shape and scaling
     for d in plans:
-        by_block.setdefault(tuple(quant[d].block), []).append(d)
+        by_block.setdefault((tuple(quant[d].block), quant[d].scaling), []).append(d)
     for i in sorted({i for _, _, used in plans.values() for i in used.tolist()}):
         if smeta[i].data_ptr % smeta[i].dtype.itemsize:  # before any launch
             raise PieceTableError(f"srcs[{i}] data pointer is not aligned to its {smeta[i].dtype.itemsize}-byte "
                                   "elements")
     cache, launches = st.derived(), []
-    for block, members in sorted(by_block.items()):
+    for (block, scaling), members in sorted(by_block.items()):
         used = np.unique(np.concatenate([plans[d][2] for d in members])) if members else np.zeros(0, np.int64)
         used_meta = [smeta[i] for i in used.tolist()]
-        layout = (block, tuple(dsts[d].data_ptr() for d in members), tuple(quant[d].scale.data_ptr() for d in members),
+        layout = (block, scaling, tuple(dsts[d].data_ptr() for d in members), tuple(quant[d].scale.data_ptr() for d in members),
                   tuple(m.dtype for m in used_meta))
-        hit = cache.get(("fp8_launch", block))
+        hit = cache.get(("fp8_launch", block, scaling))
         if hit is None or hit[0] != layout:
             smaps = [np.searchsorted(used, np.arange(len(smeta))) for _ in members]
             b, s, wa, sa = tf.rebase([plans[d][:2] for d in members], [dsts[d].data_ptr() for d in members],
@@ -174,11 +174,12 @@ def _launch(dsts, srcs, smeta: list[SrcMeta], st: ScatterTable, quant: Quant, pl
                    n_whole, table_aligned)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
-            cache[("fp8_launch", block)] = hit
+            cache[("fp8_launch", block, scaling)] = hit
         _, b_dev, s_dev, wa, sa, n_whole, table_aligned = hit
         aligned = (table_aligned and dsts[wa].data_ptr() % 16 == 0  # offsets (cached) and pointers (now)
                    and all(m.data_ptr % 16 == 0 for m in used_meta))
         launches += tf.launch_fp8(dsts[wa], quant[sa].scale, 0, 0, b_dev, s_dev, [srcs[i] for i in used.tolist()],
-                                  used_meta, block, n_whole=n_whole, aligned_whole=aligned)
+                                  used_meta, block, n_whole=n_whole, aligned_whole=aligned,
+                                  channel=scaling == "channel")
     return launches
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import BLOCK_FIELDS, FP8_MAX, SUB_FIELDS, WHOLE
+from .fp8_channel import FTZ_MIN, SCALE_MUL
 from .pieces import SrcMeta
 from .triton_pieces import MAX_SLOTS, _Ptr, _slot_bases, is_interpreted
 
@@ -254,6 +255,28 @@ def _divide(acc, scale):
 
 
 @triton.jit
+def _channel_scale_q(acc, SCALE_MUL: tl.constexpr, FTZ_MIN: tl.constexpr, FMAX: tl.constexpr, HW_RCP: tl.constexpr,
+                     HW_CVT: tl.constexpr):
+    """Per-channel FP8 of one row (fp8_channel.py: SGLang's sm90 per-token kernel, step by step): float32 denormals
+    flushed to signed zero, scale = amax * float32(1/448) (flushed), inv = its reciprocal (rcp.approx.ftz.f32, the
+    kernel's MUFU.RCP, on the GPU; the IEEE one in the interpreter), q = x * inv; a zero scale gives inv 0 (signed
+    zeros). Returns (scale, q)."""
+    x = tl.where(tl.abs(acc) < FTZ_MIN, acc * 0.0, acc)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = amax * SCALE_MUL
+    scale = tl.where(scale < FTZ_MIN, 0.0, scale)
+    if HW_RCP:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [scale], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        r = tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0))
+    q = x * tl.where(scale > 0, r, 0.0)
+    if not HW_CVT:
+        q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+    return scale, q
+
+
+@triton.jit
 def _e4m3x4(q):
     """float32 -> e4m3 bytes by the GPU's cvt.rn.satfinite.e4m3x2.f32, four values into one 32-bit register (the
     first in the low byte, as Triton packs): two conversions and one move. Triton's own `.to(tl.float8e4nv)` emits
@@ -291,7 +314,9 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
                        N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, FIELDS: tl.constexpr,
                        SUBF: tl.constexpr, FMAX: tl.constexpr, HW_CVT: tl.constexpr, FAST: tl.constexpr,
-                       RCP_DIV: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr):
+                       RCP_DIV: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr,
+                       CHANNEL: tl.constexpr = False, HW_RCP: tl.constexpr = False,
+                       SCALE_MUL: tl.constexpr = 0.0, FTZ_MIN: tl.constexpr = 0.0):
     """One block per program (STAGES = 0), or a fixed number of programs each looping over blocks with Triton's
     pipeliner loading the next block (asynchronously, into shared memory) while this one is quantized (STAGES > 0:
     `num_stages`; only for launches whose loads need no branch: FAST, ALIGNED, one source dtype)."""
@@ -299,11 +324,11 @@ def _fp8_blocks_kernel(blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
         for b in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
             _quantize_block(b, blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1, src2,
                             N_SLOTS, VEC0, VEC1, VEC2, BN, BK, STEP, FIELDS, SUBF, FMAX, HW_CVT, FAST, RCP_DIV,
-                            ALIGNED)
+                            ALIGNED, CHANNEL, HW_RCP, SCALE_MUL, FTZ_MIN)
     else:
         _quantize_block(tl.program_id(0), blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_delta, src0, src1,
                         src2, N_SLOTS, VEC0, VEC1, VEC2, BN, BK, STEP, FIELDS, SUBF, FMAX, HW_CVT, FAST, RCP_DIV,
-                        ALIGNED)
+                        ALIGNED, CHANNEL, HW_RCP, SCALE_MUL, FTZ_MIN)
 
 
 @triton.jit
@@ -311,8 +336,10 @@ def _quantize_block(b, blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
                     N_SLOTS: tl.constexpr, VEC0: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, FIELDS: tl.constexpr, SUBF: tl.constexpr,
                     FMAX: tl.constexpr, HW_CVT: tl.constexpr, FAST: tl.constexpr, RCP_DIV: tl.constexpr,
-                    ALIGNED: tl.constexpr):
-    """Block b of the table: gather, amax, scale, quantize, store."""
+                    ALIGNED: tl.constexpr, CHANNEL: tl.constexpr, HW_RCP: tl.constexpr, SCALE_MUL: tl.constexpr,
+                    FTZ_MIN: tl.constexpr):
+    """Block b of the table: gather, amax, scale, quantize, store. CHANNEL: the block is one row (BN = STEP = 1,
+    BK its width rounded up to a power of two) under the per-channel math (_channel_scale_q)."""
     row = blocks_ptr + tl.cast(b, tl.int64) * FIELDS  # tl.cast: b is a Python int in the interpreter's tl.range
     w_off = tl.load(row) + w_delta
     s_off = tl.load(row + 1) + s_delta
@@ -323,7 +350,13 @@ def _quantize_block(b, blocks_ptr, sub_ptr, info_ptr, w_ptr, w_delta, s_ptr, s_d
     p1 = tl.load(row + 6)
     r = tl.arange(0, STEP).to(tl.int64)[:, None]
     c = tl.arange(0, BK)[None, :]
-    if STEP == BN:
+    if CHANNEL:
+        acc = _gather(sub_ptr, info_ptr, src0, src1, src2, p0, p1, nr, nc, 0, r, c, N_SLOTS, VEC0, VEC1, VEC2, STEP,
+                      BK, SUBF, FAST, ALIGNED)
+        scale, q = _channel_scale_q(acc, SCALE_MUL, FTZ_MIN, FMAX, HW_RCP, HW_CVT)
+        tl.store(s_ptr + s_off, scale)
+        _store_q(w_ptr, w_off, w_stride, nr, nc, r, c, q, HW_CVT, ALIGNED)
+    elif STEP == BN:
         # The whole block in registers (STEP_ROWS = the block's rows): one gather, the amax and the quantization
         # from the same values, no second pass over the sources. Bit-equal to the two-pass path: the second
         # gather recomputes exactly these values.
@@ -360,7 +393,7 @@ def _programs(device: torch.device, compiled: bool) -> int:
 def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_delta: int,
                blocks: torch.Tensor, subs: torch.Tensor, srcs: Sequence[torch.Tensor], meta: Sequence[SrcMeta],
                block: tuple[int, int], step: int | None = None, num_warps: int | None = None,
-               n_whole: int = 0, aligned_whole: bool = False) -> list:
+               n_whole: int = 0, aligned_whole: bool = False, channel: bool = False) -> list:
     """The launches over a call's FP8 blocks. `blocks`/`subs` are device int64 tables (fp8.plan_blocks, rebased:
     weight offsets in bytes from `w_anchor`, scale offsets in floats from `s_anchor`); w_delta/s_delta are added
     to them in the kernel (compiled mode addresses the anchors rounded down to 16 bytes). The first `n_whole`
@@ -369,13 +402,19 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     fast one without the general path's registers and code), and the second launch costs microseconds, against
     milliseconds for a sync's worth of blocks. `aligned_whole`: the caller has checked whole_blocks_aligned and
     that every source and the weight anchor are 16-byte aligned, which the pipelined launch (PIPELINE) needs.
+    `channel`: per-channel FP8 (fp8_channel.py), block (1, cols): one row a program, its tile the row's width rounded
+    up to a power of two (the loads and stores are masked at the real width).
     Returns the launches it ran, [(kernel[grid], args, kwargs)], for
     the caller to replay while nothing changes (scatter_fp8)."""
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return []
     bn, bk = block
-    if bk & (bk - 1) or bn & (bn - 1):
+    if channel:
+        if bn != 1:
+            raise ValueError(f"per-channel FP8 takes blocks of one row, got {block}")
+        bk = triton.next_power_of_2(bk)
+    elif bk & (bk - 1) or bn & (bn - 1):
         raise ValueError(f"the Triton FP8 kernel needs power-of-two blocks, got {block}")
     compiled = not is_interpreted()
     step = min(step or (STEP_ROWS if compiled else bn), bn)
@@ -395,7 +434,9 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
     n_whole = n_whole if FAST_PATH else 0
     rcp_div = RCP_DIV and all(m.dtype in RCP_DTYPES for m in meta)
     # The whole blocks' launch is pipelined when asked for and its loads need no branch (module comment, PIPELINE)
-    pipelined = bool(PIPELINE) and aligned_whole and n_used == 1 and step == bn
+    pipelined = bool(PIPELINE) and aligned_whole and n_used == 1 and step == bn and not channel
+    # a row of up to 2**13 columns at 8 per thread in 4-byte registers, the block math's WARPS otherwise
+    warps = num_warps or (max(1, min(WARPS, bk // 256)) if channel else WARPS)
     launches = []
     for fast, part in ((True, blocks[:n_whole]), (False, blocks[n_whole:])):
         if part.shape[0]:
@@ -407,7 +448,8 @@ def launch_fp8(w_anchor: torch.Tensor, s_anchor: torch.Tensor, w_delta: int, s_d
                              dict(N_SLOTS=max(n_used, 1), VEC0=bases[0][1], VEC1=bases[1][1], VEC2=bases[2][1], BN=bn,
                                   BK=bk, STEP=step, FIELDS=BLOCK_FIELDS, SUBF=SUB_FIELDS, FMAX=FP8_MAX,
                                   HW_CVT=HW_CVT and compiled, FAST=fast, RCP_DIV=rcp_div, ALIGNED=bool(stages),
-                                  STAGES=stages, num_warps=num_warps or WARPS,
+                                  STAGES=stages, CHANNEL=channel, HW_RCP=channel and compiled,
+                                  SCALE_MUL=SCALE_MUL, FTZ_MIN=FTZ_MIN, num_warps=warps,
                                   **({"maxnreg": MAXNREG} if MAXNREG and compiled else {}))))
     for kernel, args, kwargs in launches:
         kernel(*args, **kwargs)

@@ -74,6 +74,10 @@ def validate(cfg: RunConfig) -> None:
     _check(p.vpp is None or p.pp > 1, "parallel.vpp", f"needs parallel.pp > 1 (pp={p.pp})")
     _check(e.weight_dtype in ("auto", "bfloat16", "fp8"), "engine.weight_dtype",
            f"must be auto, bfloat16 or fp8, got {e.weight_dtype!r}")
+    _check(e.fp8_scaling in ("auto", "block", "channel"), "engine.fp8_scaling",
+           f"must be auto, block or channel, got {e.fp8_scaling!r}")
+    _check(e.fp8_scaling == "auto" or e.weight_dtype == "fp8", "engine.fp8_scaling",
+           f"{e.fp8_scaling} is an FP8 engine's format: it needs engine.weight_dtype=fp8 (got {e.weight_dtype})")
     _check(0.0 < e.mem_fraction_static < 1.0, "engine.mem_fraction_static",
            f"must be in (0, 1), got {e.mem_fraction_static}")
     args_problems = server_args_problems(e.server_args, e.kind)

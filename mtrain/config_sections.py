@@ -103,6 +103,10 @@ class EngineConfig:
     # inside the resharding kernel. The CPU reference engine emulates it (quantize-dequantize with the same block
     # math). docs/fp8.md
     weight_dtype: str = "auto"
+    # with weight_dtype=fp8, SGLang's FP8 format: block (DeepSeek's 128x128 blocks: every fused part's per-rank rows
+    # a multiple of 128), channel (one scale per output row, what SGLang makes of a bf16 model itself; dense models
+    # only, e.g. SmolLM2-135M), auto: block where the model and engine tp/ep allow it, else channel. docs/fp8.md
+    fp8_scaling: str = "auto"
     # Further `sglang.Engine` arguments (SGLang ServerArgs names), applied after mtrain's own choices
     # (rollout/sglang_wire.py), e.g. {disable_cuda_graph: false} for long runs; on the command line
     # engine.server_args.disable_cuda_graph=false. Keys that other config keys or the weight layout decide are

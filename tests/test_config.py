@@ -57,6 +57,9 @@ def test_overrides_are_coerced_to_field_types():
     ("algo.kl_estimator=k4", "algo.kl_estimator: 'k4' is not one of 'k1', 'k2', 'k3'"),
     ("algo=grpo", "'algo' is a section"),
     ("train.steps", "must look like section.key=value"),
+    ("engine.fp8_scaling=tensor", "engine.fp8_scaling: must be auto, block or channel, got 'tensor'"),
+    ("engine.fp8_scaling=channel", "engine.fp8_scaling: channel is an FP8 engine's format: it needs "
+                                   "engine.weight_dtype=fp8"),
 ])
 def test_bad_override_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=None) as e:

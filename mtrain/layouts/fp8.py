@@ -24,11 +24,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtrain.kernels.fp8 import scale_shape
+from mtrain.kernels.fp8_channel import channel_block, channel_scale_shape
 from mtrain.layouts.rules import Fused, LayoutError, Split
 from mtrain.layouts.table import Part, Weight
 
 BLOCK = (128, 128)  # weight_block_size of DeepSeek-V3's and Qwen3's FP8 releases; the only one SGLang's path takes
 SCALE_SUFFIX = "_scale_inv"
+# Per-channel FP8 (engine.fp8_scaling=channel): SGLang's own quantization of a bf16 model (quantization="fp8"
+# without a serialized checkpoint; layers/quantization/fp8.py:826-860, kernels/fp8_channel.py): `weight` becomes
+# float8_e4m3fn [N, K] storage seen as its transpose [K, N], `weight_scale` float32 [1, N], one scale per output row
+# of the per-rank weight; no divisibility rule. FusedMoE experts get one scale per expert instead (Fp8MoEMethod:
+# scaled_fp8_quant per expert), a third format mtrain does not write: refused (check_channel_split).
+CHANNEL_SCALE_SUFFIX = "_scale"
+SCALINGS = ("block", "channel")  # engine.fp8_scaling's resolved values (auto: block where it fits, else channel)
 # The attribute SGLang sets on a scale it requantized to UE8M0 after load (fp8_utils.requant_block_scale_ue8m0_for_
 # deepgemm, the MoE/linear process_weights_after_loading): such a layer no longer holds amax/448 float32 scales.
 REQUANTIZED_MARK = "format_ue8m0"
@@ -41,12 +49,25 @@ class Fp8Param:
     scale_name: str
     scale_shape: tuple[int, ...]
     block: tuple[int, int] = BLOCK
+    scaling: str = "block"  # "channel": block is (1, cols), the engine's parameter is the transposed view
 
 
-def fp8_param(name: str, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> Fp8Param:
+def fp8_param(name: str, shape: tuple[int, ...], block: tuple[int, int] = BLOCK, scaling: str = "block") -> Fp8Param:
+    """The scale of FP8 weight `name` ([N, K] per rank, or [E, N, K]) under `scaling`."""
     if not name.endswith("weight"):
-        raise LayoutError(f"{name}: only weights are block-FP8 in SGLang's layout")
+        raise LayoutError(f"{name}: only weights are FP8 in SGLang's layout")
+    if scaling == "channel":
+        return Fp8Param(name + CHANNEL_SCALE_SUFFIX, channel_scale_shape(tuple(shape)), channel_block(shape[-1]),
+                        "channel")
     return Fp8Param(name + SCALE_SUFFIX, scale_shape(tuple(shape), block), block)
+
+
+def check_channel_split(w: Weight, part: Part) -> None:
+    """Refuse what per-channel FP8 cannot hold: FusedMoE experts (SGLang quantizes them per expert, not per row)."""
+    if part.slot:
+        raise LayoutError(f"{w.key} ({part.name}): per-channel FP8 is for dense linear layers; SGLang quantizes a "
+                          "bf16 model's FusedMoE experts with one scale per expert (Fp8MoEMethod), which mtrain does "
+                          "not write: use engine.fp8_scaling=block")
 
 
 def _per_rank_rows(rule: Fused, world: int) -> list[int]:

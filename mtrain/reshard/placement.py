@@ -152,11 +152,13 @@ class MegatronLayout:
 @dataclass(frozen=True)
 class SGLangLayout:
     """One SGLang engine: attention TP over `tp` ranks; MoE over ep x (tp // ep) (moe_tp) ranks. fp8: the engine
-    runs SGLang's block-FP8 layout, so weights marked `block_fp8` are float8_e4m3fn + a scale (layouts/fp8.py)."""
+    runs SGLang's FP8 layout, so weights marked `block_fp8` are float8_e4m3fn + a scale (layouts/fp8.py):
+    128x128 blocks (fp8_scaling "block") or one scale per output row (fp8_scaling "channel")."""
 
     tp: int = 1
     ep: int = 1
     fp8: bool = False
+    fp8_scaling: str = "block"  # layouts.fp8.SCALINGS; read only with fp8
     side = "sglang"
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from mtrain.layouts.fp8 import check_block_split, fp8_param
+from mtrain.layouts.fp8 import check_block_split, check_channel_split, fp8_param
 from mtrain.layouts.rules import LayoutError, Rect
 from mtrain.layouts.table import ModelLayout, Weight
 from mtrain.reshard.placement import Holder, parts_of
@@ -110,6 +110,7 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
     fp32: set = set()
     quant: dict = {}
     fp8 = getattr(dst_layout, "fp8", False)
+    scaling = getattr(dst_layout, "fp8_scaling", "block")
     for w in model.weights:
         dst_holders = dst_layout.holders(model, w)
         if only_writable:
@@ -139,8 +140,11 @@ def build_plan(model: ModelLayout, src_layout, dst_layout, *, colocate=None, onl
             if w.fp32:
                 fp32.add(key)
             if fp8 and w.block_fp8:
-                check_block_split(w, part, dshape, dh.rule_world)
-                quant[key] = fp8_param(dh.name, dref.shape)
+                if scaling == "channel":
+                    check_channel_split(w, part)
+                else:
+                    check_block_split(w, part, dshape, dh.rule_world)
+                quant[key] = fp8_param(dh.name, dref.shape, scaling=scaling)
             for dr in drects:
                 for hs, sshape, srects in src_shards:
                     for sr in srects:
@@ -196,3 +200,29 @@ def _check_coverage(pieces: list[Piece], dst_tensors: dict) -> None:
         if written[key] != n:
             raise LayoutError(f"plan writes {written[key]} of {n} elements of {ref.name} on rank {ref.rank}: "
                               f"the layout table does not cover this tensor exactly")
+
+
+def resolve_fp8_scaling(model: ModelLayout, requested: str, tp: int = 1, ep: int = 1) -> str:
+    """engine.fp8_scaling as a run resolves it for an engine of `tp` x `ep`: "block" or "channel" as asked; "auto":
+    block where every FP8 weight's per-rank shard meets SGLang's block rules (layouts/fp8.check_block_split), else
+    channel, which has no such rule but holds no MoE experts: a MoE model that fits no block keeps the block error.
+    Raises LayoutError."""
+    if requested != "auto":
+        return requested
+    from mtrain.reshard.placement import SGLangLayout
+
+    layout = SGLangLayout(tp=tp, ep=ep, fp8=True)
+    layout.check(model)
+    try:
+        for w in model.weights:
+            if not w.block_fp8:
+                continue
+            for h in layout.holders(model, w):
+                part, dshape, _ = _shard(w, layout, h)
+                check_block_split(w, part, dshape, h.rule_world)
+    except LayoutError as err:
+        if model.num_experts:
+            raise LayoutError(f"{err} (engine.fp8_scaling=auto falls back to per-channel FP8 only for dense models: "
+                              "SGLang quantizes a bf16 model's MoE experts per expert)") from None
+        return "channel"
+    return "block"

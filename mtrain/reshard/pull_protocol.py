@@ -4,7 +4,7 @@ A pull request is one `update_weights_from_tensor` payload per engine rank, hand
     [(PULL_PREFIX + json spec, zero-size tensor), (SOURCE_NAME, source 0), (SOURCE_NAME, source 1), ...]
 spec = {"table": key, "sources": key, "n_sources": k, "finish": bool,
         "targets": [[param name, shape], ...], "rows": [[8 ints], ...],   # targets/rows: first use of `table` only
-        "quant": [[target index, scale name, scale shape, [bn, bk]], ...]}  # with targets, for an FP8 engine
+        "quant": [[target index, scale name, scale shape, [bn, bk], scaling], ...]}  # with targets, FP8 engine
 Sources (the trainer's parameters and receive buffers, as CUDA IPC views) come only when their key is new; the
 loader keeps them, so their IPC mappings are opened once. Tables are validated, resolved to the parameters
 and cached per key. Each call then runs `mtrain.kernels.execute_scatter`: one launch per parameter dtype.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mtrain.kernels import BlockFp8, PieceTableError, ScatterTable, execute_scatter
-from mtrain.reshard.targets import LoaderError, fp8_spec, synchronize, target_view
+from mtrain.reshard.targets import LoaderError, fp8_spec, fp8_storage, synchronize, target_view
 
 PULL_PREFIX = "__mtrain_pull__"
 SOURCE_NAME = "__mtrain_src__"
@@ -71,10 +71,13 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
     targets = spec["targets"]
     if not isinstance(targets, list):
         raise LoaderError("pull: 'targets' must be a list of [name, shape]")
-    for entry in targets:
+    channel = _channel_targets(spec)
+    for i, entry in enumerate(targets):
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
             raise LoaderError(f"pull: bad target entry {entry!r}: expected [name, shape]")
         target, view, _ = target_view(params, entry[0])
+        if i in channel and view.dtype == torch.float8_e4m3fn:  # the plan's [N, K] is the storage of SGLang's view
+            view = fp8_storage(view, "channel")
         if list(view.shape) != entry[1]:
             raise LoaderError(f"pull: {entry[0]}: the trainer's plan has shape {tuple(entry[1])}, the engine's parameter "
                         f"{tuple(view.shape)} (different model config or engine TP/EP?)")
@@ -85,18 +88,34 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
     return names, dsts, _resolve_quant(spec, params, targets)
 
 
-def _resolve_quant(spec: dict, params: Mapping[str, torch.Tensor], targets: list) -> dict[int, BlockFp8]:
-    """The trainer's FP8 targets, checked against the engine's parameters: FP8 on both sides or on neither."""
+def _quant_entries(spec: dict, n_targets: int) -> list:
+    """spec["quant"], checked: [target index, scale name, scale shape, block, scaling] (scaling may be left out:
+    block)."""
     entries = spec.get("quant", [])
     if not isinstance(entries, list):
-        raise LoaderError("pull: 'quant' must be a list of [target index, scale name, scale shape, block]")
-    quant: dict[int, BlockFp8] = {}
+        raise LoaderError("pull: 'quant' must be a list of [target index, scale name, scale shape, block, scaling]")
+    out = []
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
-                and 0 <= entry[0] < len(targets)):
-            raise LoaderError(f"pull: bad quant entry {entry!r}: expected [target index, scale name, shape, block]")
-        i, scale_name, scale_shape, block = entry
-        quant[i] = fp8_spec(params, targets[i][0], scale_name, scale_shape, block)
+        if not (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[0], int)
+                and 0 <= entry[0] < n_targets):
+            raise LoaderError(f"pull: bad quant entry {entry!r}: expected [target index, scale name, shape, block, "
+                              "scaling]")
+        out.append(entry if len(entry) == 5 else entry + ["block"])
+    return out
+
+
+def _channel_targets(spec: dict) -> set[int]:
+    targets = spec.get("targets")
+    return {e[0] for e in _quant_entries(spec, len(targets) if isinstance(targets, list) else 0)
+            if e[4] == "channel"}
+
+
+def _resolve_quant(spec: dict, params: Mapping[str, torch.Tensor], targets: list) -> dict[int, BlockFp8]:
+    """The trainer's FP8 targets, checked against the engine's parameters: FP8 on both sides or on neither, in the
+    same format (a per-channel plan for a block engine finds no `weight_scale`, and the other way round)."""
+    quant: dict[int, BlockFp8] = {}
+    for i, scale_name, scale_shape, block, scaling in _quant_entries(spec, len(targets)):
+        quant[i] = fp8_spec(params, targets[i][0], scale_name, scale_shape, block, scaling)
     for i, (name, _) in enumerate(targets):
         if i not in quant and params[name.split("@")[0]].dtype == torch.float8_e4m3fn:
             raise LoaderError(f"pull: {name} is float8_e4m3fn in this engine (an FP8 engine) but the trainer's plan "
@@ -175,7 +194,8 @@ class PullSender:
             spec["rows"] = job.rows.tolist()
             quant = getattr(job, "quant", None) or {}
             if quant:
-                spec["quant"] = [[i, q.scale_name, list(q.scale_shape), list(q.block)] for i, q in sorted(quant.items())]
+                spec["quant"] = [[i, q.scale_name, list(q.scale_shape), list(q.block), q.scaling]
+                                 for i, q in sorted(quant.items())]
         out = [(PULL_PREFIX + json.dumps(spec, separators=(",", ":")), marker)]
         if send_sources:
             out += [(SOURCE_NAME, t) for t in job.sources]

@@ -16,7 +16,7 @@ import torch
 
 from mtrain.kernels import BlockFp8
 from mtrain.kernels.fp8 import FP8
-from mtrain.layouts.fp8 import REQUANTIZED_MARK
+from mtrain.layouts.fp8 import BLOCK, CHANNEL_SCALE_SUFFIX, REQUANTIZED_MARK, SCALE_SUFFIX
 
 _TARGET_RE = re.compile(r"^(?P<param>[^@]+?)(?:@(?P<start>\d+):(?P<stop>\d+))?$")
 
@@ -81,12 +81,36 @@ def synchronize(tensors: Sequence[torch.Tensor]) -> None:
         torch.cuda.synchronize(d)
 
 
+def fp8_storage(view: torch.Tensor, scaling: str) -> torch.Tensor:
+    """The [N, K] tensor the sync writes for an FP8 parameter: the parameter itself (block), or the storage of
+    SGLang's per-channel `weight`, a [K, N] transposed view of contiguous [N, K] bytes (layouts/fp8.py)."""
+    if scaling != "channel":
+        return view
+    if view.dim() != 2 or not view.t().is_contiguous():
+        raise LoaderError(f"a per-channel FP8 weight is SGLang's [K, N] transposed view of [N, K] storage; this "
+                          f"engine's has shape {tuple(view.shape)} and strides {tuple(view.stride())} (a block-FP8 "
+                          "engine's layout? the plan and the engine disagree on engine.fp8_scaling)")
+    return view.t()
+
+
+def own_fp8_spec(params: Mapping[str, torch.Tensor], name: str) -> BlockFp8:
+    """The FP8 format parameter `name` has in this engine, by the scale it holds (push: the bucket carries the
+    trainer's dtype and the engine's own layout decides): `weight_scale_inv` block, `weight_scale` per-channel."""
+    if name + SCALE_SUFFIX not in params and name + CHANNEL_SCALE_SUFFIX in params:
+        view = params[name].data
+        return fp8_spec(params, name, name + CHANNEL_SCALE_SUFFIX, None, [1, int(view.shape[0])], "channel")
+    return fp8_spec(params, name, name + SCALE_SUFFIX, None, list(BLOCK))
+
+
 def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, scale_shape: Sequence[int] | None,
-             block: Sequence[int]) -> BlockFp8:
-    """The engine's FP8 parameter `name` and its scale `scale_name`, checked (shape None: the weight's grid)."""
+             block: Sequence[int], scaling: str = "block") -> BlockFp8:
+    """The engine's FP8 parameter `name` and its scale `scale_name`, checked (shape None: the weight's grid, or
+    per-channel [1, N])."""
     target, view, _ = target_view(params, name)
     if target.start is not None:
         raise LoaderError(f"{name}: an FP8 target must be a whole parameter")
+    if scaling not in ("block", "channel"):
+        raise LoaderError(f"{name}: bad FP8 scaling {scaling!r}: expected block or channel")
     if view.dtype != FP8:
         raise LoaderError(f"{name}: the trainer quantizes it to FP8 but this engine holds it as {view.dtype}: start "
                           "the engine with quantization fp8, or set engine.weight_dtype=auto")
@@ -97,8 +121,15 @@ def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, sca
         raise LoaderError(f"{name} is float8_e4m3fn but the engine has no parameter {scale_name!r} (a block-FP8 "
                           "engine has one per FP8 weight; per-channel FP8 from quantization='fp8' on a bf16 "
                           "checkpoint is not supported)")
+    if view.dtype == FP8:
+        view = fp8_storage(view, scaling)
+    if scaling == "channel" and (view.dim() != 2 or list(block) != [1, view.shape[1]]):
+        raise LoaderError(f"{name}: per-channel FP8 block {list(block)} does not fit the engine's weight storage "
+                          f"{tuple(view.shape)} (expected [1, {view.shape[-1]}])")
     want = [-(-view.shape[-2] // block[0]), -(-view.shape[-1] // block[1])]
     want = list(view.shape[:-2]) + want if scale_shape is None else list(scale_shape)
+    if scale_shape is None and scaling == "channel":
+        want = [1, int(view.shape[0])]  # SGLang's weight_scale.t(): one scale per output row
     if scale.dtype != torch.float32 or list(scale.shape) != want or not scale.is_contiguous():
         raise LoaderError(f"{scale_name}: expected a contiguous float32 {tuple(want)} scale ({block[0]}x{block[1]} "
                           f"blocks), the engine has {scale.dtype} {tuple(scale.shape)}")
@@ -108,4 +139,4 @@ def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, sca
                           "engine on Hopper with fp8_gemm_runner_backend=triton (docs/fp8.md)")
     if not view.is_contiguous():
         raise LoaderError(f"{name}: the engine's FP8 parameter is not contiguous")
-    return BlockFp8(scale.data.view(-1), tuple(view.shape), (int(block[0]), int(block[1])))
+    return BlockFp8(scale.data.view(-1), tuple(view.shape), (int(block[0]), int(block[1])), scaling)

@@ -11,8 +11,9 @@ Names are SGLang's internal parameter names (`dict(model.named_parameters())`) w
 The row-range form writes part of a parameter: local experts 8..15 of a FusedMoE weight, or one piece of a
 tensor too big for one bucket. The tensor must have exactly the destination's shape and dtype; nothing is
 cast or re-sliced here (the planner already produced per-rank shards). One exception, an FP8 engine: a
-float32/bf16/fp16 tensor for a float8_e4m3fn parameter `X` is block-quantized into `X` and its scale
-`X_scale_inv` (whole 128x128 blocks; `mtrain.kernels` BlockFp8), one kernel launch per bucket.
+float32/bf16/fp16 tensor for a float8_e4m3fn parameter `X` is quantized into `X` and its scale, in the format the
+engine holds: `X_scale_inv` block FP8 (whole 128x128 blocks), or `X_scale` per-channel FP8 (X a [K, N] view of the
+[N, K] rows the bucket carries; whole parameters only); `mtrain.kernels` BlockFp8, one kernel launch per bucket.
 
 Control names (a zero-size tensor goes with them):
     FINISH_NAME      end of a sync: the attention layers' KV scales to 1.0 (`reset_kv_scales`),
@@ -41,8 +42,8 @@ import torch
 
 from mtrain.kernels import PieceTableError, ScatterTable, execute_scatter
 from mtrain.kernels.fp8 import FP8, SRC_DTYPES
-from mtrain.layouts.fp8 import BLOCK, SCALE_SUFFIX
-from mtrain.reshard.targets import LoaderError, Target, fp8_spec, synchronize, target_view, unknown_param
+from mtrain.reshard.targets import (LoaderError, Target, fp8_storage, own_fp8_spec, synchronize, target_view,
+                                   unknown_param)
 
 LOAD_DIRECT = "mtrain.rollout.sglang_loader.load_direct"
 DUMP_PARAMS = "mtrain.rollout.sglang_loader.dump_params"
@@ -93,12 +94,17 @@ def plan_copies(
         target, dst, span = target_view(params, name)
         if not isinstance(tensor, torch.Tensor):
             raise LoaderError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        fp8 = dst.dtype == FP8 and isinstance(tensor, torch.Tensor) and tensor.dtype in SRC_DTYPES
+        if fp8 and own_fp8_spec(params, target.param).scaling == "channel":  # checks the scale
+            if target.start is not None:
+                raise LoaderError(f"{name}: a per-channel FP8 parameter is written whole (no row range)")
+            dst = fp8_storage(dst, "channel")  # the bucket holds the [N, K] rows of SGLang's [K, N] view
         if tuple(tensor.shape) != tuple(dst.shape):
             raise LoaderError(f"{name}: shape {tuple(tensor.shape)} does not match {target.param}"
                               f"{'' if target.start is None else f'[{target.start}:{target.stop}]'} "
                               f"shape {tuple(dst.shape)}")
-        if dst.dtype == FP8 and tensor.dtype in SRC_DTYPES:
-            fp8_spec(params, target.param, target.param + SCALE_SUFFIX, None, list(BLOCK))  # checks the scale
+        if fp8:
+            own_fp8_spec(params, target.param)  # checks the scale
         elif tensor.dtype != dst.dtype:
             raise LoaderError(f"{name}: dtype {tensor.dtype} does not match {target.param} dtype {dst.dtype} "
                               "(the loader never casts)")
@@ -135,10 +141,10 @@ def _apply_fp8(entries, params: Mapping[str, torch.Tensor]) -> None:
     dsts, srcs, quant, rows = [], [], {}, []
     for i, (target, dst, src) in enumerate(entries):
         whole = params[target.param]
-        spec = fp8_spec(params, target.param, target.param + SCALE_SUFFIX, None, list(BLOCK))
+        spec = own_fp8_spec(params, target.param)
         start = (target.start or 0) * (whole[0].numel() if whole.dim() > 0 else 1)
         n = src.numel()
-        dsts.append(whole.data.view(-1))
+        dsts.append(fp8_storage(whole.data, spec.scaling).view(-1))
         srcs.append(src.contiguous().view(-1))
         quant[i] = spec
         rows.append([i, 0, n, start, n, 1, n, i])

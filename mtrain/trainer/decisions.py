@@ -26,13 +26,14 @@ class RunDecisions:
     sequence_parallel: bool
     use_te: bool
     sync_mode: str  # "pull" | "push"
-    engine_fp8: bool = False  # engine.weight_dtype=fp8: block-FP8 engine weights, quantized by the sync (docs/fp8.md)
+    engine_fp8: bool = False  # engine.weight_dtype=fp8: FP8 engine weights, quantized by the sync (docs/fp8.md)
+    fp8_scaling: str = "block"  # engine.fp8_scaling resolved for the model and engine: "block" | "channel"
     engine_dtype: torch.dtype = torch.float32  # what engines compute in and the sync writes (RunConfig.engine_dtype)
 
     def summary(self) -> str:
         return (f"device={self.device} engine={self.engine_kind} sync={self.sync_mode} colocate={self.colocate} "
                 f"offload_train={self.offload_train} sequence_parallel={self.sequence_parallel} te={self.use_te} "
-                f"fp8_engine={self.engine_fp8} engine_dtype={str(self.engine_dtype).removeprefix('torch.')}\n"
+                f"fp8_engine={self.fp8_scaling if self.engine_fp8 else False} engine_dtype={str(self.engine_dtype).removeprefix('torch.')}\n"
                 f"{self.groups.describe()}")
 
 
@@ -41,8 +42,27 @@ def engine_kind(engine_cfg, cuda: bool) -> str:
     return engine_cfg.kind if engine_cfg.kind != "auto" else ("sglang" if cuda else "reference")
 
 
+def fp8_scaling(cfg, hf_config: dict | None, kind: str) -> str:
+    """engine.fp8_scaling resolved (reshard.planner.resolve_fp8_scaling) for the engine the run starts: SGLang's at
+    engine.tp / engine.ep; the reference engine emulates the model's whole tensors, SGLang's engine TP 1. Without
+    the model's config (no hf_config) auto means block. Refused here, before any engine or trainer work."""
+    e = cfg.engine
+    if e.weight_dtype != "fp8":
+        return "block"
+    if hf_config is None:
+        return "block" if e.fp8_scaling == "auto" else e.fp8_scaling
+    from mtrain.layouts import LayoutError, model_layout
+    from mtrain.reshard.planner import resolve_fp8_scaling
+    tp, ep = (e.tp, e.ep) if kind == "sglang" else (1, 1)
+    try:
+        return resolve_fp8_scaling(model_layout(dict(hf_config, num_nextn_predict_layers=0), mtp=False),
+                                   e.fp8_scaling, tp, ep)
+    except LayoutError as err:
+        raise ConfigError(f"engine.weight_dtype=fp8: {err}") from None
+
+
 def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = None,
-           te: bool | None = None) -> RunDecisions:
+           te: bool | None = None, hf_config: dict | None = None) -> RunDecisions:
     if cuda is None:
         cuda = torch.cuda.is_available()
     if te is None:
@@ -84,4 +104,5 @@ def decide(cfg, *, world_size: int, local_world_size: int, cuda: bool | None = N
                         colocate=e.colocate and cfg.rollout.async_mode == "off",
                         offload_train=e.offload_train, sequence_parallel=sp, use_te=te,
                         sync_mode=sync_mode(cfg.sync.mode), engine_fp8=e.weight_dtype == "fp8",
+                        fp8_scaling=fp8_scaling(cfg, hf_config, kind),
                         engine_dtype=getattr(torch, cfg.engine_dtype))

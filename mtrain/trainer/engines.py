@@ -40,16 +40,17 @@ def make_engine(cfg, hf_dir: Path, hf_config: dict, decisions, rank: int):
         if fp8:  # FP8 base (quantized at every base sync), adapters in the engine's dtype on top
             from mtrain.rollout.fp8_engine import Fp8ReferenceEngine
             return Fp8ReferenceEngine(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
-                                      lora=lora_args)
+                                      lora=lora_args, scaling=decisions.fp8_scaling)
         return reference_engine_class(cfg.numerics.on_policy)(dict(hf_config, num_nextn_predict_layers=0), dtype=dtype, record_routing=replay,
                                lora=lora_args)
     from mtrain.rollout.sglang_engine import SGLangEngine
     server_args = {"dtype": cfg.engine_dtype}  # the sync casts where it differs from the trainer's (weight_dtype)
     server_args.update(sglang_lora_args(cfg, hf_config))
     if fp8:
-        from mtrain.rollout.fp8_engine import SERVER_ARGS, fp8_model_dir
-        server_args.update(SERVER_ARGS)
-        hf_dir = fp8_model_dir(str(hf_dir), hf_config)
+        from mtrain.rollout.fp8_engine import fp8_model_dir
+        from mtrain.rollout.fp8_engine import server_args as fp8_server_args
+        server_args.update(fp8_server_args(decisions.fp8_scaling))
+        hf_dir = fp8_model_dir(str(hf_dir), hf_config, scaling=decisions.fp8_scaling)
     if cfg.engine.ep > 1:
         server_args["ep_size"] = cfg.engine.ep  # the layout tables' SGLangLayout(tp, ep) (docs/sglang-layout.md)
     server_args.update(production_server_args(cfg))

@@ -86,11 +86,12 @@ class Trainer:
                          train_world=int(os.environ.get("WORLD_SIZE", 1)) - cfg.engine.ranks if separate else None)
         self.cfg, self.rank = cfg, dist.get_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.decisions = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world)
-        self.placement = Placement(cfg, dist.get_world_size(), self.rank)
-        self.run_dir = Path(cfg.train.run_dir)
         hf_dir = Path(cfg.model.hf_path)
         self.hf_config = json.loads((hf_dir / "config.json").read_text())
+        self.decisions = decide(cfg, world_size=dist.get_world_size(), local_world_size=local_world,
+                                hf_config=self.hf_config)  # the model's shapes decide engine.fp8_scaling=auto
+        self.placement = Placement(cfg, dist.get_world_size(), self.rank)
+        self.run_dir = Path(cfg.train.run_dir)
         # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
         self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
         self.layout = model_layout(self.train_config, mtp=False)

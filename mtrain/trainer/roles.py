@@ -140,7 +140,8 @@ def _publisher(t, lora):
             return WeightSync(table, t.actor.chunks, kw.pop("engine"), groups=d.groups, engine_ep=cfg.engine.ep,
                               first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
                               dtype=d.engine_dtype, bucket_bytes=cfg.sync.bucket_mb << 20,
-                              backend=cfg.sync.backend, device=d.device, engine_fp8=d.engine_fp8, **kw)
+                              backend=cfg.sync.backend, device=d.device, engine_fp8=d.engine_fp8,
+                              fp8_scaling=d.fp8_scaling, **kw)
     if lora is None:
         return make_sync(t.layout)
     # LoRA: the base once, then a named adapter per step (mtrain/trainer/publishers/lora.py)

@@ -28,10 +28,10 @@ from mtrain.reshard.pull import PullPlan
 from mtrain.rollout.groups import EngineGroups
 
 
-def engine_layout(kind: str, tp: int, ep: int = 1, fp8: bool = False):
-    """fp8 (engine.weight_dtype=fp8): SGLang's block-FP8 layout, quantized by the sync kernel; the HF-layout
-    reference engine receives bf16 and emulates FP8 itself (mtrain.rollout.fp8_engine)."""
-    return HFLayout() if kind == "hf" else SGLangLayout(tp=tp, ep=ep, fp8=fp8)
+def engine_layout(kind: str, tp: int, ep: int = 1, fp8: bool = False, fp8_scaling: str = "block"):
+    """fp8 (engine.weight_dtype=fp8): SGLang's FP8 layout (fp8_scaling: block or channel), quantized by the sync
+    kernel; the HF-layout reference engine receives bf16 and emulates FP8 itself (mtrain.rollout.fp8_engine)."""
+    return HFLayout() if kind == "hf" else SGLangLayout(tp=tp, ep=ep, fp8=fp8, fp8_scaling=fp8_scaling)
 
 
 def sync_mode(mode: str) -> str:
@@ -46,7 +46,7 @@ class WeightSync:
     def __init__(self, model: ModelLayout, chunks, engine, *, groups: EngineGroups, engine_kind: str,
                  engine_ep: int = 1, dtype: torch.dtype, bucket_bytes: int, backend: str = "auto", device="cpu",
                  first_stage_layers: int | None = None, last_stage_layers: int | None = None, mode: str = "pull",
-                 engine_fp8: bool = False):
+                 engine_fp8: bool = False, fp8_scaling: str = "block"):
         """engine: this rank's engine (its group's leader) or None. engine_kind "hf": the reference engine's layout
         (one destination rank, written on the leader); "sglang": SGLang's, engine.tp ranks."""
         self.engine, self.groups, self.kind = engine, groups, engine_kind
@@ -57,7 +57,7 @@ class WeightSync:
         dst_tp = 1 if engine_kind == "hf" else groups.tp
         self.dst_ranks = dst_tp
         src = current_layout(first_stage_layers, last_stage_layers)
-        dst = engine_layout(engine_kind, groups.tp, engine_ep, engine_fp8)
+        dst = engine_layout(engine_kind, groups.tp, engine_ep, engine_fp8, fp8_scaling)
         spread = self.mode == "pull" and engine_kind != "hf"
         self.executors, self.pulls = [], []
         lookup = tensor_lookup(chunks)

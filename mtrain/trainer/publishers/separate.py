@@ -52,7 +52,7 @@ class SeparateSync:
         kind = engine_kind or decisions.engine_layout
         dst_tp = 1 if kind == "hf" else g.tp
         self.engines = destination_ranks(g, dst_tp)
-        dst = engine_layout(kind, dst_tp, cfg.engine.ep, decisions.engine_fp8)
+        dst = engine_layout(kind, dst_tp, cfg.engine.ep, decisions.engine_fp8, decisions.fp8_scaling)
         plans = engine_plans(layout, training_layout(cfg, g.first), dst, self.engines)
         executor, self.delta = Executor, None
         if cfg.sync.delta:  # only what changed travels (mtrain/reshard/delta.py, docs/design-delta-sync.md)
