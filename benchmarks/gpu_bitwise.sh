@@ -7,7 +7,8 @@
 # From the repository root on the GPU machine, after `source benchmarks/gpu_setup.sh`.
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
-# KERNELS=0 skips the kernel checks; PROFILE=1 also profiles the logprob pass off vs bitwise on the first model
+# KERNELS=0 skips the kernel checks, TILES=1 adds the linear tile candidates to them; PROFILE=1 also profiles the
+# logprob pass off vs bitwise on the first model
 # (gpu_bitwise_profile.py).
 set -uo pipefail
 repo=$(pwd)
@@ -16,7 +17,7 @@ out=${OUT:-$work}
 mkdir -p "$work" "$out"
 failed=0
 if [ "${KERNELS:-1}" = 1 ]; then
-    python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" > "$out/log_bitwise_kernels.txt" 2>&1 ||
+    python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" ${TILES:+--tiles} > "$out/log_bitwise_kernels.txt" 2>&1 ||
         failed=$((failed + 1))
     tail -n 1 "$out/log_bitwise_kernels.txt"
 fi

@@ -11,6 +11,9 @@ must agree on, checked for bit equality, and what the fixed kernels cost against
    (the engine routes a decode batch, the trainer a packed micro-batch), so the two sides route alike without
    routing replay.
 5. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
+6. Candidate tiles for the linear (`--tiles`): each one's time against cuBLAS on the SmolLM2 and Qwen3-1.7B layer
+   shapes, and whether a row's output stays the same at 1, 7 and 333 rows. Measures only: the mode keeps
+   `bitwise_gpu.LINEAR_TILE` (a tile change is a change of bits on both sides).
 
 Usage (GPU machine, after `source benchmarks/gpu_setup.sh`): python benchmarks/gpu_bitwise_check.py --out F.json
 Exit code 1 when any equality fails.
@@ -97,6 +100,34 @@ def check_attention(gen) -> dict:
     return out
 
 
+TILE_CANDIDATES = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+                   (64, 256, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 32, 4, 5)]
+TILE_SHAPES = {"smollm2_qkv": (576, 960), "smollm2_down": (1536, 576), "qwen3_1_7b_qkv": (2048, 4096),
+               "qwen3_1_7b_fc1": (2048, 12288), "qwen3_1_7b_fc2": (6144, 2048), "qwen3_head": (2048, 151936)}
+
+
+def sweep_tiles(gen) -> dict:
+    out = {}
+    for tile in TILE_CANDIDATES:
+        name = "x".join(map(str, tile))
+        res = {}
+        try:
+            for shape, (k, n) in TILE_SHAPES.items():
+                w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+                x = torch.randn(333, k, device="cuda", generator=gen).bfloat16()
+                full = g._linear_forward(x, w, torch.float32, tile)
+                res[f"{shape}_rows_equal"] = all(torch.equal(g._linear_forward(x[a:b], w, torch.float32, tile),
+                                                             full[a:b]) for a, b in ((0, 1), (100, 107), (3, 333)))
+                xm = torch.randn(4096, k, device="cuda", generator=gen).bfloat16()
+                res[f"{shape}_m4096_time_ratio"] = (_timed(lambda: g._linear_forward(xm, w, torch.bfloat16, tile))
+                                                    / _timed(lambda: xm @ w.t()))
+        except Exception as e:  # a tile the compiler or the GPU cannot take (shared memory): recorded, not fatal
+            res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[name] = res
+        print(f"tile {name}: {res}", flush=True)
+    return out
+
+
 def check_moe(gen) -> dict:
     from mtrain.kernels import bitwise_moe_ops as moe_ops
     e, k, h, inter, n = 32, 8, 1024, 384, 333  # the qwen3moe shape of gpu_bitwise.sh
@@ -131,10 +162,13 @@ def check_softmax(gen) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/bitwise_kernels.json")
+    ap.add_argument("--tiles", action="store_true", help="also time candidate linear tiles (section 6)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "linear": check_linear(gen), "attention": check_attention(gen),
            "moe": check_moe(gen), "softmax": check_softmax(gen)}
+    if args.tiles:
+        res["linear_tiles"] = sweep_tiles(gen)
     print(json.dumps(res, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -67,18 +67,24 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+LINEAR_TILE = (BLOCK_M, BLOCK_N, BLOCK_K, LINEAR_WARPS, LINEAR_STAGES)
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                    tile: tuple[int, int, int, int, int] = LINEAR_TILE) -> torch.Tensor:
+    """tile: (BM, BN, BK, warps, stages). Every caller of the mode uses LINEAR_TILE; another tile is for measuring
+    candidates (benchmarks/gpu_bitwise_check.py), since a change of tile changes the bits on both sides."""
+    bm, bn, bk, warps, stages = tile
     k = x.shape[-1]
     n = weight.shape[0]
     flat = x.reshape(-1, k)
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     out = torch.empty(flat.shape[0], n, device=x.device, dtype=out_dtype)
     if flat.shape[0] and n:
-        grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
+        grid = (triton.cdiv(flat.shape[0], bm), triton.cdiv(n, bn))
         _linear_kernel[grid](flat, w, out, flat.shape[0], n, k, flat.stride(0), flat.stride(1), w.stride(0),
-                             w.stride(1), out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                             IEEE=x.dtype == torch.float32, EVEN_K=k % BLOCK_K == 0, num_warps=LINEAR_WARPS,
-                             num_stages=LINEAR_STAGES)
+                             w.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
+                             IEEE=x.dtype == torch.float32, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
     return out.reshape(*x.shape[:-1], n)
 
 
