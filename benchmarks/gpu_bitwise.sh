@@ -8,8 +8,7 @@
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
 # KERNELS=0 skips the kernel checks, TILES=1 adds the linear tile candidates to them; PROFILE=1 also profiles the
-# logprob pass off vs bitwise on the first model
-# (gpu_bitwise_profile.py).
+# logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py).
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
