@@ -226,6 +226,101 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+# A candidate for `paged_attention` that reads each key block once for up to SEGMENT_TOKENS query tokens of one
+# sequence instead of once per token (the trainer's packed sequences and the engine's prefill re-read every key per
+# query today: 3.8x SDPA's forward time at head dim 128). Not used by the mode yet: it becomes the attention of both
+# sides once benchmarks/gpu_bitwise_check.py shows its paths equal on the GPU's compiled kernel (equal bits need
+# one kernel with one tile on both sides, and every path -- decode, prefill, chunk, packed -- through it).
+SEGMENT_TOKENS = 16
+
+
+@triton.jit(do_not_specialize=["n_segments"])
+def _segment_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seg_start_ptr, seg_len_ptr, row_ptr, pos_ptr, table_ptr,
+                              n_segments, sqt, sqh, skt, skh, svt, svh, sot, soh, s_table, scale,
+                              G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+                              BN: tl.constexpr, IEEE: tl.constexpr):
+    seg = tl.program_id(0)
+    hk = tl.program_id(1)
+    start = tl.load(seg_start_ptr + seg).to(tl.int64)
+    count = tl.load(seg_len_ptr + seg)
+    r = tl.arange(0, BT * GP)  # tile row = (token of the segment, query head of this KV head's group)
+    ti = r // GP
+    gi = r % GP
+    live = (ti < count) & (gi < G)
+    tok = start + ti
+    pos = tl.load(pos_ptr + tok, mask=ti < count, other=-1).to(tl.int64)
+    row = tl.load(row_ptr + start).to(tl.int64)  # every token of a segment is of one sequence
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok[:, None] * sqt + (hk * G + gi)[:, None] * sqh + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.full((BT * GP,), float("-inf"), dtype=tl.float32)
+    denom = tl.zeros((BT * GP,), dtype=tl.float32)
+    acc = tl.zeros((BT * GP, D), dtype=tl.float32)
+    n_keys = tl.max(pos, 0) + 1
+    for n0 in range(0, n_keys, BN):
+        offs = n0 + tl.arange(0, BN)
+        inside = offs < n_keys
+        slot = tl.load(table_ptr + row * s_table + offs, mask=inside, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slot[:, None] * skt + hk * skh + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * svt + hk * svh + d[None, :], mask=inside[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(offs[None, :] <= pos[:, None], s, float("-inf"))
+        # A row past its last key block keeps its state untouched, so each row sees exactly the blocks 0..pos // BN
+        # whatever the other tokens of its segment (a row with no key yet would otherwise compute exp(-inf + inf)).
+        active = n0 <= pos
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        if IEEE:
+            acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        denom = tl.where(active, denom * alpha + tl.sum(p, 1), denom)
+        acc = tl.where(active[:, None], acc_new, acc)
+        m = tl.where(active, m_new, m)
+    out = acc / denom[:, None]
+    tl.store(o_ptr + tok[:, None] * sot + (hk * G + gi)[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=live[:, None])
+
+
+def sequence_segments(starts: list[int], lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first token, token count) of each segment: every sequence's tokens [start, start + length) cut into runs of
+    at most SEGMENT_TOKENS (a decode step: one segment per token)."""
+    first, count = [], []
+    for a, n in zip(starts, lengths):
+        for j in range(0, n, SEGMENT_TOKENS):
+            first.append(a + j)
+            count.append(min(SEGMENT_TOKENS, n - j))
+    return (torch.tensor(first, dtype=torch.int32).to(device), torch.tensor(count, dtype=torch.int32).to(device))
+
+
+def segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """`paged_attention`'s result, one program per (segment, KV head): seg_start / seg_len ([S] int32) cut the
+    tokens into runs of one sequence (`sequence_segments`), ascending positions. Forward only."""
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    group = h // hkv
+    if h != group * hkv or d & (d - 1) or d < 16:
+        raise ValueError(f"bitwise attention: {h} query heads over {hkv} KV heads of dim {d} (needs a whole group "
+                         f"per KV head and a power-of-two head dim >= 16)")
+    k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty_like(q)
+    if t and seg_start.numel():
+        gp = triton.next_power_of_2(group)
+        bt = max(SEGMENT_TOKENS, MIN_DOT_ROWS // gp)
+        _segment_attention_kernel[(seg_start.numel(), hkv)](
+            q, k_cache, v_cache, out, seg_start, seg_len, rows, positions, table, seg_start.numel(),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), table.stride(0), float(scale), G=group, GP=gp, BT=bt, D=d,
+            BN=ATTN_BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
 def packed_tables(cu_seqlens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(table, rows, positions) of packed sequences [cu[i], cu[i+1]): row i lists the packed offsets of sequence i.
     Kept for the last few layouts: every layer of a micro-batch asks for the same one."""

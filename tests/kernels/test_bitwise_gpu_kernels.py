@@ -82,6 +82,39 @@ def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_hea
         assert torch.equal(out, trainer[a:b]), (a, b)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (3, 1, 32)])
+def test_segment_attention_paths_are_equal_and_right(heads, kv_heads, dim):
+    """The candidate `segment_attention`: several tokens of a sequence per program. The trainer's packed sequences
+    (segments of up to SEGMENT_TOKENS), a prefill, a chunk over a cached prefix and single decode steps give one
+    another's bits, and float64 attention's values."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [70, 5, 33]
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=gen).float()
+    k = torch.randn(total, kv_heads, dim, generator=gen).float()
+    v = torch.randn(total, kv_heads, dim, generator=gen).float()
+    scale = dim ** -0.5
+    cu = [0] + list(itertools_accumulate(lengths))
+    table, rows, pos = g.packed_tables(cu, "cpu")
+    seg_start, seg_len = g.sequence_segments(cu[:-1], lengths, "cpu")
+    trainer = g.segment_attention(q, k, v, table, rows, pos, seg_start, seg_len, scale)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        assert (trainer[a:b].double() - _ref_attention(q[a:b], k[a:b], v[a:b], scale)).abs().max() < 1e-5, i
+    n = lengths[0]
+    slots = torch.randperm(300, generator=gen)[:n]
+    k_cache = torch.zeros(300, kv_heads, dim, dtype=torch.float32)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[slots], v_cache[slots] = k[:n], v[:n]
+    cache_table = torch.zeros(4, 128, dtype=torch.int32)
+    cache_table[2, :n] = slots.to(torch.int32)
+    # a prefill of 37 tokens (segments of 16, 16, 5), a chunk of 20 over it, then decode steps
+    for a, b in [(0, 37), (37, 57)] + [(p, p + 1) for p in range(57, n)]:
+        starts, counts = g.sequence_segments([0], [b - a], "cpu")
+        out = g.segment_attention(q[a:b], k_cache, v_cache, cache_table, torch.full((b - a,), 2, dtype=torch.int32),
+                                  torch.arange(a, b, dtype=torch.int32), starts, counts, scale)
+        assert torch.equal(out, trainer[a:b]), (a, b)
+
+
 def itertools_accumulate(xs):
     total = 0
     for x in xs:
