@@ -8,13 +8,15 @@
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
 # KERNELS=0 skips the kernel checks, TILES=1 adds the linear tile candidates to them; PROFILE=1 also profiles the
-# logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py).
+# logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py); ATTN=segment runs the mode with
+# bitwise_gpu.segment_attention on both sides (MTRAIN_BITWISE_ATTENTION) instead of paged_attention.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
 out=${OUT:-$work}
 mkdir -p "$work" "$out"
 failed=0
+[ -n "${ATTN:-}" ] && export MTRAIN_BITWISE_ATTENTION=$ATTN
 if [ "${KERNELS:-1}" = 1 ]; then
     python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" ${TILES:+--tiles} > "$out/log_bitwise_kernels.txt" 2>&1 ||
         failed=$((failed + 1))

@@ -60,6 +60,7 @@ smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step besid
 smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
 smollm2_score_centering|1|600|the SmolLM2 GPU recipe on a per-channel FP8 engine, algo.score_centering off vs on, 3 seeds each (SmolLM2 staged)
 bitwise|1|600|numerics.on_policy=bitwise with SGLang: kernels bit-equal, GRPO bitwise vs off (SmolLM2, Qwen3 shapes)
+bitwise_segment|1|600|the bitwise entry's runs with segment_attention on both sides (run it beside bitwise, one call)
 bitwise_moe|1|420|the same, packed micro-batches, on a small Qwen3-MoE (routes equal without replay)
 bitwise_1_7b|1|480|the same, packed micro-batches, on Qwen3-1.7B's shape
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
@@ -119,6 +120,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     fp8_loop) OUT=$out/fp8_loop STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 bash benchmarks/gpu_rl_loop.sh ;;
     rl_loop) OUT=$out/rl_loop bash benchmarks/gpu_rl_loop.sh ;;
     bitwise) OUT=$out/bitwise bash benchmarks/gpu_bitwise.sh ;;
+    bitwise_segment) OUT=$out/bitwise_segment ATTN=segment KERNELS=0 bash benchmarks/gpu_bitwise.sh ;;
     bitwise_moe) OUT=$out/bitwise_moe MODELS=qwen3moe STEPS=4 RUN_LIMIT=180 TILES=1 \
                      EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
     bitwise_1_7b) OUT=$out/bitwise_1_7b MODELS=qwen3_1_7b STEPS=4 RUN_LIMIT=210 KERNELS=0 \

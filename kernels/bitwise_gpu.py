@@ -27,6 +27,7 @@ flash attention on the saved inputs: the gradient needs no bitwise agreement.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -226,12 +227,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-# A candidate for `paged_attention` that reads each key block once for up to SEGMENT_TOKENS query tokens of one
-# sequence instead of once per token (the trainer's packed sequences and the engine's prefill re-read every key per
-# query today: 3.8x SDPA's forward time at head dim 128). Not used by the mode yet: it becomes the attention of both
-# sides once benchmarks/gpu_bitwise_check.py shows its paths equal on the GPU's compiled kernel (equal bits need
-# one kernel with one tile on both sides, and every path -- decode, prefill, chunk, packed -- through it).
+# `segment_attention` reads each key block once for up to SEGMENT_TOKENS query tokens of one sequence, where
+# `paged_attention` reads it once per token (the trainer's packed sequences and the engine's prefill re-read every
+# key per query: 3.8x SDPA's forward time at head dim 128). Equal bits need one kernel with one tile on both sides
+# and every path (decode, prefill, chunk, packed) through it, so the mode runs one of the two everywhere:
+# ATTENTION, "token" (paged_attention) until benchmarks/gpu_bitwise_check.py has shown the segment kernel's paths
+# equal on the GPU's compiled code. MTRAIN_BITWISE_ATTENTION=segment selects it for such a measurement
+# (benchmarks/gpu_bitwise.sh ATTN=segment); SGLang's scheduler processes inherit the variable, so both sides agree.
 SEGMENT_TOKENS = 16
+ATTENTION = os.environ.get("MTRAIN_BITWISE_ATTENTION", "token")
+if ATTENTION not in ("token", "segment"):
+    raise ValueError(f"MTRAIN_BITWISE_ATTENTION must be token or segment, got {ATTENTION!r}")
 
 
 @triton.jit(do_not_specialize=["n_segments"])
@@ -338,12 +344,29 @@ def _packed_tables(cu_seqlens: tuple[int, ...], device: torch.device):
     return table.to(device), rows.to(device=device, dtype=torch.int32), positions.to(device=device, dtype=torch.int32)
 
 
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+              rows: torch.Tensor, positions: torch.Tensor, scale: float, segments=None) -> torch.Tensor:
+    """The mode's attention on both sides: `paged_attention`, or `segment_attention` when ATTENTION is "segment"
+    (segments: (seg_start, seg_len), required then; callers build them only in that case)."""
+    if ATTENTION == "segment":
+        if segments is None:
+            raise ValueError("bitwise_gpu.attention: the segment kernel needs the caller's (seg_start, seg_len)")
+        return segment_attention(q, k_cache, v_cache, table, rows, positions, *segments, scale)
+    return paged_attention(q, k_cache, v_cache, table, rows, positions, scale)
+
+
 def packed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                            scale: float) -> torch.Tensor:
-    """`paged_attention` over packed sequences (q [T, H, D], k and v [T, Hkv, D], host cu_seqlens): the trainer's
+    """The mode's attention over packed sequences (q [T, H, D], k and v [T, Hkv, D], host cu_seqlens): the trainer's
     forward (its autograd is mtrain.models.bitwise_layers' engine attention). Forward only."""
     table, rows, positions = packed_tables(cu_seqlens, q.device)
-    return paged_attention(q, k, v, table, rows, positions, scale)
+    segments = _packed_segments(tuple(int(c) for c in cu_seqlens), q.device) if ATTENTION == "segment" else None
+    return attention(q, k, v, table, rows, positions, scale, segments)
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_segments(cu_seqlens: tuple[int, ...], device: torch.device):
+    return sequence_segments(list(cu_seqlens[:-1]), [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device)
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -115,6 +115,24 @@ def test_segment_attention_paths_are_equal_and_right(heads, kv_heads, dim):
         assert torch.equal(out, trainer[a:b]), (a, b)
 
 
+def test_the_modes_attention_is_one_kernel_on_both_sides(monkeypatch):
+    """bitwise_gpu.ATTENTION picks the kernel of every path: with "segment" the trainer's packed attention is
+    segment_attention's, and `attention` refuses to run it without the caller's segments."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(21, h, 16, generator=gen) for h in (4, 2, 2))
+    cu = [0, 17, 21]
+    table, rows, pos = g.packed_tables(cu, "cpu")
+    token = g.packed_paged_attention(q, k, v, cu, 0.25)
+    assert torch.equal(token, g.paged_attention(q, k, v, table, rows, pos, 0.25))
+    monkeypatch.setattr(g, "ATTENTION", "segment")
+    seg = g.packed_paged_attention(q, k, v, cu, 0.25)
+    assert torch.equal(seg, g.segment_attention(q, k, v, table, rows, pos, *g.sequence_segments([0, 17], [17, 4], "cpu"),
+                                                0.25))
+    assert (seg - token).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="segment kernel needs"):
+        g.attention(q, k, v, table, rows, pos, 0.25)
+
+
 def itertools_accumulate(xs):
     total = 0
     for x in xs:

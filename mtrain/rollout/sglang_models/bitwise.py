@@ -6,7 +6,7 @@ functions on the same device, in the same order, on the parameters SGLang loaded
 are SGLang's own, so weight sync, release/resume and the KV cache work unchanged):
 
   embed -> per layer: RMSNorm, fused QKV linear, (Qwen3: per-head q/k RMSNorm), RoPE, attention over the KV cache
-  (`bitwise_gpu.paged_attention`, which gives a query the same bits in a decode step, a prefill chunk or the
+  (`bitwise_gpu.attention`, which gives a query the same bits in a decode step, a prefill chunk or the
   trainer's packed sequence), o_proj, residual add; RMSNorm, gate|up linear, SiLU * up, down_proj (Qwen3-MoE: the
   shared fixed-order MoE of kernels/bitwise_moe_ops.py), residual add ->
   final RMSNorm -> LM head by the bitwise linear, rounded to the model's dtype as the trainer's output layer does.
@@ -19,6 +19,8 @@ multimodal input, no pipeline parallelism, plain RoPE.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 from sglang.srt.models.llama import LlamaForCausalLM
@@ -27,7 +29,7 @@ from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from mtrain.kernels import bitwise_moe_ops as moe_ops
 from mtrain.kernels import bitwise_ops as ops
-from mtrain.kernels.bitwise_gpu import paged_attention
+from mtrain.kernels import bitwise_gpu
 
 
 class _BitwiseLinearMethod:
@@ -60,6 +62,16 @@ def _token_rows(forward_batch, n_tokens: int) -> torch.Tensor:
                                    output_size=n_tokens)
 
 
+def _token_segments(forward_batch, n_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitwise_gpu.segment_attention's runs: a decode step's tokens one each (device tensors only: the step may be
+    captured in a CUDA graph), an extend's tokens per request in runs of SEGMENT_TOKENS."""
+    if forward_batch.forward_mode.is_decode():
+        return (torch.arange(n_tokens, dtype=torch.int32, device=device),
+                torch.ones(n_tokens, dtype=torch.int32, device=device))
+    lengths = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+    return bitwise_gpu.sequence_segments([0, *itertools.accumulate(lengths)][:-1], lengths, device)
+
+
 class _BitwiseForward:
     """The forward of a Llama-family model (dense, or with Qwen3-MoE experts) by mtrain's bitwise ops, mixed into
     SGLang's model classes."""
@@ -73,6 +85,7 @@ class _BitwiseForward:
         h = model.embed_tokens(input_ids)
         n = h.shape[0]
         rows = _token_rows(forward_batch, n)
+        segments = _token_segments(forward_batch, n, h.device) if bitwise_gpu.ATTENTION == "segment" else None
         kv_pool = get_token_to_kv_pool()
         table = get_req_to_token_pool().req_to_token
         for layer in model.layers:
@@ -89,8 +102,8 @@ class _BitwiseForward:
             k = ops.rope(k, positions, a.rope_theta)
             kv_pool.set_kv_buffer(a.attn, forward_batch.out_cache_loc, k, v)
             layer_id = a.attn.layer_id
-            o = paged_attention(q, kv_pool.get_key_buffer(layer_id), kv_pool.get_value_buffer(layer_id), table, rows,
-                                positions, a.attn.scaling)
+            o = bitwise_gpu.attention(q, kv_pool.get_key_buffer(layer_id), kv_pool.get_value_buffer(layer_id), table,
+                                      rows, positions, a.attn.scaling, segments)
             h = h + ops.linear(o.reshape(n, -1), a.o_proj.weight)
             x = ops.rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             h = h + self._mlp(mlp, x)
