@@ -202,20 +202,27 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, row_ptr, pos_ptr, table_
     tl.store(o_ptr + t * sot + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                    rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of each query token over keys 0..position of its table row.
-
-    q [T, H, D]; k_cache, v_cache [slots, Hkv, D] (H a multiple of Hkv); table [R, L] slot ids; rows, positions [T]
-    (the token's table row and its position). Returns [T, H, D] in q's dtype. Forward only (no autograd)."""
-    t, h, d = q.shape
+def _attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The attention kernels' inputs checked (whole query groups per KV head, a power-of-two head dim >= 16) and made
+    contiguous in the head dim; returns them and the group size."""
+    h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     group = h // hkv
     if h != group * hkv or d & (d - 1) or d < 16:
         raise ValueError(f"bitwise attention: {h} query heads over {hkv} KV heads of dim {d} (needs a whole group "
                          f"per KV head and a power-of-two head dim >= 16)")
     k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    return (q if q.stride(-1) == 1 else q.contiguous()), k_cache, v_cache, group
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each query token over keys 0..position of its table row.
+
+    q [T, H, D]; k_cache, v_cache [slots, Hkv, D] (H a multiple of Hkv); table [R, L] slot ids; rows, positions [T]
+    (the token's table row and its position). Returns [T, H, D] in q's dtype. Forward only (no autograd)."""
+    q, k_cache, v_cache, group = _attention_inputs(q, k_cache, v_cache)
+    t, hkv, d = q.shape[0], k_cache.shape[1], q.shape[2]
     out = torch.empty_like(q)
     if t:
         gp = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
@@ -307,14 +314,8 @@ def segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       scale: float) -> torch.Tensor:
     """`paged_attention`'s result, one program per (segment, KV head): seg_start / seg_len ([S] int32) cut the
     tokens into runs of one sequence (`sequence_segments`), ascending positions. Forward only."""
-    t, h, d = q.shape
-    hkv = k_cache.shape[1]
-    group = h // hkv
-    if h != group * hkv or d & (d - 1) or d < 16:
-        raise ValueError(f"bitwise attention: {h} query heads over {hkv} KV heads of dim {d} (needs a whole group "
-                         f"per KV head and a power-of-two head dim >= 16)")
-    k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, k_cache, v_cache, group = _attention_inputs(q, k_cache, v_cache)
+    t, hkv, d = q.shape[0], k_cache.shape[1], q.shape[2]
     out = torch.empty_like(q)
     if t and seg_start.numel():
         gp = triton.next_power_of_2(group)

@@ -25,6 +25,29 @@ def _ref_attention(q, k, v, scale):
     return torch.einsum("hts,shd->thd", torch.softmax(s, -1), vd)
 
 
+def _packed_qkv(gen, heads: int, kv_heads: int, dim: int):
+    """float32 q, k, v of three packed sequences (the first spans two key blocks), their lengths and cu_seqlens."""
+    lengths = [70, 5, 33]
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=gen).float()
+    k = torch.randn(total, kv_heads, dim, generator=gen).float()
+    v = torch.randn(total, kv_heads, dim, generator=gen).float()
+    return q, k, v, lengths, [0] + list(itertools_accumulate(lengths))
+
+
+def _cached_sequence(k, v, gen):
+    """One sequence's keys and values in a KV cache of 300 slots, at scattered slots listed by row 2 of a
+    req_to_token-like table: (k_cache, v_cache, table)."""
+    n = k.shape[0]
+    slots = torch.randperm(300, generator=gen)[:n]
+    k_cache = torch.zeros(300, *k.shape[1:], dtype=k.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[slots], v_cache[slots] = k, v
+    table = torch.zeros(4, 128, dtype=torch.int32)
+    table[2, :n] = slots.to(torch.int32)  # the request's row of req_to_token
+    return k_cache, v_cache, table
+
+
 def test_linear_rows_do_not_depend_on_the_batch():
     dtype = torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -53,13 +76,8 @@ def test_linear_backward_is_the_matmul_gradient():
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (3, 1, 32)])
 def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(2)
-    lengths = [70, 5, 33]  # the first spans two key blocks
-    total = sum(lengths)
-    q = torch.randn(total, heads, dim, generator=gen).float()
-    k = torch.randn(total, kv_heads, dim, generator=gen).float()
-    v = torch.randn(total, kv_heads, dim, generator=gen).float()
+    q, k, v, lengths, cu = _packed_qkv(gen, heads, kv_heads, dim)
     scale = dim ** -0.5
-    cu = [0] + list(itertools_accumulate(lengths))
     trainer = g.packed_paged_attention(q, k, v, cu, scale)  # the trainer's forward
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         ref = _ref_attention(q[a:b], k[a:b], v[a:b], scale)
@@ -68,12 +86,7 @@ def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_hea
     # The engine: sequence 0 in a KV cache at scattered slots, reached by a prefill of 40 tokens, a chunk of 20
     # over that cached prefix, then one decode step per token.
     n = lengths[0]
-    slots = torch.randperm(300, generator=gen)[:n]
-    k_cache = torch.zeros(300, kv_heads, dim, dtype=torch.float32)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[slots], v_cache[slots] = k[:n], v[:n]
-    table = torch.zeros(4, 128, dtype=torch.int32)
-    table[2, :n] = slots.to(torch.int32)  # the request's row of req_to_token
+    k_cache, v_cache, table = _cached_sequence(k[:n], v[:n], gen)
     pieces = [(0, 40), (40, 60)] + [(p, p + 1) for p in range(60, n)]
     for a, b in pieces:
         rows = torch.full((b - a,), 2, dtype=torch.int32)
@@ -88,25 +101,15 @@ def test_segment_attention_paths_are_equal_and_right(heads, kv_heads, dim):
     (segments of up to SEGMENT_TOKENS), a prefill, a chunk over a cached prefix and single decode steps give one
     another's bits, and float64 attention's values."""
     gen = torch.Generator().manual_seed(3)
-    lengths = [70, 5, 33]
-    total = sum(lengths)
-    q = torch.randn(total, heads, dim, generator=gen).float()
-    k = torch.randn(total, kv_heads, dim, generator=gen).float()
-    v = torch.randn(total, kv_heads, dim, generator=gen).float()
+    q, k, v, lengths, cu = _packed_qkv(gen, heads, kv_heads, dim)
     scale = dim ** -0.5
-    cu = [0] + list(itertools_accumulate(lengths))
     table, rows, pos = g.packed_tables(cu, "cpu")
     seg_start, seg_len = g.sequence_segments(cu[:-1], lengths, "cpu")
     trainer = g.segment_attention(q, k, v, table, rows, pos, seg_start, seg_len, scale)
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         assert (trainer[a:b].double() - _ref_attention(q[a:b], k[a:b], v[a:b], scale)).abs().max() < 1e-5, i
     n = lengths[0]
-    slots = torch.randperm(300, generator=gen)[:n]
-    k_cache = torch.zeros(300, kv_heads, dim, dtype=torch.float32)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[slots], v_cache[slots] = k[:n], v[:n]
-    cache_table = torch.zeros(4, 128, dtype=torch.int32)
-    cache_table[2, :n] = slots.to(torch.int32)
+    k_cache, v_cache, cache_table = _cached_sequence(k[:n], v[:n], gen)
     # a prefill of 37 tokens (segments of 16, 16, 5), a chunk of 20 over it, then decode steps
     for a, b in [(0, 37), (37, 57)] + [(p, p + 1) for p in range(57, n)]:
         starts, counts = g.sequence_segments([0], [b - a], "cpu")
