@@ -46,7 +46,8 @@ def compile_kernel(fast: bool, slots: int, step: int, warps: int, hw_cvt: bool, 
            "s_ptr": "*fp32", "s_delta": "i64", "src0": "*bf16", "src1": "*bf16", "src2": "*bf16", "n_blocks": "i32"}
     cx = dict(N_SLOTS=slots, VEC0=8, VEC1=8, VEC2=8, BN=block[0], BK=block[1], STEP=step, FIELDS=BLOCK_FIELDS,
               SUBF=SUB_FIELDS, FMAX=FP8_MAX, HW_CVT=hw_cvt, FAST=fast, RCP_DIV=rcp_div,
-              ALIGNED=bool(pipeline and fast), STAGES=pipeline if fast else 0)
+              ALIGNED=bool(pipeline and fast), STAGES=pipeline if fast else 0,
+              CHANNEL=False, HW_RCP=False, SCALE_MUL=0.0, FTZ_MIN=0.0)  # block FP8: the per-channel path off
     sig.update({k: "constexpr" for k in cx})
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in PTR_ARGS}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)

@@ -21,11 +21,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from .fp8_format import FP8, FP8_MAX  # noqa: F401 (re-exported: the format's constants, declared once)
 from .pieces import (DST_OFFSET, DST_STRIDE, FILL, NCOLS, NROWS, SRC_INDEX, SRC_OFFSET, SRC_STRIDE, PieceTable,
                      PieceTableError, copy_pieces_torch)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)
 SCALINGS = ("block", "channel")  # BlockFp8.scaling
 SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a block-FP8 destination can be fed

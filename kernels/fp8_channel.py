@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fp8 import FP8, FP8_MAX
+from .fp8_format import FP8, FP8_MAX
 
 # float32(1 / 448): the constant SGLang's kernel multiplies amax by (the sm90 SASS immediate)
 SCALE_MUL = float(np.float32(1.0 / FP8_MAX))
