@@ -124,8 +124,10 @@ def main() -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     table, targets, quant, srcs = build(args.model, args.layers, args.train_tp, device, args.contiguous)
     n = sum(int(torch.tensor(s).prod()) for _, s in targets)
-    fp8 = [torch.empty(s, dtype=FP8, device=device).view(-1) for _, s in targets]
-    scales = {i: torch.empty(q.scale_shape, device=device).view(-1) for i, q in quant.items()}
+    # zeros, not empty: bytes no piece covers (if any) must compare equal between the two executors, whatever the
+    # allocator hands back (an uninitialised buffer made the comparison flaky)
+    fp8 = [torch.zeros(s, dtype=FP8, device=device).view(-1) for _, s in targets]
+    scales = {i: torch.zeros(q.scale_shape, device=device).view(-1) for i, q in quant.items()}
     specs = {i: BlockFp8(scales[i], tuple(targets[i][1]), q.block) for i, q in quant.items()}
     bf16 = [torch.empty(s, dtype=torch.bfloat16, device=device).view(-1) for _, s in targets]
     assert len(quant) == len(targets)
@@ -133,8 +135,8 @@ def main() -> int:
     # correctness: Triton == torch executor, weights and scales
     execute_scatter(fp8, srcs, table, backend="triton", quant=specs)
     got = ([t.view(torch.uint8).clone() for t in fp8], [s.clone() for s in scales.values()])
-    ref_w = [torch.empty_like(t) for t in fp8]
-    ref_s = {i: torch.empty_like(s) for i, s in scales.items()}
+    ref_w = [torch.zeros_like(t) for t in fp8]
+    ref_s = {i: torch.zeros_like(s) for i, s in scales.items()}
     execute_scatter(ref_w, srcs, table, backend="torch",
                     quant={i: BlockFp8(ref_s[i], specs[i].shape, specs[i].block) for i in specs})
     exact = all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(got[0], ref_w)) and \
