@@ -7,6 +7,7 @@ loss, algo.kl_coef / algo.entropy_coef) and runs the PPO minibatches. It owns th
 
     estimator(batch, rows) -> ([B, T-1] advantages, metrics)       learner/advantages.py
     term.advantages(mb, adv, logprobs) -> adv; term.metrics()      learner/teacher.py (Distiller)
+    scorer.begin(batch, step); scorer.logprobs(mb); scorer.gap(...)  learner/scoring.py (proximal logprobs, gap)
 
 Implementations: `PolicyLearner` (learner/policy.py, the training ranks) and `NoLearner` (learner/engine_rank.py:
 the engine ranks of separate placement, which hold no model).
@@ -29,6 +30,17 @@ class AdvantageTerm(Protocol):
     def advantages(self, mb, adv: torch.Tensor, logprobs: torch.Tensor | None) -> torch.Tensor: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+
+class Scorer(Protocol):
+    def begin(self, batch, step: int) -> dict[str, float]:
+        """Decide how this step's batch is scored (before any minibatch); returns its metrics."""
+
+    def logprobs(self, mb) -> torch.Tensor | None:
+        """The proximal logprobs [B, T-1] of one minibatch, before the first update (None off the last stage)."""
+
+    def gap(self, old_lp: torch.Tensor, scored) -> dict[str, float]:
+        """logprob_diff/* of the step: the engine's logprobs against the trainer's."""
 
 
 class Learner(Protocol):
