@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtrain.kernels.fp8 import scale_shape
+from mtrain.kernels.fp8 import SCALINGS, scale_shape  # noqa: F401 (SCALINGS: engine.fp8_scaling's resolved values)
 from mtrain.kernels.fp8_channel import channel_block, channel_scale_shape
 from mtrain.layouts.rules import Fused, LayoutError, Split
 from mtrain.layouts.table import Part, Weight
@@ -36,7 +36,6 @@ SCALE_SUFFIX = "_scale_inv"
 # of the per-rank weight; no divisibility rule. FusedMoE experts get one scale per expert instead (Fp8MoEMethod:
 # scaled_fp8_quant per expert), a third format mtrain does not write: refused (check_channel_split).
 CHANNEL_SCALE_SUFFIX = "_scale"
-SCALINGS = ("block", "channel")  # engine.fp8_scaling's resolved values (auto: block where it fits, else channel)
 # The attribute SGLang sets on a scale it requantized to UE8M0 after load (fp8_utils.requant_block_scale_ue8m0_for_
 # deepgemm, the MoE/linear process_weights_after_loading): such a layer no longer holds amax/448 float32 scales.
 REQUANTIZED_MARK = "format_ue8m0"

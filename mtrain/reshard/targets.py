@@ -119,8 +119,8 @@ def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, sca
     scale = params.get(scale_name)
     if scale is None:
         raise LoaderError(f"{name} is float8_e4m3fn but the engine has no parameter {scale_name!r} (a block-FP8 "
-                          "engine has one per FP8 weight; per-channel FP8 from quantization='fp8' on a bf16 "
-                          "checkpoint is not supported)")
+                          "engine has one per FP8 weight, a per-channel engine weight_scale: engine.fp8_scaling and the "
+                          "engine disagree)")
     if view.dtype == FP8:
         view = fp8_storage(view, scaling)
     if scaling == "channel" and (view.dim() != 2 or list(block) != [1, view.shape[1]]):
