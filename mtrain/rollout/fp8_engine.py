@@ -53,6 +53,8 @@ CHANNEL_SERVER_ARGS = {"quantization": "fp8"}
 def server_args(scaling: str) -> dict:
     """The SGLang arguments of an FP8 engine in `scaling` (layouts.fp8.SCALINGS)."""
     return dict(CHANNEL_SERVER_ARGS if scaling == "channel" else SERVER_ARGS)
+
+
 _CONFIG_ONLY = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                 "generation_config.json", "vocab.json", "merges.txt")
 
