@@ -26,6 +26,7 @@ from mtrain.rollout import sglang_loader as L
 from mtrain.tiny_configs import tiny_config
 
 from sglang_reference import sglang_rank_params
+from test_fp8_sync import sync_both_ways
 from test_plan_sglang import TRAIN, random_hf_state, to_megatron
 
 SMOL = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=32, intermediate_size=320,
@@ -109,21 +110,7 @@ def test_channel_pull_and_push_equal_sglang_quantizing_bf16(train, tp):
     ex = Executor(plan, 0, lambda ref: mcore[(ref.rank, ref.chunk, ref.name)], dtype=torch.bfloat16,
                   src_everywhere=True, backend="torch", bucket_bytes=1 << 20)
     want = {r: as_sglang_quantizes_it(hf, cfg, layout, r, tp) for r in range(tp)}
-    pull, sender = PullPlan(ex), P.PullSender(tp)
-    params = {r: engine_params(plan, r) for r in range(tp)}
-    states = {r: P.PullState() for r in range(tp)}
-    for bucket in pull.jobs():
-        for r, job in bucket.items():
-            P.run_pull(params[r], sender.payload(r, job, False, torch.empty(0)), state=states[r])
-            sender.confirm(r, job)
-    for r in range(tp):
-        check(params[r], *want[r], f"{train} pull engine tp{tp} rank {r}")
-    params = {r: engine_params(plan, r) for r in range(tp)}
-    for bucket in ex.stream():
-        for r, named in bucket.items():
-            L.apply_copies(L.plan_copies(params[r], named), params[r])
-    for r in range(tp):
-        check(params[r], *want[r], f"{train} push engine tp{tp} rank {r}")
+    sync_both_ways(plan, ex, tp, want, f"{train} engine tp{tp}", make_params=engine_params, check_params=check)
 
 
 def test_channel_pull_through_the_triton_kernel():

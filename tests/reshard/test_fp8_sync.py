@@ -107,6 +107,33 @@ def check(params, want, fp8_names, what):
             assert torch.equal(got.float(), ref.to(got.dtype).float()), f"{what}: {name}"
 
 
+def sync_both_ways(plan, ex, tp: int, want: dict, what: str, make_params=None, check_params=None,
+                   count_bytes: bool = False) -> None:
+    """Pull (the engine's loader quantizes straight from the trainer's shards), then push (bf16 buckets, the loader's
+    copy quantizes), each into fresh parameters of every engine rank (`make_params`, default engine_params), each
+    checked against want[rank] (`check_params`, default check); count_bytes: the pull jobs' bytes are exactly the
+    parameters' bytes."""
+    make_params, check_params = make_params or engine_params, check_params or check
+    pull, sender = PullPlan(ex), P.PullSender(tp)
+    params = {r: make_params(plan, r) for r in range(tp)}
+    states = {r: P.PullState() for r in range(tp)}
+    for bucket in pull.jobs():
+        for r, job in bucket.items():
+            P.run_pull(params[r], sender.payload(r, job, False, torch.empty(0)), state=states[r])
+            sender.confirm(r, job)
+    for r in range(tp):
+        check_params(params[r], *want[r], f"{what} pull rank {r}")
+    if count_bytes:
+        written = sum(v.numel() * v.element_size() for p in params.values() for v in p.values())
+        assert sum(j.nbytes for b in pull.jobs() for j in b.values()) == written
+    params = {r: make_params(plan, r) for r in range(tp)}
+    for bucket in ex.stream():
+        for r, named in bucket.items():
+            L.apply_copies(L.plan_copies(params[r], named), params[r])
+    for r in range(tp):
+        check_params(params[r], *want[r], f"{what} push rank {r}")
+
+
 def setup(name):
     arch, over, trains, grid = CONFIGS[name]
     cfg = tiny_config(arch, **over)
@@ -126,25 +153,7 @@ def test_fp8_pull_and_push_equal_sglang_loading_an_fp8_checkpoint(name):
             ex = Executor(plan, 0, lambda ref: mcore[(ref.rank, ref.chunk, ref.name)], dtype=torch.bfloat16,
                           src_everywhere=True, backend="torch", bucket_bytes=1 << 20)
             want = {r: fp8_checkpoint_as_sglang_loads_it(hf, cfg, layout, r, tp, ep) for r in range(tp)}
-            # pull: the engine's loader quantizes straight from the trainer's shards
-            pull, sender = PullPlan(ex), P.PullSender(tp)
-            params = {r: engine_params(plan, r) for r in range(tp)}
-            states = {r: P.PullState() for r in range(tp)}
-            for i, bucket in enumerate(pull.jobs()):
-                for r, job in bucket.items():
-                    P.run_pull(params[r], sender.payload(r, job, False, torch.empty(0)), state=states[r])
-                    sender.confirm(r, job)
-            for r in range(tp):
-                check(params[r], *want[r], f"{name} {train} pull engine tp{tp} ep{ep} rank {r}")
-            written = sum(v.numel() * v.element_size() for p in params.values() for v in p.values())
-            assert sum(j.nbytes for b in pull.jobs() for j in b.values()) == written
-            # push: bf16 buckets, the loader's copy quantizes
-            params = {r: engine_params(plan, r) for r in range(tp)}
-            for bucket in ex.stream():
-                for r, named in bucket.items():
-                    L.apply_copies(L.plan_copies(params[r], named), params[r])
-            for r in range(tp):
-                check(params[r], *want[r], f"{name} {train} push engine tp{tp} ep{ep} rank {r}")
+            sync_both_ways(plan, ex, tp, want, f"{name} {train} engine tp{tp} ep{ep}", count_bytes=True)
 
 
 def test_fp8_plan_triton_kernel_equals_torch_executor():
