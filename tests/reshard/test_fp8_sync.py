@@ -96,13 +96,15 @@ def engine_params(plan, rank):
     return out
 
 
-def check(params, want, fp8_names, what):
+def check(params, want, fp8_names, what, storage=lambda t: t):
+    """Every engine parameter equals want's; an FP8 one compared as bytes of its storage (`storage`: the [N, K]
+    tensor behind the engine's parameter)."""
     assert set(params) == set(want), set(params) ^ set(want)
     for name, ref in want.items():
         got = params[name]
         if name in fp8_names:
             assert got.dtype == FP8, name
-            assert torch.equal(got.view(torch.uint8), ref), f"{what}: {name}"
+            assert torch.equal(storage(got).view(torch.uint8), ref), f"{what}: {name}"
         else:
             assert torch.equal(got.float(), ref.to(got.dtype).float()), f"{what}: {name}"
 
