@@ -71,7 +71,8 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
     targets = spec["targets"]
     if not isinstance(targets, list):
         raise LoaderError("pull: 'targets' must be a list of [name, shape]")
-    channel = _channel_targets(spec)
+    quant_entries = _quant_entries(spec, len(targets))
+    channel = {e[0] for e in quant_entries if e[4] == "channel"}
     for i, entry in enumerate(targets):
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
             raise LoaderError(f"pull: bad target entry {entry!r}: expected [name, shape]")
@@ -85,7 +86,7 @@ def _resolve_targets(spec: dict, params: Mapping[str, torch.Tensor]) -> tuple[li
             raise LoaderError(f"pull: {entry[0]}: the engine's parameter is not contiguous")
         names.append(target.param)
         dsts.append(view.view(-1))
-    return names, dsts, _resolve_quant(spec, params, targets)
+    return names, dsts, _resolve_quant(quant_entries, params, targets)
 
 
 def _quant_entries(spec: dict, n_targets: int) -> list:
@@ -104,17 +105,11 @@ def _quant_entries(spec: dict, n_targets: int) -> list:
     return out
 
 
-def _channel_targets(spec: dict) -> set[int]:
-    targets = spec.get("targets")
-    return {e[0] for e in _quant_entries(spec, len(targets) if isinstance(targets, list) else 0)
-            if e[4] == "channel"}
-
-
-def _resolve_quant(spec: dict, params: Mapping[str, torch.Tensor], targets: list) -> dict[int, BlockFp8]:
+def _resolve_quant(entries: list, params: Mapping[str, torch.Tensor], targets: list) -> dict[int, BlockFp8]:
     """The trainer's FP8 targets, checked against the engine's parameters: FP8 on both sides or on neither, in the
     same format (a per-channel plan for a block engine finds no `weight_scale`, and the other way round)."""
     quant: dict[int, BlockFp8] = {}
-    for i, scale_name, scale_shape, block, scaling in _quant_entries(spec, len(targets)):
+    for i, scale_name, scale_shape, block, scaling in entries:
         quant[i] = fp8_spec(params, targets[i][0], scale_name, scale_shape, block, scaling)
     for i, (name, _) in enumerate(targets):
         if i not in quant and params[name.split("@")[0]].dtype == torch.float8_e4m3fn:

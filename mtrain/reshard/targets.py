@@ -121,8 +121,7 @@ def fp8_spec(params: Mapping[str, torch.Tensor], name: str, scale_name: str, sca
         raise LoaderError(f"{name} is float8_e4m3fn but the engine has no parameter {scale_name!r} (a block-FP8 "
                           "engine has one per FP8 weight, a per-channel engine weight_scale: engine.fp8_scaling and the "
                           "engine disagree)")
-    if view.dtype == FP8:
-        view = fp8_storage(view, scaling)
+    view = fp8_storage(view, scaling)  # FP8 here (checked above): per-channel, the [N, K] storage of SGLang's view
     if scaling == "channel" and (view.dim() != 2 or list(block) != [1, view.shape[1]]):
         raise LoaderError(f"{name}: per-channel FP8 block {list(block)} does not fit the engine's weight storage "
                           f"{tuple(view.shape)} (expected [1, {view.shape[-1]}])")
