@@ -122,8 +122,9 @@ def check_attention(gen) -> dict:
     return out
 
 
-TILE_CANDIDATES = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
-                   (64, 256, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 32, 4, 5)]
+# (BM, BN, BK, warps, stages, group_m); group_m 1 is the plain row-major launch order, for comparison
+TILE_CANDIDATES = [(64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 1), (128, 128, 64, 8, 3, 8), (128, 128, 64, 4, 3, 8),
+                   (128, 256, 64, 8, 3, 8), (64, 256, 64, 4, 3, 8), (128, 64, 64, 4, 4, 8), (64, 128, 32, 4, 5, 8)]
 TILE_SHAPES = {"smollm2_qkv": (576, 960), "smollm2_down": (1536, 576), "qwen3_1_7b_qkv": (2048, 4096),
                "qwen3_1_7b_fc1": (2048, 12288), "qwen3_1_7b_fc2": (6144, 2048), "qwen3_head": (2048, 151936)}
 

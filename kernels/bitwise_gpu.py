@@ -35,6 +35,7 @@ import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64  # one tile for every linear: changing it changes the bits on both sides
 LINEAR_WARPS, LINEAR_STAGES = 4, 4
+LINEAR_GROUP_M = 8  # launch order only (tiles of GROUP_M row blocks share a column block in L2): never the bits
 ATTN_BLOCK_N = 64  # keys per block of the online softmax
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
 
@@ -43,9 +44,19 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are
 # (a layer's shape) are, and EVEN_K drops the K mask: both only change how the tiles are loaded, not the arithmetic.
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    # One program per output tile, numbered so that GROUP_M consecutive programs walk down GROUP_M row blocks of
+    # one column block before the next column: the weight tile and the rows stay in L2 between neighbours. Which
+    # program computes a tile never changes the tile's arithmetic.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -68,23 +79,23 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-LINEAR_TILE = (BLOCK_M, BLOCK_N, BLOCK_K, LINEAR_WARPS, LINEAR_STAGES)
+LINEAR_TILE = (BLOCK_M, BLOCK_N, BLOCK_K, LINEAR_WARPS, LINEAR_STAGES, LINEAR_GROUP_M)
 
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
-                    tile: tuple[int, int, int, int, int] = LINEAR_TILE) -> torch.Tensor:
-    """tile: (BM, BN, BK, warps, stages). Every caller of the mode uses LINEAR_TILE; another tile is for measuring
+                    tile: tuple[int, int, int, int, int, int] = LINEAR_TILE) -> torch.Tensor:
+    """tile: (BM, BN, BK, warps, stages, group_m). Every caller of the mode uses LINEAR_TILE; another tile is for measuring
     candidates (benchmarks/gpu_bitwise_check.py), since a change of tile changes the bits on both sides."""
-    bm, bn, bk, warps, stages = tile
+    bm, bn, bk, warps, stages, group_m = tile
     k = x.shape[-1]
     n = weight.shape[0]
     flat = x.reshape(-1, k)
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     out = torch.empty(flat.shape[0], n, device=x.device, dtype=out_dtype)
     if flat.shape[0] and n:
-        grid = (triton.cdiv(flat.shape[0], bm), triton.cdiv(n, bn))
+        grid = (triton.cdiv(flat.shape[0], bm) * triton.cdiv(n, bn),)
         _linear_kernel[grid](flat, w, out, flat.shape[0], n, k, flat.stride(0), flat.stride(1), w.stride(0),
-                             w.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
+                             w.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                              IEEE=x.dtype == torch.float32, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
     return out.reshape(*x.shape[:-1], n)
 

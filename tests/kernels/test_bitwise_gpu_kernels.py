@@ -63,6 +63,18 @@ def test_linear_rows_do_not_depend_on_the_batch():
     assert g.linear(x, w).dtype == dtype and torch.equal(g.linear(x, w), full.to(dtype))
 
 
+def test_linear_launch_order_reaches_every_tile_once():
+    """The grouped launch order (GROUP_M row blocks per column block, a partial last group): every output tile is
+    written, at its place, whatever the group size; the bits do not depend on it."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 48, generator=gen)  # 5 row blocks of 16 (the last partial), 4 column blocks of 16
+    w = torch.randn(50, 48, generator=gen)
+    ref = x.double() @ w.double().t()
+    outs = [g._linear_forward(x, w, torch.float32, (16, 16, 16, 4, 1, group)) for group in (1, 2, 3, 8)]
+    assert (outs[0].double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 def test_linear_backward_is_the_matmul_gradient():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 32, generator=gen, requires_grad=True)
