@@ -157,11 +157,7 @@ def build_model(
     elif use_te and not te_available():
         raise ModelConfigError("use_te=True but transformer_engine is not importable")
     mapped = map_hf_config(hf_config)
-    bitwise = on_policy == "bitwise"
-    from mtrain.models import token_logprobs
-    # the trainer's logprobs follow the model built last in this process: the engine's fixed-order log-softmax for a
-    # bitwise model, the chunked vocab-parallel one otherwise (so a default model after a bitwise one is default again)
-    token_logprobs.BITWISE = bitwise
+    bitwise = on_policy == "bitwise"  # its logprobs: token_logprobs(..., bitwise=True), the engine's log-softmax
     if bitwise:
         from mtrain.models.bitwise_layers import bitwise_mapped
         use_te, (mapped, rope_theta) = False, bitwise_mapped(mapped)

@@ -19,11 +19,6 @@ import torch
 import torch.distributed as dist
 
 CHUNK_BYTES = 256 << 20  # float32 bytes of one chunk of rows
-# numerics.on_policy=bitwise: set by build_model(on_policy="bitwise"); logprobs then come from the full vocabulary by
-# the fixed-order log-softmax the reference engine also uses (mtrain.kernels.bitwise_ops, docs/design-on-policy.md)
-BITWISE = False
-
-
 def _bitwise(logits, target, vocab, temperature, group):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -107,17 +102,21 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int, temperature: float = 1.0,
-                   vocab_start: int = 0, group=None, chunk_bytes: int | None = None) -> torch.Tensor:
+                   vocab_start: int = 0, group=None, chunk_bytes: int | None = None, bitwise: bool = False
+                   ) -> torch.Tensor:
     """float32 logprob of `target` at every position: logits [B, S, local vocab] (any dtype, any strides; this
     rank's columns from `vocab_start`), target [B, S] of global token ids; also [S, V] / [S]. Differentiable.
-    chunk_bytes: float32 bytes per chunk of rows (default: the module's CHUNK_BYTES, read at each call)."""
+    chunk_bytes: float32 bytes per chunk of rows (default: the module's CHUNK_BYTES, read at each call).
+    bitwise: the logits are a bitwise model's (numerics.on_policy=bitwise): the logprobs come from the full
+    vocabulary by the fixed-order log-softmax the engine also uses (mtrain.kernels.bitwise_ops,
+    docs/design-on-policy.md)."""
     squeeze = logits.dim() == 2
     if squeeze:
         logits, target = logits.unsqueeze(0), target.unsqueeze(0)
     if logits.dim() != 3 or target.shape != logits.shape[:2]:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} and target {tuple(target.shape)} do not "
                          f"match ([B, S, V] and [B, S])")
-    if BITWISE:
+    if bitwise:
         out = _bitwise(logits, target, vocab, max(float(temperature), 1e-6), group)
         return out[0] if squeeze else out
     out = _TokenLogprobs.apply(logits, target, vocab, max(float(temperature), 1e-6), vocab_start, group,

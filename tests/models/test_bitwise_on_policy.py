@@ -185,14 +185,6 @@ def _check(results: dict) -> None:
             assert rows > 0 and same_routes, f"{key}: the engine's and the trainer's experts differ ({rows} rows)"
 
 
-@pytest.fixture(autouse=True)
-def _default_logprobs_after():
-    """A bitwise build switches this process's trainer logprobs to the fixed-order path: later tests get the default."""
-    yield
-    from mtrain.models import token_logprobs
-    token_logprobs.BITWISE = False
-
-
 def test_bitwise_trainer_tp1_equals_engine_tp1():
     _check(run_on_ranks(_compare, 1, (1,), True, timeout=900)[0])
 
@@ -223,6 +215,31 @@ def test_bitwise_moe_keeps_megatron_parameters():
     assert out["bitwise_mlp"] == "BitwiseMoELayer" and out["off_mlp"] == "MoELayer"
     assert any(".mlp.experts.local_experts.7.linear_fc2.weight" in k for k in out["off"][0])
     assert out["bitwise"] == out["off"]
+
+
+def _side_model_kernels(rank: int, world: int) -> dict:
+    """{model: (Actor.bitwise, MLP class of layer 1)} for the policy, the KL reference and PPO's critic of a bitwise
+    run (tiny Qwen3-MoE, one rank)."""
+    from mtrain.config import load_config
+    from mtrain.dist import init_distributed
+    from mtrain.trainer.learner.actor import Actor
+    from mtrain.trainer.learner.critic import Critic
+    init_distributed(tp=world)
+    cfg = load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml",
+                      ["model.hf_path=unused", "numerics.on_policy=bitwise"])
+    hf = _config("qwen3_moe")
+    models = {"policy": Actor(cfg, hf), "reference": Actor(cfg, hf, trainable=False),
+              "critic": Critic(cfg, hf, load_weights=lambda chunks: None)}
+    layers = {k: getattr(m.chunks[0], "module", m.chunks[0]).decoder.layers for k, m in models.items()}  # DDP
+    return {k: (m.bitwise, type(layers[k][1].mlp).__name__) for k, m in models.items()}
+
+
+def test_bitwise_is_the_policys_alone():
+    """The KL reference (and a teacher, built the same way) and the critic meet the policy only in a loss term: they
+    keep the default kernels (docs/design-on-policy.md, "The scoring pass")."""
+    out = run_on_ranks(_side_model_kernels, 1, timeout=300)[0]
+    assert out == {"policy": (True, "BitwiseMoELayer"), "reference": (False, "MoELayer"),
+                   "critic": (False, "MoELayer")}, out
 
 
 def test_default_mode_differs_but_is_close():

@@ -49,15 +49,17 @@ def _masked_vocab_logits(logits: torch.Tensor, vocab: int, temperature: float) -
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab: int, temperature: float,
+                   bitwise: bool = False) -> torch.Tensor:
     """[b, s-1] logprob of tokens[:, 1:] under softmax(logits[:, :-1] / T), TP-vocab-parallel."""
-    return _chunked_logprobs(logits[:, :-1], tokens[:, 1:], vocab, temperature)
+    return _chunked_logprobs(logits[:, :-1], tokens[:, 1:], vocab, temperature, bitwise)
 
 
-def _chunked_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+def _chunked_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float,
+                      bitwise: bool = False) -> torch.Tensor:
     """No float32 copy of the whole logits (mtrain/models/token_logprobs.py: a 16k-token micro-batch's was 10 GB)."""
     return chunked_token_logprobs(logits, labels, vocab, temperature, ps.get_tensor_model_parallel_rank()
-                                  * logits.shape[-1], ps.get_tensor_model_parallel_group())
+                                  * logits.shape[-1], ps.get_tensor_model_parallel_group(), bitwise=bitwise)
 
 
 def head_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
@@ -124,9 +126,14 @@ class Actor:
         if replays:
             split["moe_enable_routing_replay"] = True
         lora_check_model(cfg, hf_config)
+        # numerics.on_policy=bitwise is the policy's: its update must see the engine's logprobs bit for bit. A frozen
+        # scorer (the KL reference, a teacher) only meets the policy inside a loss term, so it keeps the default
+        # kernels and their speed (docs/design-on-policy.md, "The scoring pass")
+        self.bitwise = trainable and cfg.numerics.on_policy == "bitwise"
         chunks, self.tconfig = build_model(hf_config, params_dtype=self.dtype, vpp=par.vpp,
                                            config_overrides={**split, **(overrides or {})},
-                                           train_vision=cfg.model.train_vision, on_policy=cfg.numerics.on_policy)
+                                           train_vision=cfg.model.train_vision,
+                                           on_policy="bitwise" if self.bitwise else "off")
         c = self.tconfig
         # Packed streams: megatron-core gets cu_seqlens on the host when mtrain's local core attention serves it
         # (no device sync in its THD RoPE, Pack.packed_seq_params); TE's attention and MTP read it on the device.
@@ -141,7 +148,7 @@ class Actor:
             raise ModelConfigError("train.shared_prefix needs mtrain's local attention with per-token RoPE (no "
                                    "Transformer Engine, parallel.cp=1, plain RoPE, no vision tower)")
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel and \
-                cfg.numerics.on_policy != "bitwise":  # the bitwise MoE layer needs no SP (preflight.py says why)
+                not self.bitwise:  # the bitwise MoE layer needs no SP (preflight.py says why)
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
             # norms do not support: say so before the first rollout, not deep inside the first backward.
             raise ModelConfigError(f"parallel.tp={c.tensor_model_parallel_size} with a MoE model trains only with sequence "
@@ -340,9 +347,9 @@ class Actor:
         """Per predicting position: [b, s-1] padded, [1, S-1] along the packed stream."""
         temp = self.cfg.rollout.temperature
         if "cp_index" not in mb:
-            return token_logprobs(logits, mb["tokens"], self.vocab, temp)
+            return token_logprobs(logits, mb["tokens"], self.vocab, temp, self.bitwise)
         # this CP rank's positions; labels came with them
-        return self._cp_stream(mb, _chunked_logprobs(logits, mb["labels"], self.vocab, temp))
+        return self._cp_stream(mb, _chunked_logprobs(logits, mb["labels"], self.vocab, temp, self.bitwise))
 
     def _entropy(self, mb: dict, logits: torch.Tensor) -> torch.Tensor:
         temp = self.cfg.rollout.temperature

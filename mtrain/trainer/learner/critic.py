@@ -48,14 +48,17 @@ class ValueHead(torch.nn.Module):
 
 def critic_config(cfg):
     """The run config the critic is built from: critic.hf_path's weights (default: the policy's), the critic's
-    learning rate, its own routing (the engine's expert choices belong to the policy), all of its weights trained
+    learning rate, its own routing (the engine's expert choices belong to the policy), the default kernels (bitwise
+    on-policy is the policy's), all of its weights trained
     (model.lora adapts the policy only: a new value head on a frozen base would learn little)."""
     c = cfg.critic
     model = cfg.model if c.hf_path is None else dataclasses.replace(cfg.model, hf_path=c.hf_path, mcore_ckpt=None)
     model = dataclasses.replace(model, lora=type(cfg.model.lora)())
     optim = dataclasses.replace(cfg.optim, lr=c.lr, min_lr=min(cfg.optim.min_lr, c.lr))
     algo = dataclasses.replace(cfg.algo, routing_replay="off")
-    return dataclasses.replace(cfg, model=model, optim=optim, algo=algo)
+    # numerics.on_policy=bitwise concerns the policy's logprobs: values need no agreement with the engine
+    numerics = dataclasses.replace(cfg.numerics, on_policy="off")
+    return dataclasses.replace(cfg, model=model, optim=optim, algo=algo, numerics=numerics)
 
 
 def attach_value_heads(chunks, tconfig) -> None:
