@@ -84,18 +84,25 @@ class GpuMemory:
         self.t.join()
 
 
+def hf_tensors(cfg: dict) -> list[tuple[str, tuple]]:
+    """(name, shape) of every tensor of the model's HF checkpoint, from mtrain's layout table: the per-expert names
+    SGLang and mtrain's loader read, whatever the installed transformers keeps in memory (5.x fuses the experts)."""
+    from mtrain.layouts import model_layout
+    out = {}
+    for w in model_layout(dict(cfg, num_nextn_predict_layers=0), mtp=False).weights:
+        for part in w.hf:
+            out[part.name] = (part.rows[1] - part.rows[0], *w.shape[1:])
+    return list(out.items())
+
+
 def write_random_model(cfg_path: Path, out: Path) -> Path:
     """Random bf16 weights of the shape straight from the GPU to safetensors; norms at 1, the rest N(0, 0.02)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
     cfg = json.loads(cfg_path.read_text())
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     shard, size, n, index = {}, 0, 0, {}
-    names = [(k, p.shape) for k, p in meta.state_dict().items()
-             if not (cfg.get("tie_word_embeddings") and k == "lm_head.weight")]
+    names = hf_tensors(cfg)
     for i, (name, shape) in enumerate(names):
         t = (torch.ones(shape, dtype=torch.bfloat16, device="cuda") if "norm" in name else
              (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16))
@@ -310,7 +317,7 @@ def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3_1_7b", help="benchmarks/configs/NAME.json")
     ap.add_argument("--work", default=None, help="default /tmp/e2e-MODEL")
@@ -327,7 +334,11 @@ def main() -> None:
     ap.add_argument("--write-only", action="store_true", help="write the random model into --work and stop")
     ap.add_argument("--out", default=None)
     ap.add_argument("extra", nargs="*", help="further a.b.c=value overrides for the run and the trainer floors")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     heartbeat()
     work = Path(args.work or f"/tmp/e2e-{args.model}")
     hf = work / "hf"
