@@ -151,14 +151,8 @@ class MemoryPlan:
     def problem(self) -> str | None:
         """The one-line refusal (starting with the config key to change), or None when the plan fits."""
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-        if self.engine and self.kv_tokens < self.sample_tokens:
-            return (f"engine.mem_fraction_static: the engine's share ({g(self.engine)} of the "
-                    f"{g(self.device_bytes - self.state_at_engine_start)} free when it starts, the trainer holding "
-                    f"{g(self.state_at_engine_start)}) leaves KV cache for {self.kv_tokens:,} tokens, less than one "
-                    f"sample's {self.sample_tokens:,} (its weights take {g(self.engine_weights)}): raise "
-                    f"engine.mem_fraction_static, shard over more ranks (parallel.tp, engine.tp) or use model.lora")
-        if self.peak <= self.device_bytes:
-            return None
+        if self.peak <= self.device_bytes:  # the whole layout first: more engine share cannot mend a trainer too big
+            return self._kv_problem()
         fixes = []
         if self.rollout_peak > self.device_bytes:
             fixes.append("set engine.offload_train=true (grads, main copy and Adam on the host while generating) or "
@@ -174,6 +168,16 @@ class MemoryPlan:
         return (f"{key}: the memory plan does not fit one GPU ({g(self.peak - self.device_bytes)} over): peak "
                 f"{g(self.peak)} per GPU (rollout {g(self.rollout_peak)}, training {g(self.train_peak)}) > "
                 f"{g(self.device_bytes)}; {self.breakdown()}; to fit: {'; or '.join(fixes)}")
+
+    def _kv_problem(self) -> str | None:
+        g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+        if self.engine and self.kv_tokens < self.sample_tokens:
+            return (f"engine.mem_fraction_static: the engine's share ({g(self.engine)} of the "
+                    f"{g(self.device_bytes - self.state_at_engine_start)} free when it starts, the trainer holding "
+                    f"{g(self.state_at_engine_start)}) leaves KV cache for {self.kv_tokens:,} tokens, less than one "
+                    f"sample's {self.sample_tokens:,} (its weights take {g(self.engine_weights)}): raise "
+                    f"engine.mem_fraction_static, shard over more ranks (parallel.tp, engine.tp) or use model.lora")
+        return None
 
 
 def plan(cfg, hf_config: dict, dp: int, device_bytes: int, colocated_engine: bool) -> MemoryPlan:

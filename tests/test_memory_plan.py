@@ -99,8 +99,19 @@ def test_refuses_the_layout_that_ran_out_of_memory():
 
 
 def test_refuses_an_engine_left_without_kv_cache():
-    err = plan(cfg("engine.mem_fraction_static=0.05"), Q4, 1, H100, colocated_engine=True).problem()
+    # the layout that fits at 0.5 (test above), its engine's share cut to 0.05
+    c = cfg("engine.mem_fraction_static=0.05", "engine.offload_train=true", "train.max_tokens_per_micro_batch=1024")
+    err = plan(c, Q4, 1, H100, colocated_engine=True).problem()
     assert err.startswith("engine.mem_fraction_static: the engine's share") and "KV cache for 0 tokens" in err
+
+
+def test_a_trainer_too_big_is_told_so_before_the_engines_share():
+    """Qwen3-4B on a 40 GiB GPU: the trainer's state alone passes the device when the engine would start, so no
+    engine share could hold a KV cache; the line says what does not fit (no negative free memory, no advice to
+    raise engine.mem_fraction_static)."""
+    err = plan(cfg("engine.mem_fraction_static=0.5"), Q4, 1, 40 << 30, colocated_engine=True).problem()
+    assert err.startswith("engine.offload_train: the memory plan does not fit one GPU"), err
+    assert "mem_fraction_static:" not in err and " -" not in err
 
 
 def test_check_on_cuda_raises_one_config_error(monkeypatch):
