@@ -67,6 +67,17 @@ def test_bad_override_values_name_the_key(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.inf", "train.collective_timeout_s=inf",
+                                      "optim.clip_grad=inf", "multi_turn.tool_reward_weight=nan", "reward.timeout_s=inf",
+                                      "reward.judge.weight=nan"])
+def test_non_finite_floats_are_refused_at_the_key(override):
+    # inf passed every `> 0` check (lr=inf trained to NaN weights, collective_timeout_s=inf died in timedelta);
+    # NaN passed keys with no range check at all
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number, got "):
+        load_config(None, BASE + [override])
+
+
 @pytest.mark.parametrize("override, suggestion", [
     ("optim.lrr=1", "unknown config key 'optim.lrr'"),
     ("optim.lrr=1", "did you mean 'optim.lr'?"),
