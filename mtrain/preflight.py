@@ -70,11 +70,12 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     from mtrain.converters.errors import ConvertError
     from mtrain.converters.mcore_io import layout_for
     from mtrain.layouts import LayoutError
-    from mtrain.models.hf_config import ModelConfigError
+    from mtrain.models.hf_config import ModelConfigError, map_hf_config
     from mtrain.reshard.placement import HFLayout, MegatronLayout
     from mtrain.reshard.planner import build_plan
     p = cfg.parallel
     try:
+        map_hf_config(hf_config)  # names a missing required field; the layout tables below would raise KeyError
         model = layout_for(hf_config, mtp=False)
     except (ConvertError, ModelConfigError) as e:
         raise _fail("model.hf_path", str(e)) from None

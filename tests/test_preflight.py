@@ -108,6 +108,18 @@ def test_missing_and_misshapen_tensors(hf, tmp_path):
     fails(cfg_for(bad, tmp_path), r"tensor 'model\.norm\.weight' has shape \[3\]")
 
 
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers"])
+def test_config_json_without_a_required_field(hf, tmp_path, field):
+    # was a KeyError traceback from the layout tables
+    import json
+    bad = tmp_path / "nofield"
+    shutil.copytree(hf, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg[field]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    fails(cfg_for(bad, tmp_path), rf"^model\.hf_path: .*missing required field '{field}'")
+
+
 @pytest.fixture(scope="module")
 def mcore(hf, tmp_path_factory) -> Path:
     from mtrain.converters.hf_to_mcore import hf_to_mcore
