@@ -216,6 +216,16 @@ def resolve_presets(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line (its own has several: a caret under a copy of the line); the error line is one
+    write, which keeps ranks' lines whole."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(e).split())
+    context = getattr(e, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {f'{context}: ' if context else ''}{problem}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 check_files: bool = False) -> RunConfig:
     """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate;
@@ -229,7 +239,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         source = str(path)
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
