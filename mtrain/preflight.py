@@ -176,6 +176,17 @@ def check_weights(cfg: RunConfig) -> None:
         raise _fail("model.hf_path", str(e)) from None
 
 
+def check_run_dir(cfg: RunConfig) -> None:
+    """train.run_dir is a folder or can be made one: the trainer makes it after the models are built, where a file
+    in its place (or above it) was a traceback."""
+    run = Path(cfg.train.run_dir)
+    existing = next(p for p in (run, *run.parents) if p.exists())  # a relative path ends at '.', which exists
+    if not existing.is_dir():
+        raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _fail("train.run_dir", f"{existing} is not writable here: pick another train.run_dir")
+
+
 def check_resume(cfg: RunConfig) -> None:
     """An explicit train.resume path must be a complete, intact checkpoint (auto falls back by itself)."""
     r = cfg.train.resume
@@ -242,6 +253,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    check_run_dir(cfg)
     check_resume(cfg)
     check_logging(cfg)
     check_reward_package(cfg)

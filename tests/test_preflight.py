@@ -120,6 +120,14 @@ def test_config_json_without_a_required_field(hf, tmp_path, field):
     fails(cfg_for(bad, tmp_path), rf"^model\.hf_path: .*missing required field '{field}'")
 
 
+@pytest.mark.parametrize("run_dir", ["afile", "afile/sub"])
+def test_a_run_dir_at_or_below_a_file(hf, tmp_path, run_dir):
+    # was a FileExistsError / NotADirectoryError traceback once the models were built
+    (tmp_path / "afile").write_text("")
+    cfg = cfg_for(hf, tmp_path, f"train.run_dir={tmp_path / run_dir}")
+    fails(cfg, rf"^train\.run_dir: {tmp_path / 'afile'} is a file, not a folder")
+
+
 @pytest.fixture(scope="module")
 def mcore(hf, tmp_path_factory) -> Path:
     from mtrain.converters.hf_to_mcore import hf_to_mcore
