@@ -33,13 +33,20 @@ def _train(args) -> int:
     if done:
         _rank0_print(done)
         return 0
-    from mtrain.trainer.loop import Trainer
-    trainer = Trainer(cfg)  # every rank, whatever engine.placement (the roles differ: mtrain/trainer/roles.py)
     try:
-        trainer.run()
-    except BaseException:
-        trainer.close()
-        raise
+        from mtrain.trainer.loop import Trainer
+        trainer = Trainer(cfg)  # every rank, whatever engine.placement (the roles differ: mtrain/trainer/roles.py)
+        try:
+            trainer.run()
+        except BaseException:
+            trainer.close()
+            raise
+    except KeyboardInterrupt:  # Ctrl-C, or the launcher passing its SIGINT on to every rank
+        from mtrain.launch import inside_launcher, stopped
+        if inside_launcher():
+            return 130  # the launcher says it once, for every rank (a traceback per rank said nothing)
+        import signal
+        return stopped(cfg, signal.SIGINT)
     trainer.finish()
     run = cfg.train.run_dir
     _rank0_print(f"done: results in {run} (metrics.jsonl, checkpoints/); plot with: mtrain plot {run}")

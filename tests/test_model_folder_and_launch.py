@@ -127,3 +127,25 @@ def test_good_run_names_its_results_and_a_finished_run_has_nothing_to_do(tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(rf"{re.escape(str(run))} is already trained to train.steps=3 .*nothing to do", again.stdout)
     assert "steps:" not in again.stderr  # nothing started
+
+
+@pytest.mark.slow  # a 2-rank run stopped after its first checkpoint (about 30 s on 2 cores)
+def test_sigterm_to_the_launcher_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path, tiny):
+    # was the elastic agent's SignalException traceback and exit status 1
+    import signal
+    import time
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "mtrain", "train", "--nproc-per-node", "2", str(CONFIG),
+                          f"model.hf_path={tiny}", f"train.run_dir={run}", "train.steps=50", "train.save_interval=1",
+                          "train.eval_interval=0"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "latest").is_file() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"mtrain: stopped by SIGTERM; every rank was stopped\. The same command resumes from "
+                        rf"{re.escape(str(run / 'checkpoints'))}/step_\d+", last), last
