@@ -46,10 +46,17 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key(key: str, source: str) -> ConfigError:
-    valid = _leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    leaves = _leaf_keys(RunConfig)
+    parent, _, leaf = key.rpartition(".")
+    # The right name in the wrong section (train.lr): the same name elsewhere, the shallowest first (optim.lr before
+    # model.lora.lr). Fuzzy matching of the whole key guessed a section name ('train') or an unrelated key here.
+    elsewhere = [k for k in leaves if k.rpartition(".")[2] == leaf]
+    elsewhere = [k for k in elsewhere if k.count(".") == min((e.count(".") for e in elsewhere), default=0)]
+    # a section name is a valid key only at the top level (a YAML mapping), not the suggestion for a dotted key
+    valid = leaves + ([] if parent else [f.name for f in dataclasses.fields(RunConfig)])
+    close = (difflib.get_close_matches(key, elsewhere, n=1, cutoff=0) if elsewhere else
+             difflib.get_close_matches(key, valid, n=1, cutoff=0.6))
     if not close:  # a typo in the last part only: compare against the siblings' names
-        parent, _, leaf = key.rpartition(".")
         siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == parent]
         near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
         close = [f"{parent}.{near[0]}" if parent else near[0]] if near else []

@@ -85,6 +85,10 @@ def test_non_finite_floats_are_refused_at_the_key(override):
     ("algo.clip_eps_hgh=0.3", "did you mean 'algo.clip_eps_high'?"),
     ("data.arithmetic.max_operands=9", "did you mean 'data.arithmetic.max_operand'?"),
     ("train.steps.x=1", "unknown config key 'train.steps.x'"),
+    # a key of another section: was "did you mean 'train'?" (a section name) and "'optim.clip_grad'"
+    ("train.lr=1e-5", "did you mean 'optim.lr'?"),
+    ("train.temperature=0.7", "did you mean 'rollout.temperature'?"),
+    ("algo.steps=3", "did you mean 'train.steps'?"),
 ])
 def test_unknown_override_key_suggests_the_closest(override, suggestion):
     with pytest.raises(ConfigError) as e:
