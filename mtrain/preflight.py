@@ -100,6 +100,17 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
                                               f"model's context (max_position_embeddings={max_pos})")
 
 
+def check_score_centering_k(cfg: RunConfig) -> None:
+    """The engines record each token's top score_centering_k logprobs over the vocabulary: a k beyond it was
+    torch.topk's "selected index k out of range" in every engine at the first rollout."""
+    from mtrain.config_checks import _vocab_size
+    a = cfg.algo
+    vocab = _vocab_size(Path(cfg.model.hf_path)) if a.score_centering else None
+    if vocab is not None and a.score_centering_k > vocab:
+        raise _fail("algo.score_centering_k", f"{a.score_centering_k} is more than the model's vocabulary "
+                                              f"(vocab_size={vocab}); set algo.score_centering_k <= {vocab}")
+
+
 def check_moe_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     """megatron-core 0.16.1 trains MoE with TP > 1 only with sequence parallelism, and its local (non-TE) norms
     refuse sequence parallelism: without Transformer Engine (or with it switched off) a MoE model cannot train at
@@ -245,6 +256,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     split_ranks(cfg, world)  # engine.placement / engine.ranks fit the world: before any process group
     dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
+    check_score_centering_k(cfg)
     from mtrain.preflight_models import check_side_models
     check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
     check_lora_model(cfg, hf_config)
