@@ -100,6 +100,26 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
                                               f"model's context (max_position_embeddings={max_pos})")
 
 
+def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
+    """numerics.on_policy=bitwise at parallel.tp > 1 adds a row-parallel layer's ranks by a fixed tree, which needs
+    each rank's input slice to be a power of two (mtrain/models/bitwise_layers.py refuses it while building the
+    model, after the process groups start). Checked here for the layers every such model has: the attention output
+    (heads x head_dim) and, in a dense model, the MLP's down projection."""
+    from mtrain.models.hf_config import map_hf_config
+    tp = cfg.parallel.tp
+    if cfg.numerics.on_policy != "bitwise" or tp == 1:
+        return
+    kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
+    inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
+              "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
+    for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
+        local = size // tp
+        if local and local & (local - 1):
+            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp} needs a power-of-two slice per rank of "
+                                              f"each row-parallel input; this model's {name}={size} gives {local}: "
+                                              f"use parallel.tp=1 or numerics.on_policy=off")
+
+
 def check_score_centering_k(cfg: RunConfig) -> None:
     """The engines record each token's top score_centering_k logprobs over the vocabulary: a k beyond it was
     torch.topk's "selected index k out of range" in every engine at the first rollout."""
@@ -257,6 +277,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
     check_score_centering_k(cfg)
+    check_bitwise_tensor_parallel(cfg, hf_config)
     from mtrain.preflight_models import check_side_models
     check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
     check_lora_model(cfg, hf_config)

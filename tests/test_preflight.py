@@ -128,6 +128,16 @@ def test_a_run_dir_at_or_below_a_file(hf, tmp_path, run_dir):
     fails(cfg, rf"^train\.run_dir: {tmp_path / 'afile'} is a file, not a folder")
 
 
+def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_path):
+    # the tiny Llama's MLP (intermediate_size 96) gives 48 per rank at TP2: the bitwise row-parallel layer refused
+    # it with a ValueError traceback while the model was built, after the process groups had started
+    over = ("parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
+    fails(cfg_for(hf, tmp_path, *over), r"^numerics\.on_policy: bitwise at parallel\.tp=2 .*intermediate_size=96 .*48",
+          world=2)
+    pow2 = write_tiny_hf("llama", tmp_path / "pow2", overrides={"intermediate_size": 128})
+    assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"
+
+
 @pytest.fixture(scope="module")
 def mcore(hf, tmp_path_factory) -> Path:
     from mtrain.converters.hf_to_mcore import hf_to_mcore
