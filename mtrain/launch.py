@@ -64,7 +64,11 @@ def launch(config: str | None, overrides: list[str], nproc: int) -> int:
     try:
         elastic_run(get_args_parser().parse_args(cmd))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        import signal
+        # The agent stops the other ranks with SIGTERM once one fails, and lists them as failures too: name a rank
+        # that ended on its own (the lowest), not rank 0 because the agent stopped it.
+        own = {r: f for r, f in e.failures.items() if f.exitcode != -signal.SIGTERM}
+        rank, failure = min((own or e.failures).items())
         code = failure.exitcode
         how = f"exit status {code}" if code >= 0 else f"signal {-code}"
         sys.stdout.flush()
