@@ -318,17 +318,30 @@ def check_paths(cfg: RunConfig) -> None:
                f"{path} is not a file or a dataset folder")
 
 
-def _vocab_size(model_dir: Path) -> int | None:
+def read_config_json(model_dir: Path, key: str) -> dict:
+    """A model dir's config.json as a dict; unreadable or not an object is one line naming `key`."""
     import json
-    c = json.loads((model_dir / "config.json").read_text())
-    return c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+    path = Path(model_dir) / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path} is unreadable: {e}") from None
+    _check(isinstance(out, dict), key, f"{path} must hold a JSON object")
+    return out
+
+
+def _vocab_size(model_dir: Path, key: str) -> int:
+    c = read_config_json(model_dir, key)
+    v = c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+    _check(isinstance(v, int), key, f"{Path(model_dir) / 'config.json'} has no vocab_size")
+    return v
 
 
 def check_teacher(policy: Path, teacher: Path) -> None:
     """The teacher scores the student's token ids: its vocabulary and tokenizer must be the policy's."""
     key = "algo.distill.teacher_path"
     _check((teacher / "config.json").is_file(), key, f"{teacher} is not a HF model dir (no config.json)")
-    pv, tv = _vocab_size(policy), _vocab_size(teacher)
+    pv, tv = _vocab_size(policy, "model.hf_path"), _vocab_size(teacher, key)
     _check(pv == tv, key, f"the teacher's vocab_size is {tv}, the policy's ({policy}) is {pv}: distillation "
            f"compares the two models' logprobs of the same token ids")
     p_files = sorted(f for f in TOKENIZER_FILES if (policy / f).exists())

@@ -10,7 +10,6 @@ Every failure is a ConfigError whose message starts with the config key to chang
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,14 +22,8 @@ def _fail(key: str, msg: str) -> ConfigError:
 
 
 def read_hf_config(cfg: RunConfig) -> dict:
-    path = Path(cfg.model.hf_path) / "config.json"
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise _fail("model.hf_path", f"{path} is unreadable: {e}") from None
-    if not isinstance(out, dict):
-        raise _fail("model.hf_path", f"{path} must hold a JSON object")
-    return out
+    from mtrain.config_checks import read_config_json
+    return read_config_json(Path(cfg.model.hf_path), "model.hf_path")
 
 
 def world_size() -> int:
@@ -125,7 +118,7 @@ def check_score_centering_k(cfg: RunConfig) -> None:
     torch.topk's "selected index k out of range" in every engine at the first rollout."""
     from mtrain.config_checks import _vocab_size
     a = cfg.algo
-    vocab = _vocab_size(Path(cfg.model.hf_path)) if a.score_centering else None
+    vocab = _vocab_size(Path(cfg.model.hf_path), "model.hf_path") if a.score_centering else None
     if vocab is not None and a.score_centering_k > vocab:
         raise _fail("algo.score_centering_k", f"{a.score_centering_k} is more than the model's vocabulary "
                                               f"(vocab_size={vocab}); set algo.score_centering_k <= {vocab}")
