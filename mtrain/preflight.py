@@ -178,26 +178,36 @@ def check_sglang_engine(cfg: RunConfig, hf_config: dict) -> None:
 
 
 def check_weights(cfg: RunConfig) -> None:
-    """The weights the run starts from are complete: the same checks the converters make on their input."""
+    """The weights the run starts from are complete: the same checks the converters make on their input. The
+    critic's and the teacher's too (their loaders fail the same way, only later: once every rank built a model)."""
     from mtrain.converters.errors import ConvertError
-    from mtrain.converters.mcore_io import check_against_table, check_dist_checkpoint, hf_has_mtp, layout_for
+    from mtrain.converters.mcore_io import check_dist_checkpoint
     if cfg.model.mcore_ckpt:
         try:
             check_dist_checkpoint(cfg.model.mcore_ckpt, need_config=False)
         except ConvertError as e:
             raise _fail("model.mcore_ckpt", str(e)) from None
-        return
+    else:
+        _check_hf_weights("model.hf_path", cfg.model.hf_path)
+    if cfg.algo.name == "ppo" and cfg.critic.hf_path is not None:
+        _check_hf_weights("critic.hf_path", cfg.critic.hf_path)
+    if cfg.algo.distill.teacher_path:
+        _check_hf_weights("algo.distill.teacher_path", cfg.algo.distill.teacher_path)
+
+
+def _check_hf_weights(key: str, hf_path: str) -> None:
+    from mtrain.converters.errors import ConvertError
     from mtrain.converters.hf_to_mcore import hf_getters
+    from mtrain.converters.mcore_io import check_against_table, hf_has_mtp, layout_for
     from mtrain.converters.safetensors_io import HFCheckpoint
     import torch
     try:
-        ckpt = HFCheckpoint(cfg.model.hf_path)
+        ckpt = HFCheckpoint(hf_path)
         names = list(hf_getters(ckpt, torch.float32))  # FP8 checkpoints: the dequantised view's names
         model = layout_for(ckpt.config, hf_has_mtp(ckpt.config, names))
-        check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names},
-                            str(cfg.model.hf_path))
+        check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names}, str(hf_path))
     except ConvertError as e:
-        raise _fail("model.hf_path", str(e)) from None
+        raise _fail(key, str(e)) from None
 
 
 def check_run_dir(cfg: RunConfig) -> None:
