@@ -239,7 +239,7 @@ def check_data(cfg: RunConfig) -> None:
     try:
         load_datasets(cfg)
     except DatasetError as e:
-        raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
+        raise _fail(e.key if cfg.data.train_path else "data", str(e)) from None
 
 
 def check_reward_package(cfg: RunConfig) -> None:

@@ -138,6 +138,17 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
     assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"
 
 
+def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
+    # the line named data.train_path for a problem in the eval file
+    good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    good.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    bad.write_text('{"prompt": "2 + 2?", answer}\n')
+    fails(cfg_for(hf, tmp_path, f"data.train_path={good}", f"data.eval_path={bad}"),
+          rf"^data\.eval_path: {bad}:1: invalid JSON")
+    fails(cfg_for(hf, tmp_path, f"data.train_path={bad}", f"data.eval_path={good}"),
+          rf"^data\.train_path: {bad}:1: invalid JSON")
+
+
 @pytest.fixture(scope="module")
 def mcore(hf, tmp_path_factory) -> Path:
     from mtrain.converters.hf_to_mcore import hf_to_mcore
