@@ -170,10 +170,12 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
         values = []
         for key in (prompt_key, answer_key):
             v = _get(rec, key)
-            if v is _MISSING or v is None:
-                what = "missing key" if v is _MISSING else "null value for key"
-                raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})"
+            if v is _MISSING:
+                raise DatasetError(f"{where}: missing key '{key}' (keys present: {sorted(rec)})"
                                    + _key_hint(key, prompt_key, sorted(rec)))
+            if v is None:  # the right field, without a value: naming the field again would not help
+                raise DatasetError(f"{where}: null value for key '{key}': give every record one, or drop this "
+                                   f"record from the file")
             values.append(v)
         prompt = _check_prompt(values[0], where, prompt_key)
         prompt, values[1] = _prompt_and_answer(prompt, values[1], prompt_key == answer_key)

@@ -56,8 +56,10 @@ def test_missing_key_names_file_and_line(tmp_path):
 def test_null_value_names_the_row(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
                    tmp_path / "p.parquet")
-    with pytest.raises(DatasetError, match=r"p\.parquet: row 1: null value for key 'answer'"):
+    with pytest.raises(DatasetError, match=r"p\.parquet: row 1: null value for key 'answer'") as e:
         load_prompts(tmp_path / "p.parquet")
+    # the field is the right one, its value is missing: was "; name the field with data.answer_key=answer"
+    assert "data.answer_key" not in str(e.value) and "give every record one" in str(e.value)
 
 
 def test_missing_parquet_column_is_one_error_listing_columns(tmp_path):
