@@ -33,13 +33,20 @@ def _train(args) -> int:
     if done:
         _rank0_print(done)
         return 0
-    from mtrain.trainer.loop import Trainer
-    trainer = Trainer(cfg)  # every rank, whatever engine.placement (the roles differ: mtrain/trainer/roles.py)
     try:
-        trainer.run()
-    except BaseException:
-        trainer.close()
-        raise
+        from mtrain.trainer.loop import Trainer
+        trainer = Trainer(cfg)  # every rank, whatever engine.placement (the roles differ: mtrain/trainer/roles.py)
+        try:
+            trainer.run()
+        except BaseException:
+            trainer.close()
+            raise
+    except KeyboardInterrupt:  # Ctrl-C, or the launcher passing its SIGINT on to every rank
+        from mtrain.launch import inside_launcher, stopped
+        if inside_launcher():
+            return 130  # the launcher says it once, for every rank (a traceback per rank said nothing)
+        import signal
+        return stopped(cfg, signal.SIGINT)
     trainer.finish()
     run = cfg.train.run_dir
     _rank0_print(f"done: results in {run} (metrics.jsonl, checkpoints/); plot with: mtrain plot {run}")
@@ -88,12 +95,44 @@ def _gap_probe(args) -> int:
 
 def _init_tiny(args) -> int:
     from mtrain.tiny_hf import write_tiny_hf
-    if not args.arch and not args.config:
-        print("mtrain init-tiny: error: give --arch or --config", file=sys.stderr)
+    problem = _init_tiny_problem(args)
+    if problem:
+        print(f"mtrain init-tiny: error: {problem}", file=sys.stderr)
         return 2
     print(write_tiny_hf(args.arch, args.out, seed=args.seed, config_path=args.config,
                         overrides=dict(kv.split("=", 1) for kv in args.set)))
     return 0
+
+
+def _init_tiny_problem(args) -> str | None:
+    """What would stop write_tiny_hf part way (a KeyError, JSONDecodeError, NotADirectoryError traceback), said first."""
+    import json
+    from pathlib import Path
+    from mtrain.tiny_configs import TINY
+    from mtrain.tiny_hf import VLM_ARCHS
+    if not args.arch and not args.config:
+        return "give --arch or --config"
+    if args.config is None and args.arch not in TINY and args.arch not in VLM_ARCHS:
+        return f"--arch {args.arch}: not a tiny architecture; one of: {', '.join(sorted({*TINY, *VLM_ARCHS}))}"
+    for kv in args.set:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            return f"--set {kv}: must look like key=value (a JSON value)"
+        try:
+            json.loads(value)
+        except ValueError:
+            return f"--set {kv}: the value must be JSON (a string in quotes: {key}='\"{value}\"')"
+    if args.config is not None:
+        try:
+            if not isinstance(json.loads(Path(args.config).read_text()), dict):
+                return f"--config {args.config}: must hold a JSON object (a HF config.json)"
+        except (OSError, ValueError) as e:
+            return f"--config {args.config}: cannot read it ({e})"
+    out = Path(args.out)
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--out {args.out}: {existing} is a file, not a folder"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,10 +46,17 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key(key: str, source: str) -> ConfigError:
-    valid = _leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    leaves = _leaf_keys(RunConfig)
+    parent, _, leaf = key.rpartition(".")
+    # The right name in the wrong section (train.lr): the same name elsewhere, the shallowest first (optim.lr before
+    # model.lora.lr). Fuzzy matching of the whole key guessed a section name ('train') or an unrelated key here.
+    elsewhere = [k for k in leaves if k.rpartition(".")[2] == leaf]
+    elsewhere = [k for k in elsewhere if k.count(".") == min((e.count(".") for e in elsewhere), default=0)]
+    # a section name is a valid key only at the top level (a YAML mapping), not the suggestion for a dotted key
+    valid = leaves + ([] if parent else [f.name for f in dataclasses.fields(RunConfig)])
+    close = (difflib.get_close_matches(key, elsewhere, n=1, cutoff=0) if elsewhere else
+             difflib.get_close_matches(key, valid, n=1, cutoff=0.6))
     if not close:  # a typo in the last part only: compare against the siblings' names
-        parent, _, leaf = key.rpartition(".")
         siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == parent]
         near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
         close = [f"{parent}.{near[0]}" if parent else near[0]] if near else []
@@ -216,6 +223,16 @@ def resolve_presets(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line (its own has several: a caret under a copy of the line); the error line is one
+    write, which keeps ranks' lines whole."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(e).split())
+    context = getattr(e, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {f'{context}: ' if context else ''}{problem}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 check_files: bool = False) -> RunConfig:
     """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate;
@@ -229,7 +246,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         source = str(path)
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")

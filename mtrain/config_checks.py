@@ -3,12 +3,14 @@ problem raises. Apart from mtrain/config.py so that the dataclass tree stays rea
 readers of the keys (tests/test_config_readers.py skips this file too)."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtrain.config_error import ConfigError
-from mtrain.config_sections import SECRET_KEYS  # come from the config file or the environment only, never argv
+from mtrain.config_sections import SECRET_KEYS, _key_of  # SECRET_KEYS: from the config file or the environment only
 from mtrain.engine_args import server_args_problems
 from mtrain.tokenizer_files import TOKENIZER_FILES  # a model dir with none: the char tokenizer of its vocab_size
 
@@ -42,6 +44,18 @@ def _at_least(cfg: RunConfig, lo: float, *keys: str, optional: bool = False) -> 
         v = getattr(obj, name.split(".")[-1])
         _check((optional and v is None) or (v is not None and v >= lo), key,
                f"must be >= {lo}{' or null' if optional else ''}, got {v}")
+
+
+def _check_finite(section, prefix: str = "") -> None:
+    """Every float key is finite. No key means anything by inf or NaN (null turns off the keys that can be off):
+    inf passes every `> 0` check (optim.lr=inf trained to NaN weights, train.collective_timeout_s=inf died in
+    timedelta) and NaN passes keys without a range check. Runs after the keys' own checks, which say more."""
+    for f in dataclasses.fields(section):
+        v, key = getattr(section, f.name), f"{prefix}{_key_of(f.name)}"
+        if dataclasses.is_dataclass(v):
+            _check_finite(v, f"{key}.")
+        elif isinstance(v, float):
+            _check(math.isfinite(v), key, f"must be a finite number, got {v}")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -211,6 +225,7 @@ def validate(cfg: RunConfig) -> None:
     _check(not cfg.sync.delta or cfg.engine.placement == "separate", "sync.delta",
            "applies to engine.placement=separate (weights sent to engines on other ranks); colocated engines read "
            "the trainer's memory, where nothing travels: set sync.delta=false or engine.placement=separate")
+    _check_finite(cfg)
 
 
 def _check_distill(cfg: RunConfig) -> None:
@@ -303,17 +318,30 @@ def check_paths(cfg: RunConfig) -> None:
                f"{path} is not a file or a dataset folder")
 
 
-def _vocab_size(model_dir: Path) -> int | None:
+def read_config_json(model_dir: Path, key: str) -> dict:
+    """A model dir's config.json as a dict; unreadable or not an object is one line naming `key`."""
     import json
-    c = json.loads((model_dir / "config.json").read_text())
-    return c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+    path = Path(model_dir) / "config.json"
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path} is unreadable: {e}") from None
+    _check(isinstance(out, dict), key, f"{path} must hold a JSON object")
+    return out
+
+
+def _vocab_size(model_dir: Path, key: str) -> int:
+    c = read_config_json(model_dir, key)
+    v = c.get("vocab_size", (c.get("text_config") or {}).get("vocab_size"))
+    _check(isinstance(v, int), key, f"{Path(model_dir) / 'config.json'} has no vocab_size")
+    return v
 
 
 def check_teacher(policy: Path, teacher: Path) -> None:
     """The teacher scores the student's token ids: its vocabulary and tokenizer must be the policy's."""
     key = "algo.distill.teacher_path"
     _check((teacher / "config.json").is_file(), key, f"{teacher} is not a HF model dir (no config.json)")
-    pv, tv = _vocab_size(policy), _vocab_size(teacher)
+    pv, tv = _vocab_size(policy, "model.hf_path"), _vocab_size(teacher, key)
     _check(pv == tv, key, f"the teacher's vocab_size is {tv}, the policy's ({policy}) is {pv}: distillation "
            f"compares the two models' logprobs of the same token ids")
     p_files = sorted(f for f in TOKENIZER_FILES if (policy / f).exists())
@@ -403,7 +431,6 @@ def check_shared_prefix(cfg: RunConfig) -> None:
 def check_judge(cfg: RunConfig) -> None:
     """reward.judge (mtrain/rollout/judge.py): a model that exists, a template that shows the judge the response, a
     parser that can be built, bounds that make sense; all said before any engine starts."""
-    import math
     import re
 
     j = cfg.reward.judge
@@ -422,7 +449,6 @@ def check_judge(cfg: RunConfig) -> None:
         _check(getattr(j, k) >= 1, f"reward.judge.{k}", f"must be >= 1, got {getattr(j, k)}")
     _check(0 < j.mem_fraction_static < 1, "reward.judge.mem_fraction_static",
            f"must be in (0, 1), got {j.mem_fraction_static}")
-    _check(math.isfinite(j.weight), "reward.judge.weight", f"must be finite, got {j.weight}")
     if j.parser == "regex":
         _check(bool(j.pattern), "reward.judge.pattern", "parser=regex needs a pattern with one group")
         try:

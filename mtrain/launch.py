@@ -56,6 +56,7 @@ def launch(config: str | None, overrides: list[str], nproc: int) -> int:
     if done:
         print(done, flush=True)
         return 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run as elastic_run
     cmd = ["--standalone", "--nproc-per-node", str(nproc), "-m", "mtrain", "train",
@@ -63,7 +64,11 @@ def launch(config: str | None, overrides: list[str], nproc: int) -> int:
     try:
         elastic_run(get_args_parser().parse_args(cmd))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        import signal
+        # The agent stops the other ranks with SIGTERM once one fails, and lists them as failures too: name a rank
+        # that ended on its own (the lowest), not rank 0 because the agent stopped it.
+        own = {r: f for r, f in e.failures.items() if f.exitcode != -signal.SIGTERM}
+        rank, failure = min((own or e.failures).items())
         code = failure.exitcode
         how = f"exit status {code}" if code >= 0 else f"signal {-code}"
         sys.stdout.flush()
@@ -71,4 +76,23 @@ def launch(config: str | None, overrides: list[str], nproc: int) -> int:
                          f"were stopped\n")
         sys.stderr.flush()
         return code if 0 < code < 256 else 1
+    except SignalException as e:  # Ctrl-C, kill -TERM: the agent has stopped the ranks; its traceback says nothing
+        return stopped(cfg, e.sigval)
     return 0
+
+
+def stopped(cfg, sig) -> int:
+    """One line for a run stopped by a signal, naming where the same command picks up (nothing is saved at the
+    stop: steps after that checkpoint are trained again); the shell's status for a signal, 128 + its number."""
+    import signal
+    from mtrain.trainer.checkpoint import find_latest
+    latest = find_latest(cfg.train.run_dir, report=None)
+    if cfg.train.resume == "auto":
+        then = (f"The same command resumes from {latest}" if latest else
+                "The same command starts the run again (no checkpoint was saved yet)")
+    else:  # never, or a fixed checkpoint: the same command would not pick up where this run stopped
+        then = f"Resume with train.resume=auto (the last checkpoint is {latest})" if latest else "No checkpoint was saved"
+    sys.stdout.flush()
+    sys.stderr.write(f"mtrain: stopped by {signal.Signals(sig).name}; every rank was stopped. {then}\n")
+    sys.stderr.flush()
+    return 128 + int(sig)

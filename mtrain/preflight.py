@@ -10,7 +10,6 @@ Every failure is a ConfigError whose message starts with the config key to chang
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,14 +22,8 @@ def _fail(key: str, msg: str) -> ConfigError:
 
 
 def read_hf_config(cfg: RunConfig) -> dict:
-    path = Path(cfg.model.hf_path) / "config.json"
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise _fail("model.hf_path", f"{path} is unreadable: {e}") from None
-    if not isinstance(out, dict):
-        raise _fail("model.hf_path", f"{path} must hold a JSON object")
-    return out
+    from mtrain.config_checks import read_config_json
+    return read_config_json(Path(cfg.model.hf_path), "model.hf_path")
 
 
 def world_size() -> int:
@@ -70,11 +63,12 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     from mtrain.converters.errors import ConvertError
     from mtrain.converters.mcore_io import layout_for
     from mtrain.layouts import LayoutError
-    from mtrain.models.hf_config import ModelConfigError
+    from mtrain.models.hf_config import ModelConfigError, map_hf_config
     from mtrain.reshard.placement import HFLayout, MegatronLayout
     from mtrain.reshard.planner import build_plan
     p = cfg.parallel
     try:
+        map_hf_config(hf_config)  # names a missing required field; the layout tables below would raise KeyError
         model = layout_for(hf_config, mtp=False)
     except (ConvertError, ModelConfigError) as e:
         raise _fail("model.hf_path", str(e)) from None
@@ -97,6 +91,37 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                                               f"model's context (max_position_embeddings={max_pos})")
+
+
+def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
+    """numerics.on_policy=bitwise at parallel.tp > 1 adds a row-parallel layer's ranks by a fixed tree, which needs
+    each rank's input slice to be a power of two (mtrain/models/bitwise_layers.py refuses it while building the
+    model, after the process groups start). Checked here for the layers every such model has: the attention output
+    (heads x head_dim) and, in a dense model, the MLP's down projection."""
+    from mtrain.models.hf_config import map_hf_config
+    tp = cfg.parallel.tp
+    if cfg.numerics.on_policy != "bitwise" or tp == 1:
+        return
+    kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
+    inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
+              "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
+    for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
+        local = size // tp
+        if local and local & (local - 1):
+            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp} needs a power-of-two slice per rank of "
+                                              f"each row-parallel input; this model's {name}={size} gives {local}: "
+                                              f"use parallel.tp=1 or numerics.on_policy=off")
+
+
+def check_score_centering_k(cfg: RunConfig) -> None:
+    """The engines record each token's top score_centering_k logprobs over the vocabulary: a k beyond it was
+    torch.topk's "selected index k out of range" in every engine at the first rollout."""
+    from mtrain.config_checks import _vocab_size
+    a = cfg.algo
+    vocab = _vocab_size(Path(cfg.model.hf_path), "model.hf_path") if a.score_centering else None
+    if vocab is not None and a.score_centering_k > vocab:
+        raise _fail("algo.score_centering_k", f"{a.score_centering_k} is more than the model's vocabulary "
+                                              f"(vocab_size={vocab}); set algo.score_centering_k <= {vocab}")
 
 
 def check_moe_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
@@ -153,26 +178,47 @@ def check_sglang_engine(cfg: RunConfig, hf_config: dict) -> None:
 
 
 def check_weights(cfg: RunConfig) -> None:
-    """The weights the run starts from are complete: the same checks the converters make on their input."""
+    """The weights the run starts from are complete: the same checks the converters make on their input. The
+    critic's and the teacher's too (their loaders fail the same way, only later: once every rank built a model)."""
     from mtrain.converters.errors import ConvertError
-    from mtrain.converters.mcore_io import check_against_table, check_dist_checkpoint, hf_has_mtp, layout_for
+    from mtrain.converters.mcore_io import check_dist_checkpoint
     if cfg.model.mcore_ckpt:
         try:
             check_dist_checkpoint(cfg.model.mcore_ckpt, need_config=False)
         except ConvertError as e:
             raise _fail("model.mcore_ckpt", str(e)) from None
-        return
+    else:
+        _check_hf_weights("model.hf_path", cfg.model.hf_path)
+    if cfg.algo.name == "ppo" and cfg.critic.hf_path is not None:
+        _check_hf_weights("critic.hf_path", cfg.critic.hf_path)
+    if cfg.algo.distill.teacher_path:
+        _check_hf_weights("algo.distill.teacher_path", cfg.algo.distill.teacher_path)
+
+
+def _check_hf_weights(key: str, hf_path: str) -> None:
+    from mtrain.converters.errors import ConvertError
     from mtrain.converters.hf_to_mcore import hf_getters
+    from mtrain.converters.mcore_io import check_against_table, hf_has_mtp, layout_for
     from mtrain.converters.safetensors_io import HFCheckpoint
     import torch
     try:
-        ckpt = HFCheckpoint(cfg.model.hf_path)
+        ckpt = HFCheckpoint(hf_path)
         names = list(hf_getters(ckpt, torch.float32))  # FP8 checkpoints: the dequantised view's names
         model = layout_for(ckpt.config, hf_has_mtp(ckpt.config, names))
-        check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names},
-                            str(cfg.model.hf_path))
+        check_against_table(model, {n: ckpt.shape(n) for n in names}, {n: ckpt.dtype(n) for n in names}, str(hf_path))
     except ConvertError as e:
-        raise _fail("model.hf_path", str(e)) from None
+        raise _fail(key, str(e)) from None
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """train.run_dir is a folder or can be made one: the trainer makes it after the models are built, where a file
+    in its place (or above it) was a traceback."""
+    run = Path(cfg.train.run_dir)
+    existing = next(p for p in (run, *run.parents) if p.exists())  # a relative path ends at '.', which exists
+    if not existing.is_dir():
+        raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _fail("train.run_dir", f"{existing} is not writable here: pick another train.run_dir")
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -193,7 +239,7 @@ def check_data(cfg: RunConfig) -> None:
     try:
         load_datasets(cfg)
     except DatasetError as e:
-        raise _fail("data.train_path" if cfg.data.train_path else "data", str(e)) from None
+        raise _fail(e.key if cfg.data.train_path else "data", str(e)) from None
 
 
 def check_reward_package(cfg: RunConfig) -> None:
@@ -233,6 +279,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     split_ranks(cfg, world)  # engine.placement / engine.ranks fit the world: before any process group
     dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
+    check_score_centering_k(cfg)
+    check_bitwise_tensor_parallel(cfg, hf_config)
     from mtrain.preflight_models import check_side_models
     check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
     check_lora_model(cfg, hf_config)
@@ -241,6 +289,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    check_run_dir(cfg)
     check_resume(cfg)
     check_logging(cfg)
     check_reward_package(cfg)

@@ -67,6 +67,17 @@ def test_bad_override_values_name_the_key(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.inf", "train.collective_timeout_s=inf",
+                                      "optim.clip_grad=inf", "multi_turn.tool_reward_weight=nan", "reward.timeout_s=inf",
+                                      "reward.judge.weight=nan"])
+def test_non_finite_floats_are_refused_at_the_key(override):
+    # inf passed every `> 0` check (lr=inf trained to NaN weights, collective_timeout_s=inf died in timedelta);
+    # NaN passed keys with no range check at all
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number, got "):
+        load_config(None, BASE + [override])
+
+
 @pytest.mark.parametrize("override, suggestion", [
     ("optim.lrr=1", "unknown config key 'optim.lrr'"),
     ("optim.lrr=1", "did you mean 'optim.lr'?"),
@@ -74,6 +85,10 @@ def test_bad_override_values_name_the_key(override, message):
     ("algo.clip_eps_hgh=0.3", "did you mean 'algo.clip_eps_high'?"),
     ("data.arithmetic.max_operands=9", "did you mean 'data.arithmetic.max_operand'?"),
     ("train.steps.x=1", "unknown config key 'train.steps.x'"),
+    # a key of another section: was "did you mean 'train'?" (a section name) and "'optim.clip_grad'"
+    ("train.lr=1e-5", "did you mean 'optim.lr'?"),
+    ("train.temperature=0.7", "did you mean 'rollout.temperature'?"),
+    ("algo.steps=3", "did you mean 'train.steps'?"),
 ])
 def test_unknown_override_key_suggests_the_closest(override, suggestion):
     with pytest.raises(ConfigError) as e:
@@ -99,8 +114,9 @@ def test_yaml_type_errors_and_bad_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    with pytest.raises(ConfigError, match="is not valid YAML") as e:
         load_config(bad)
+    assert "\n" not in str(e.value) and "line 1, column 17" in str(e.value)  # one line: the error line is atomic
 
 
 def test_algorithm_presets_fill_only_unset_knobs():

@@ -44,6 +44,20 @@ def test_teacher_with_another_vocab_size(tmp_path):
         load(policy, f"algo.distill.teacher_path={tmp_path / 'missing'}")
 
 
+def test_unreadable_config_json_of_either_model(tmp_path):
+    # json's JSONDecodeError traceback before; the key says which model's file it is
+    policy, teacher = model_dir(tmp_path / "p"), model_dir(tmp_path / "t")
+    (teacher / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=rf"^algo\.distill\.teacher_path: {teacher / 'config.json'} is unreadable: "):
+        load(policy, f"algo.distill.teacher_path={teacher}")
+    (teacher / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=r"^algo\.distill\.teacher_path: .*config\.json has no vocab_size"):
+        load(policy, f"algo.distill.teacher_path={teacher}")
+    (policy / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=rf"^model\.hf_path: {policy / 'config.json'} must hold a JSON object"):
+        load(policy, f"algo.distill.teacher_path={teacher}")
+
+
 def test_teacher_with_another_tokenizer(tmp_path):
     policy = model_dir(tmp_path / "p", tokenizer=WORDS)
     same = model_dir(tmp_path / "same", tokenizer=WORDS)

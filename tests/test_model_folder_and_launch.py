@@ -127,3 +127,39 @@ def test_good_run_names_its_results_and_a_finished_run_has_nothing_to_do(tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(rf"{re.escape(str(run))} is already trained to train.steps=3 .*nothing to do", again.stdout)
     assert "steps:" not in again.stderr  # nothing started
+
+
+@pytest.mark.slow  # a 2-rank run stopped after its first checkpoint (about 30 s on 2 cores)
+def test_sigterm_to_the_launcher_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path, tiny):
+    # was the elastic agent's SignalException traceback and exit status 1
+    import signal
+    import time
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "mtrain", "train", "--nproc-per-node", "2", str(CONFIG),
+                          f"model.hf_path={tiny}", f"train.run_dir={run}", "train.steps=50", "train.save_interval=1",
+                          "train.eval_interval=0"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "latest").is_file() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"mtrain: stopped by SIGTERM; every rank was stopped\. The same command resumes from "
+                        rf"{re.escape(str(run / 'checkpoints'))}/step_\d+", last), last
+
+
+@pytest.mark.slow  # a 2-rank start, to the first rewards (about 25 s on 2 cores)
+def test_the_closing_line_names_the_rank_that_failed_not_one_the_launcher_stopped(tmp_path, tiny):
+    # rank 1 dies (exit 3); the launcher then stops rank 0 with SIGTERM. The line named rank 0 and "signal 15",
+    # and the command exited 1
+    (tmp_path / "dies_on_rank1.py").write_text(
+        "import os\n\ndef reward(response, answer=None, **_):\n"
+        "    if os.environ.get('RANK') == '1':\n        os._exit(3)\n    return 0.0\n")
+    p = mtrain("train", "--nproc-per-node", 2, CONFIG, f"model.hf_path={tiny}", f"train.run_dir={tmp_path / 'run'}",
+               "train.steps=1", f"reward.fn={tmp_path / 'dies_on_rank1.py'}:reward", cwd=tmp_path, timeout=300)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == ("mtrain: rank 1 ended with exit status 3 (its output above says "
+                                                 "why); the other ranks were stopped"), p.stderr[-3000:]

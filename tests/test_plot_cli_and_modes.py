@@ -73,3 +73,23 @@ def test_panel_titles_say_what_a_panel_shows_and_its_first_and_last_values():
     # a gap is a number, not a share; an unknown key keeps its name
     assert panel_title("logprob_diff/max_abs", ([1, 2], [6e-05, 3e-05])).endswith(": 6e-05 at step 1 -> 3e-05 at step 2")
     assert panel_title("my/metric", ([3], [2.5])) == "my/metric: 2.5 at step 3 -> 2.5 at step 3"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--arch", "nosuch"], r"--arch nosuch: not a tiny architecture; one of: .*\bllama\b"),  # was KeyError
+    (["--arch", "llama", "--set", "hidden_size"], r"--set hidden_size: must look like key=value"),  # was ValueError
+    (["--arch", "llama", "--set", "model_type=llama"],  # was json's JSONDecodeError
+     r"--set model_type=llama: the value must be JSON \(a string in quotes: model_type='\"llama\"'\)"),
+    (["--config", "/nonexistent/config.json"], r"--config /nonexistent/config\.json: cannot read it"),
+    (["--arch", "llama", "--out", "{file}/hf"], r"--out .*/file is a file, not a folder"),  # was NotADirectoryError
+])
+def test_init_tiny_bad_input_is_one_line_exit_2(tmp_path, capsys, args, match):
+    import re
+    (tmp_path / "file").write_text("")
+    args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "hf")]
+    assert main(["init-tiny", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtrain init-tiny: error: ") and re.search(match, err[0]), err
+    assert not (tmp_path / "hf").exists()

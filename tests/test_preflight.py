@@ -108,6 +108,47 @@ def test_missing_and_misshapen_tensors(hf, tmp_path):
     fails(cfg_for(bad, tmp_path), r"tensor 'model\.norm\.weight' has shape \[3\]")
 
 
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers"])
+def test_config_json_without_a_required_field(hf, tmp_path, field):
+    # was a KeyError traceback from the layout tables
+    import json
+    bad = tmp_path / "nofield"
+    shutil.copytree(hf, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg[field]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    fails(cfg_for(bad, tmp_path), rf"^model\.hf_path: .*missing required field '{field}'")
+
+
+@pytest.mark.parametrize("run_dir", ["afile", "afile/sub"])
+def test_a_run_dir_at_or_below_a_file(hf, tmp_path, run_dir):
+    # was a FileExistsError / NotADirectoryError traceback once the models were built
+    (tmp_path / "afile").write_text("")
+    cfg = cfg_for(hf, tmp_path, f"train.run_dir={tmp_path / run_dir}")
+    fails(cfg, rf"^train\.run_dir: {tmp_path / 'afile'} is a file, not a folder")
+
+
+def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_path):
+    # the tiny Llama's MLP (intermediate_size 96) gives 48 per rank at TP2: the bitwise row-parallel layer refused
+    # it with a ValueError traceback while the model was built, after the process groups had started
+    over = ("parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
+    fails(cfg_for(hf, tmp_path, *over), r"^numerics\.on_policy: bitwise at parallel\.tp=2 .*intermediate_size=96 .*48",
+          world=2)
+    pow2 = write_tiny_hf("llama", tmp_path / "pow2", overrides={"intermediate_size": 128})
+    assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"
+
+
+def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
+    # the line named data.train_path for a problem in the eval file
+    good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    good.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    bad.write_text('{"prompt": "2 + 2?", answer}\n')
+    fails(cfg_for(hf, tmp_path, f"data.train_path={good}", f"data.eval_path={bad}"),
+          rf"^data\.eval_path: {bad}:1: invalid JSON")
+    fails(cfg_for(hf, tmp_path, f"data.train_path={bad}", f"data.eval_path={good}"),
+          rf"^data\.train_path: {bad}:1: invalid JSON")
+
+
 @pytest.fixture(scope="module")
 def mcore(hf, tmp_path_factory) -> Path:
     from mtrain.converters.hf_to_mcore import hf_to_mcore

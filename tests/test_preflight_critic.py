@@ -44,6 +44,24 @@ def test_critic_or_teacher_that_does_not_fit_the_layout(models, tmp_path):
     preflight(_cfg(models, tmp_path, "algo.name=ppo", "parallel.tp=2"), world=2)  # the policy's own: fits
 
 
+@pytest.mark.parametrize("key", ["critic.hf_path", "algo.distill.teacher_path"])
+def test_critic_or_teacher_with_a_damaged_folder(models, tmp_path, key):
+    # a config.json without vocab_size was a KeyError traceback from the layout tables; a truncated
+    # model.safetensors got past preflight and was a CheckpointError traceback per rank once the model was built
+    import json
+    import shutil
+    bad = Path(shutil.copytree(models["policy"], tmp_path / "side"))
+    over = [f"{key}={bad}"] + (["algo.name=ppo"] if key.startswith("critic") else [])
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    _one_line(rf"^{key}: .*model\.safetensors: truncated file", lambda: preflight(_cfg(models, tmp_path, *over)))
+    config = json.loads((bad / "config.json").read_text())
+    del config["vocab_size"]
+    (bad / "config.json").write_text(json.dumps(config))
+    if key.startswith("critic"):  # (the teacher's vocab_size is compared with the policy's first, in check_paths)
+        _one_line(rf"^{key}: .*missing required field 'vocab_size'", lambda: preflight(_cfg(models, tmp_path, *over)))
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["algo.name=ppo", "algo.adv_norm=group_std"], r"^algo\.adv_norm: algo\.name=ppo whitens"),
     (["algo.name=ppo", "algo.filter_uniform_groups=true"], r"^algo\.filter_uniform_groups: algo\.name=ppo"),

@@ -39,6 +39,10 @@ def load_datasets(cfg) -> tuple[list[PromptSample], list[PromptSample]]:
     budget = pixel_budget(cfg)
     train = load_prompts(d.train_path, d.prompt_key, d.answer_key, image_key=d.image_key, max_pixels=budget,
                          split=d.train_split)
-    evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key, image_key=d.image_key,
-                         max_pixels=budget, split=d.eval_split) if d.eval_path else []
+    try:
+        evals = load_prompts(d.eval_path, d.prompt_key, d.answer_key, image_key=d.image_key,
+                             max_pixels=budget, split=d.eval_split) if d.eval_path else []
+    except DatasetError as e:
+        e.key = "data.eval_path"
+        raise
     return train, evals

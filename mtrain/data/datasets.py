@@ -45,12 +45,22 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str
                        f"got {type(prompt).__name__}")
 
 
+def _decode(raw: bytes, where: str, first: bool) -> str:
+    """UTF-8, with the byte order mark some editors put first; other bytes are one error naming the place."""
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not UTF-8 text (byte {e.start + 1}: {raw[e.start:e.start + 1]!r}); "
+                           "save the file as UTF-8") from None
+
+
 def _records_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where, lineno == 1)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -60,7 +70,7 @@ def _records_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
 
 def _records_json(path: Path) -> Iterator[tuple[str, dict]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_decode(path.read_bytes(), str(path), True))
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
@@ -160,10 +170,12 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
         values = []
         for key in (prompt_key, answer_key):
             v = _get(rec, key)
-            if v is _MISSING or v is None:
-                what = "missing key" if v is _MISSING else "null value for key"
-                raise DatasetError(f"{where}: {what} '{key}' (keys present: {sorted(rec)})"
+            if v is _MISSING:
+                raise DatasetError(f"{where}: missing key '{key}' (keys present: {sorted(rec)})"
                                    + _key_hint(key, prompt_key, sorted(rec)))
+            if v is None:  # the right field, without a value: naming the field again would not help
+                raise DatasetError(f"{where}: null value for key '{key}': give every record one, or drop this "
+                                   f"record from the file")
             values.append(v)
         prompt = _check_prompt(values[0], where, prompt_key)
         prompt, values[1] = _prompt_and_answer(prompt, values[1], prompt_key == answer_key)

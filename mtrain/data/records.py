@@ -10,7 +10,10 @@ from typing import Any
 
 
 class DatasetError(ValueError):
-    """A prompt file that cannot be read; the message names the file and the line/row."""
+    """A prompt file that cannot be read; the message names the file and the line/row. `key`: the setting that
+    names the file (load_datasets sets data.eval_path for the eval file's errors)."""
+
+    key = "data.train_path"
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,17 @@ class _quiet_common_check:
         self._log.setLevel(self._level)
 
 
+def _intact_torch_file(f: Path) -> bool:
+    """torch.save writes a zip archive: its directory at the end and each entry's CRC find a file cut short or
+    overwritten, which torch.load would only report after the models are built. The files are small (KBs)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(f) as z:
+            return z.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return False
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why `path` cannot be resumed from (one sentence), or None when it is complete and intact: the COMPLETE
     marker, the trainer state, every rank's RNG file, and the dist checkpoint with every shard present at the size
@@ -185,6 +196,9 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return f"{path}: trainer_state.pt is missing"
     if not (path / "rng_rank0.pt").is_file():
         return f"{path}: rng_rank0.pt is missing"
+    for f in (path / "trainer_state.pt", *sorted(path.glob("rng_rank*.pt"))):
+        if not _intact_torch_file(f):
+            return f"{f}: cut short or damaged (not a readable torch.save file)"
     try:
         check_dist_checkpoint(path / "mcore", need_config=False)
     except ConvertError as e:

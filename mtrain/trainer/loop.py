@@ -38,6 +38,7 @@ from mtrain.trainer.generation.rollouts import tool_metrics
 from mtrain.trainer.placement import Placement
 from mtrain.trainer.roles import build_roles
 from mtrain.trainer.reward_check import checked_rewards
+from mtrain.trainer.train_samples import EVAL_FILE_NAME, keep_rows_through
 
 log = logging.getLogger("mtrain")
 
@@ -69,6 +70,8 @@ class Trainer:
             print(self.decisions.summary(), flush=True)
             print(f"{self.placement.split.describe()} rollout.async={cfg.rollout.async_mode}", flush=True)
         # resume_step=None on a fresh start: a previous run's metrics in this run_dir are replaced, not kept.
+        if self.rank == 0:
+            keep_rows_through(self.run_dir, self.step if resumed else None)  # train/eval_samples.jsonl alike
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resumed else None,
                                      total_steps=cfg.train.steps, tensorboard=cfg.train.log_tensorboard,
                                      sinks=tuple(s for s in [wandb_sink(cfg, self.run_dir)] if s)
@@ -142,7 +145,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             shown = [{"step": self.step, "index": sample.index, "answer": str(sample.answer), "response": text,
                       "reward": r} for sample, text, r in rows[:8 * n]]
-            with open(self.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+            with open(self.run_dir / EVAL_FILE_NAME, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(row) + "\n" for row in shown)
             if self.metrics is not None:
                 self.metrics.log_table(self.step, "eval/samples", shown)

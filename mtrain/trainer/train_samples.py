@@ -15,6 +15,7 @@ SAMPLES_PER_STEP = 4
 MAX_CHARS = 2000
 MAX_FILE_BYTES = 16 << 20
 FILE_NAME = "train_samples.jsonl"
+EVAL_FILE_NAME = "eval_samples.jsonl"  # the trainer's evaluate(): a few answers per eval
 
 
 def _cut(text: str) -> str:
@@ -48,3 +49,29 @@ def write_train_samples(run_dir: str | Path, step: int, batch, tokenizer, rank: 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.writelines(lines)
+
+
+def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
+    """On resuming from step k's checkpoint, keep the sample files' rows of steps <= k (none on a fresh start), as
+    metrics.jsonl does: the steps after k run again and write their rows again. A line cut short by a stop is
+    dropped. Rank 0, before the first step."""
+    import os
+    import tempfile
+    from mtrain.fileperm import chmod_umask
+    for name in (FILE_NAME, EVAL_FILE_NAME):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if resume_step is not None and step <= resume_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")  # the old file or the new
+        chmod_umask(tmp)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)

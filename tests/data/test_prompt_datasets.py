@@ -56,8 +56,10 @@ def test_missing_key_names_file_and_line(tmp_path):
 def test_null_value_names_the_row(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
                    tmp_path / "p.parquet")
-    with pytest.raises(DatasetError, match=r"p\.parquet: row 1: null value for key 'answer'"):
+    with pytest.raises(DatasetError, match=r"p\.parquet: row 1: null value for key 'answer'") as e:
         load_prompts(tmp_path / "p.parquet")
+    # the field is the right one, its value is missing: was "; name the field with data.answer_key=answer"
+    assert "data.answer_key" not in str(e.value) and "give every record one" in str(e.value)
 
 
 def test_missing_parquet_column_is_one_error_listing_columns(tmp_path):
@@ -78,6 +80,25 @@ def test_bad_jsonl_content(tmp_path, content, message):
     (tmp_path / "p.jsonl").write_text(content)
     with pytest.raises(DatasetError, match=message):
         load_prompts(tmp_path / "p.jsonl")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("p.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n', r"p\.jsonl:2: not UTF-8 text"),
+    ("p.json", b'[{"prompt": "\xe9", "answer": "1"}]', r"p\.json: not UTF-8 text"),
+])
+def test_bytes_that_are_not_utf8_name_the_file(tmp_path, name, content, message):
+    # were a UnicodeDecodeError traceback
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DatasetError, match=message):
+        load_prompts(tmp_path / name)
+
+
+@pytest.mark.parametrize("name, content", [("p.jsonl", '{"prompt": "a", "answer": "1"}\n'),
+                                           ("p.json", '[{"prompt": "a", "answer": "1"}]')])
+def test_a_utf8_byte_order_mark_is_read(tmp_path, name, content):
+    # editors on Windows write one; json.loads refused it ("Unexpected UTF-8 BOM")
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + content.encode())
+    assert [s.prompt for s in load_prompts(tmp_path / name)] == ["a"]
 
 
 def test_bad_paths_and_types(tmp_path):

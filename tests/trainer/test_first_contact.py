@@ -90,6 +90,19 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(first_run, tiny_llama
     assert checkpoint_problem(run / "checkpoints" / "step_2") is None  # step 2 ran again and was saved whole
 
 
+@pytest.mark.parametrize("name", ["trainer_state.pt", "rng_rank1.pt"])
+def test_a_cut_short_state_file_is_found_before_loading(first_run, tmp_path, name):
+    # was torch.load's "PytorchStreamReader failed reading zip archive" traceback once the models were built
+    from mtrain.trainer.checkpoint import find_latest
+    run = Path(shutil.copytree(first_run[0], tmp_path / "run"))
+    f = run / "checkpoints" / "step_2" / name
+    f.write_bytes(f.read_bytes()[:100])
+    assert checkpoint_problem(f.parent) == f"{f}: cut short or damaged (not a readable torch.save file)"
+    said = []
+    assert find_latest(run, report=said.append) == run / "checkpoints" / "step_1"
+    assert said == [f"resume: skipping step_2: {f}: cut short or damaged (not a readable torch.save file)"]
+
+
 def test_damaged_mcore_ckpt_is_one_line_before_any_rank_starts_work(first_run, tiny_llama, tmp_path):
     run = damaged_copy(first_run[0], tmp_path)
     cmd = torchrun_cmd(base_overrides(tiny_llama, tmp_path / "new",

@@ -40,6 +40,9 @@ def test_two_steps_log_the_centering_term(tiny_llama, tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("algo.score_centering_k=0", "algo.score_centering_k: must be an int in [1, 1024]"),
     ("rollout.top_p=0.9", "algo.score_centering: needs untruncated sampling"),
+    # more than the vocabulary (the default 128 on this 101-token model): was torch.topk's "selected index k out
+    # of range" in every engine at the first rollout
+    ("algo.score_centering_k=128", "algo.score_centering_k: 128 is more than the model's vocabulary (vocab_size=101)"),
 ])
 def test_bad_settings_are_one_line(tiny_llama, tmp_path, override, message):
     p = subprocess.run([sys.executable, "-m", "mtrain", "train", str(CONFIG),

@@ -45,3 +45,17 @@ def test_the_file_is_bounded(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in text.splitlines()]
     assert len(text.encode()) < 20_000 and "no further samples" in rows[-1]["note"]
     assert all(len(r["response"]) < train_samples.MAX_CHARS + 40 for r in rows if "response" in r)
+
+
+def test_a_resume_keeps_the_sample_rows_of_the_steps_it_keeps(tmp_path):
+    # a run stopped after step 4 and resumed from step 2's checkpoint trains steps 3 and 4 again: their rows were
+    # written twice (metrics.jsonl already keeps only steps <= 2); a fresh start replaced metrics only
+    for name in ("train_samples.jsonl", "eval_samples.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps({"step": s, "row": 0}) + "\n" for s in (1, 2, 3, 4))
+                                     + '{"step": 5, "ro')  # a line cut by the stop
+    train_samples.keep_rows_through(tmp_path, 2)
+    for name in ("train_samples.jsonl", "eval_samples.jsonl"):
+        assert [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()] == [1, 2]
+    train_samples.keep_rows_through(tmp_path, None)  # a fresh start in the same run_dir
+    assert (tmp_path / "train_samples.jsonl").read_text() == "" == (tmp_path / "eval_samples.jsonl").read_text()
+    train_samples.keep_rows_through(tmp_path / "nothing_here", 3)  # no files yet: nothing to do
