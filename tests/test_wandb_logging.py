@@ -91,7 +91,16 @@ def same_records(metrics_records: list[dict], history: dict) -> None:
                 assert row[k] == pytest.approx(v), (rec["step"], k)
 
 
-def test_metrics_writer_sink_offline(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_service_closed():
+    """wandb starts a service process for the pytest process; ended here, not by wandb's atexit hook, which found it
+    gone after the rest of the suite (later tests end their process groups) and printed a traceback at exit."""
+    yield
+    import wandb
+    wandb.teardown()
+
+
+def test_metrics_writer_sink_offline(tmp_path, monkeypatch, wandb_service_closed):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = WandbSink(tmp_path, {"train": {"steps": 3}, "model": {"hf_path": "/m"}}, project="proj", name="r1",
