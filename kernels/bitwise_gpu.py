@@ -84,8 +84,8 @@ LINEAR_TILE = (BLOCK_M, BLOCK_N, BLOCK_K, LINEAR_WARPS, LINEAR_STAGES, LINEAR_GR
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
                     tile: tuple[int, int, int, int, int, int] = LINEAR_TILE) -> torch.Tensor:
-    """tile: (BM, BN, BK, warps, stages, group_m). Every caller of the mode uses LINEAR_TILE; another tile is for measuring
-    candidates (benchmarks/gpu_bitwise_check.py), since a change of tile changes the bits on both sides."""
+    """tile: (BM, BN, BK, warps, stages, group_m). Every caller of the mode uses LINEAR_TILE; another tile is for
+    measuring candidates (benchmarks/gpu_bitwise_check.py), since a change of tile changes the bits on both sides."""
     bm, bn, bk, warps, stages, group_m = tile
     k = x.shape[-1]
     n = weight.shape[0]
