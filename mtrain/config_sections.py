@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +13,7 @@ from typing import Any, Literal
 import yaml
 
 from mtrain.config_data import DataConfig, RewardConfig  # noqa: F401  (the data and reward sections)
-from mtrain.fileperm import chmod_umask
+from mtrain.fileperm import replace_text
 
 
 # Config keys that cannot be field names (Python keywords): field name -> the key users write (YAML, overrides,
@@ -430,13 +429,5 @@ class RunConfig:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(path.parent, 0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file
-            with os.fdopen(fd, "w") as f:
-                f.write(self.format_config())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        replace_text(path, self.format_config())
         return path

@@ -10,11 +10,10 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from mtrain.fileperm import chmod_umask
+from mtrain.fileperm import replace_text
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +94,7 @@ class MetricsWriter:
             kept = [json.dumps(r) for r in read_metrics(self.path) if r["step"] <= resume_step]
         elif resume_step is None and self.path.exists():
             log.info("fresh run: replacing %s", self.path)
-        # temp + rename: a crash here leaves either the old file or the new one, never half of one.
-        fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=f".{METRICS_FILE}.", suffix=".tmp")
-        chmod_umask(tmp)  # mkstemp makes 0600: use the user's umask like any other file
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in kept)
-        os.replace(tmp, self.path)
+        replace_text(self.path, "".join(line + "\n" for line in kept))  # the old file or the new, never half
 
     def _open_tensorboard(self, resume_step: int | None, wanted: bool | None) -> Any:
         try:

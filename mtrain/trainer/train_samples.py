@@ -55,9 +55,7 @@ def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
     """On resuming from step k's checkpoint, keep the sample files' rows of steps <= k (none on a fresh start), as
     metrics.jsonl does: the steps after k run again and write their rows again. A line cut short by a stop is
     dropped. Rank 0, before the first step."""
-    import os
-    import tempfile
-    from mtrain.fileperm import chmod_umask
+    from mtrain.fileperm import replace_text
     for name in (FILE_NAME, EVAL_FILE_NAME):
         path = Path(run_dir) / name
         if not path.is_file():
@@ -70,8 +68,4 @@ def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
                 continue
             if resume_step is not None and step <= resume_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")  # the old file or the new
-        chmod_umask(tmp)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        replace_text(path, "".join(kept))  # the old file or the new, never half
