@@ -46,21 +46,41 @@ def test_dense_names_are_the_ones_transformers_builds(name):
     assert dict(hf_tensors(cfg)) == built
 
 
-# each shape's arguments in its run_gpu.sh entry (e2e_4b and e2e_moe: offload and full recompute; e2e_moe a smaller
-# batch, to fit one call)
-ENTRY_OVERRIDES = {"qwen3_1_7b": [], "qwen3_4b": ["engine.offload_train=true", "train.recompute.granularity=full"],
-                   "qwen3_30b_a3b_5l": ["engine.offload_train=true", "train.recompute.granularity=full"]}
-ENTRY_ARGS = {"qwen3_30b_a3b_5l": ["--prompts", "16", "--new-tokens", "512"]}
 H100_BYTES = 85_031_714_816  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
 
 
-@pytest.mark.parametrize("name", sorted(ENTRY_OVERRIDES))
-def test_every_shape_fits_one_h100_by_the_memory_plan(name):
+def _e2e_entries() -> dict[str, list[str]]:
+    """{run_gpu.sh entry: its gpu_e2e_step.py arguments, without --out} for every entry that runs steps (not the
+    --write-only set-up): e2e_4b and e2e_moe pass offload and full recompute, e2e_moe a smaller batch."""
+    import re
+    import shlex
+    text = (REPO / "benchmarks" / "run_gpu.sh").read_text()
+    body = text[text.index("run_one() {"):text.index("\n}\n", text.index("run_one() {"))].replace("\\\n", " ")
+    out = {}
+    for name, command in re.findall(r"^    ([a-z0-9_]+)\) (.*?) ;;", body, re.M | re.S):
+        if "benchmarks/gpu_e2e_step.py" not in command or "--write-only" in command:
+            continue  # (other entries' commands are not all shlex-able: comments with quotes)
+        words = shlex.split(command)
+        args = words[words.index("benchmarks/gpu_e2e_step.py") + 1:]
+        if "--out" in args:
+            i = args.index("--out")
+            del args[i:i + 2]
+        out[name] = args
+    return out
+
+
+@pytest.mark.parametrize("entry", sorted(_e2e_entries()))
+def test_every_e2e_entry_fits_one_h100_by_the_memory_plan(entry):
+    from gpu_e2e_step import parse_args, run_overrides
+
     from mtrain.config import load_config
     from mtrain.memory_plan import plan
-    assert sorted(p.stem for p in CONFIGS.glob("*.json")) == sorted(ENTRY_OVERRIDES)
-    from gpu_e2e_step import parse_args, run_overrides
-    args = parse_args(["--model", name, *ENTRY_ARGS.get(name, []), *ENTRY_OVERRIDES[name]])
+    args = parse_args(_e2e_entries()[entry])
     cfg = load_config(REPO / "mtrain" / "configs" / "tiny_llama_grpo.yaml", run_overrides(args, Path("unused")))
-    p = plan(cfg, json.loads((CONFIGS / f"{name}.json").read_text()), 1, H100_BYTES, True)
+    p = plan(cfg, json.loads((CONFIGS / f"{args.model}.json").read_text()), 1, H100_BYTES, True)
     assert p.problem() is None, p.problem()
+
+
+def test_every_shape_has_an_e2e_entry():
+    from gpu_e2e_step import parse_args
+    assert {parse_args(a).model for a in _e2e_entries().values()} == {p.stem for p in CONFIGS.glob("*.json")}
