@@ -8,8 +8,8 @@
 #   MODELS="smollm2 qwen3" MODES="bitwise off" STEPS=5 NEW=128 bash benchmarks/gpu_bitwise.sh
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
 # KERNELS=0 skips the kernel checks, TILES=1 adds the linear tile candidates to them; PROFILE=1 also profiles the
-# logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py); ATTN=segment runs the mode with
-# bitwise_gpu.segment_attention on both sides (MTRAIN_BITWISE_ATTENTION) instead of paged_attention.
+# logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py); ATTN=token runs the mode with
+# bitwise_gpu.paged_attention on both sides (MTRAIN_BITWISE_ATTENTION) instead of segment_attention, the default.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
@@ -38,6 +38,7 @@ declare -A shape=(
               head_dim=128 moe_intermediate_size=384 num_experts=32 num_experts_per_tok=8 vocab_size=151936
               max_position_embeddings=8192"
 )
+failed_runs=()  # named at the end: a run that died has no gap to report, which is not a gap of 0
 for model in ${MODELS:-smollm2 qwen3}; do
     hf=$work/$model/hf
     [ -f "$hf/config.json" ] || (cd "$work" && python -m mtrain init-tiny --out "$hf" ${shape[$model]} > /dev/null) ||
@@ -50,7 +51,7 @@ for model in ${MODELS:-smollm2 qwen3}; do
             numerics.on_policy=$mode > "$out/log_$name.txt" 2>&1)
         rc=$?
         echo "== $name: exit $rc"
-        [ $rc -eq 0 ] || { failed=$((failed + 1)); grep -v -i warn "$out/log_$name.txt" | grep -B 20 -A 3 "Error" | head -n 50; }
+        [ $rc -eq 0 ] || { failed=$((failed + 1)); failed_runs+=("$name"); grep -v -i warn "$out/log_$name.txt" | grep -B 20 -A 3 "Error" | head -n 50; }
         cp "$work/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
     done
 done
@@ -81,8 +82,9 @@ for m in {k.rsplit("_", 1)[0] for k in res}:
 print(json.dumps(res, indent=1))
 (out / "bitwise_runs.json").write_text(json.dumps(res, indent=1))
 bad = [k for k, v in res.items() if k.endswith("_bitwise") and any(x != 0.0 for x in v["max_abs_per_step"])]
-print("bitwise runs with a nonzero gap:", bad or "none")
+print("finished bitwise runs with a nonzero gap:", bad or "none")
 sys.exit(1 if bad else 0)
 PY
 [ $? -eq 0 ] || failed=$((failed + 1))
+[ ${#failed_runs[@]} -eq 0 ] || echo "runs that failed: ${failed_runs[*]}"
 [ "$failed" -eq 0 ]

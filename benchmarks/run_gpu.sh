@@ -61,7 +61,7 @@ smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step besid
 smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
 smollm2_score_centering|1|600|the SmolLM2 GPU recipe on a per-channel FP8 engine, algo.score_centering off vs on, 3 seeds each (SmolLM2 staged)
 bitwise|1|600|numerics.on_policy=bitwise with SGLang: kernels bit-equal, GRPO bitwise vs off (SmolLM2, Qwen3 shapes)
-bitwise_segment|1|600|the bitwise entry's runs with segment_attention on both sides (run it beside bitwise, one call)
+bitwise_token|1|600|the bitwise entry's runs with paged_attention (a program per token) on both sides (run it beside bitwise, one call)
 bitwise_moe|1|420|the same, packed micro-batches, on a small Qwen3-MoE (routes equal without replay)
 bitwise_1_7b|1|480|the same, packed micro-batches, on Qwen3-1.7B's shape
 smollm2_probe|1|400|mtrain gap-probe with the GPU recipe (SmolLM2 staged)
@@ -121,7 +121,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     fp8_loop) OUT=$out/fp8_loop STEPS=3 EXTRA="engine.weight_dtype=fp8" MODELS=dsv3 bash benchmarks/gpu_rl_loop.sh ;;
     rl_loop) OUT=$out/rl_loop bash benchmarks/gpu_rl_loop.sh ;;
     bitwise) OUT=$out/bitwise bash benchmarks/gpu_bitwise.sh ;;
-    bitwise_segment) OUT=$out/bitwise_segment ATTN=segment KERNELS=0 bash benchmarks/gpu_bitwise.sh ;;
+    bitwise_token) OUT=$out/bitwise_token ATTN=token KERNELS=0 bash benchmarks/gpu_bitwise.sh ;;
     bitwise_moe) OUT=$out/bitwise_moe MODELS=qwen3moe STEPS=4 RUN_LIMIT=180 TILES=1 \
                      EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
     bitwise_1_7b) OUT=$out/bitwise_1_7b MODELS=qwen3_1_7b STEPS=4 RUN_LIMIT=210 KERNELS=0 \
@@ -184,16 +184,19 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
                           fsdp1235:engine.server_args.rl_on_policy_target=fsdp,train.seed=1235 \
                           ppo:algo.name=ppo,critic.lr=1e-5 one_step:rollout.async=one_step ;;
     smollm2_probe) bash benchmarks/gpu_smollm2.sh probe ;;
-    # four runs on one GPU: each bitwise trainer is its own process with its own engine (0.12 of the GPU each)
+    # four runs on one GPU: each bitwise trainer is its own process with its own engine (0.12 of the GPU each),
+    # started 15 s apart (3 s apart, an engine's start measured the memory another was still taking: "no GPU memory
+    # for the KV cache", 2 of 4 runs on an H100)
     smollm2_bitwise) bw=numerics.on_policy=bitwise,model.fp32_lm_head=false
-                     STAGGER=3 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn recipe1234:train.seed=1234 \
+                     STAGGER=15 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn recipe1234:train.seed=1234 \
                          bitwise1234:$bw,train.seed=1234 bitwise1235:$bw,train.seed=1235 bitwise1236:$bw,train.seed=1236 ;;
-    # six runs on one GPU, FP8 engines (SmolLM2: per-channel, engine.fp8_scaling=auto): score centering off vs on
-    # (its k: algo.score_centering_k, default 128), seeds 1234-1236; 0.1 of the GPU each (smollm2_bitwise's four
-    # runs take 0.12: six at 0.1 leave ~32 GB of an H100 to the six trainers), started 3 s apart as there
+    # FP8 engines (SmolLM2: per-channel, engine.fp8_scaling=auto): score centering off vs on (its k:
+    # algo.score_centering_k, default 128), seeds 1234-1236, in two batches of three started 15 s apart: one FP8
+    # run holds ~16.6 GB of an H100 (engine at 0.1, trainer, CUDA context), so six at once run out of memory
     smollm2_score_centering) fp8=engine.weight_dtype=fp8,engine.mem_fraction_static=0.1
-                     STAGGER=3 RUN_LIMIT=540 bash benchmarks/gpu_smollm2.sh learn \
-                         off1234:$fp8,train.seed=1234 off1235:$fp8,train.seed=1235 off1236:$fp8,train.seed=1236 \
+                     STAGGER=15 RUN_LIMIT=270 bash benchmarks/gpu_smollm2.sh learn off1234:$fp8,train.seed=1234 \
+                         off1235:$fp8,train.seed=1235 off1236:$fp8,train.seed=1236 || return
+                     STAGGER=15 RUN_LIMIT=270 bash benchmarks/gpu_smollm2.sh learn \
                          sc1234:$fp8,algo.score_centering=true,train.seed=1234 \
                          sc1235:$fp8,algo.score_centering=true,train.seed=1235 \
                          sc1236:$fp8,algo.score_centering=true,train.seed=1236 ;;

@@ -33,8 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64  # one tile for every linear: changing it changes the bits on both sides
-LINEAR_WARPS, LINEAR_STAGES = 4, 4
+# One tile for every linear: changing it changes the bits on both sides. 128 x 128 x 64, 4 warps, 3 stages: of the
+# eight tiles benchmarks/gpu_bitwise_check.py --tiles timed on an H100 (2026-12-07, docs/results.md), the fastest on
+# Qwen3-1.7B's layer shapes and head (1.27-1.41x cuBLAS at 4,096 rows, where 64 x 128 x 64 took 1.76-1.89x) and
+# level with it on SmolLM2's (1.59-1.87x); every candidate kept a row's bits in any batch.
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+LINEAR_WARPS, LINEAR_STAGES = 4, 3
 LINEAR_GROUP_M = 8  # launch order only (tiles of GROUP_M row blocks share a column block in L2): never the bits
 ATTN_BLOCK_N = 64  # keys per block of the online softmax
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
@@ -249,11 +253,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # `paged_attention` reads it once per token (the trainer's packed sequences and the engine's prefill re-read every
 # key per query: 3.8x SDPA's forward time at head dim 128). Equal bits need one kernel with one tile on both sides
 # and every path (decode, prefill, chunk, packed) through it, so the mode runs one of the two everywhere:
-# ATTENTION, "token" (paged_attention) until benchmarks/gpu_bitwise_check.py has shown the segment kernel's paths
-# equal on the GPU's compiled code. MTRAIN_BITWISE_ATTENTION=segment selects it for such a measurement
-# (benchmarks/gpu_bitwise.sh ATTN=segment); SGLang's scheduler processes inherit the variable, so both sides agree.
+# ATTENTION, "segment": benchmarks/gpu_bitwise_check.py showed its prefill, chunk-over-prefix and decode paths equal
+# to the trainer's packed sequences on an H100's compiled code (head dims 64 and 128), at 0.51x / 0.56x SDPA's
+# forward time where paged_attention took 0.70x / 2.62x (2026-12-07, docs/results.md). MTRAIN_BITWISE_ATTENTION=token
+# selects paged_attention (benchmarks/gpu_bitwise.sh ATTN=token); SGLang's scheduler processes inherit the
+# variable, so both sides agree.
 SEGMENT_TOKENS = 16
-ATTENTION = os.environ.get("MTRAIN_BITWISE_ATTENTION", "token")
+ATTENTION = os.environ.get("MTRAIN_BITWISE_ATTENTION", "segment")
 if ATTENTION not in ("token", "segment"):
     raise ValueError(f"MTRAIN_BITWISE_ATTENTION must be token or segment, got {ATTENTION!r}")
 

@@ -58,14 +58,25 @@ def fused_experts(gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
-        expert: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        expert: Callable[[int, torch.Tensor], torch.Tensor],
+        every_expert: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Qwen3-MoE block over tokens x [n, H]: router logits by the fixed-order linear (rounded to x's dtype, as
     transformers' gate computes them in the hidden dtype), `route`, every selected expert's output from
     `expert(e, rows of x)` ([rows, H] in x's dtype; each side passes its own weights' SwiGLU), then `combine`.
     Returns (output [n, H] in x's dtype, expert ids [n, k] in top-k rank order). Experts run in ascending id; an
-    expert no token chose is not run (each expert's rows are computed independently, so this changes no bits)."""
+    expert no token chose is not run (each expert's rows are computed independently, so this changes no bits).
+
+    every_expert (default: while a CUDA graph is being captured, i.e. SGLang's decode graphs): run every expert on
+    every token and keep the chosen rows. Choosing the experts from `ids` reads them on the host, which a graph
+    cannot; a row's bits do not depend on the other rows in the batch, so both ways give the same bits."""
     ids, weights = route(linear(x, router_weight), top_k, norm_topk_prob)
     out = x.new_zeros(x.shape[0], top_k, x.shape[-1])
+    if every_expert is None:
+        every_expert = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if every_expert:
+        for e in range(router_weight.shape[0]):
+            out = torch.where((ids == e)[..., None], expert(e, x)[:, None, :], out)
+        return combine(out, ids, weights), ids
     for e in ids.unique().tolist():  # sorted
         rows, slots = (ids == e).nonzero(as_tuple=True)
         out = out.index_put((rows, slots), expert(e, x[rows]))  # out of place: differentiable

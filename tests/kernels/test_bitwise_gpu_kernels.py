@@ -8,6 +8,7 @@ benchmarks/gpu_bitwise_check.py."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -86,7 +87,9 @@ def test_linear_backward_is_the_matmul_gradient():
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (3, 1, 32)])
-def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_heads, dim):
+def test_attention_engine_paths_equal_the_trainers_packed_sequence(heads, kv_heads, dim, monkeypatch):
+    """paged_attention (MTRAIN_BITWISE_ATTENTION=token): the trainer's packed sequences and the engine's paths."""
+    monkeypatch.setattr(g, "ATTENTION", "token")
     gen = torch.Generator().manual_seed(2)
     q, k, v, lengths, cu = _packed_qkv(gen, heads, kv_heads, dim)
     scale = dim ** -0.5
@@ -131,8 +134,10 @@ def test_segment_attention_paths_are_equal_and_right(heads, kv_heads, dim):
 
 
 def test_the_modes_attention_is_one_kernel_on_both_sides(monkeypatch):
-    """bitwise_gpu.ATTENTION picks the kernel of every path: with "segment" the trainer's packed attention is
-    segment_attention's, and `attention` refuses to run it without the caller's segments."""
+    """bitwise_gpu.ATTENTION picks the kernel of every path: with "segment" (the default) the trainer's packed
+    attention is segment_attention's, and `attention` refuses to run it without the caller's segments."""
+    assert g.ATTENTION == "segment" or os.environ.get("MTRAIN_BITWISE_ATTENTION")
+    monkeypatch.setattr(g, "ATTENTION", "token")
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(21, h, 16, generator=gen) for h in (4, 2, 2))
     cu = [0, 17, 21]

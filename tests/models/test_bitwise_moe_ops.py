@@ -80,3 +80,23 @@ def test_combine_adds_in_ascending_expert_id():
     terms = [torch.gather(y, 1, order[:, j, None, None].expand(-1, 1, 16))[:, 0]
              * torch.gather(w, 1, order[:, j, None]) for j in range(4)]
     assert torch.equal(out, (terms[0] + terms[1]) + (terms[2] + terms[3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_expert_path_gives_the_same_bits(dtype):
+    """The path CUDA-graph capture takes (every expert on every token, no host read of the routes) equals the
+    chosen-experts path bit for bit, and so does its gradient (SGLang's decode graphs vs the trainer's eager pass)."""
+    cfg, block = _hf_block(True)
+    block = block.to(dtype)
+    expert = _experts(block)
+    x = torch.randn(23, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    outs = []
+    for every in (False, True):
+        xi = x.clone().requires_grad_(True)
+        out, ids = moe_ops.moe(xi, block.gate.weight, cfg.num_experts_per_tok, True, expert, every_expert=every)
+        out.float().square().sum().backward()
+        outs.append((out.detach(), ids, xi.grad))
+    (a, ia, ga), (b, ib, gb) = outs
+    assert torch.equal(ia, ib) and torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(ga, gb)
