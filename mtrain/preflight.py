@@ -213,8 +213,8 @@ def _check_hf_weights(key: str, hf_path: str) -> None:
 def check_run_dir(cfg: RunConfig) -> None:
     """train.run_dir is a folder or can be made one: the trainer makes it after the models are built, where a file
     in its place (or above it) was a traceback."""
-    run = Path(cfg.train.run_dir)
-    existing = next(p for p in (run, *run.parents) if p.exists())  # a relative path ends at '.', which exists
+    from mtrain.paths import nearest_existing
+    existing = nearest_existing(cfg.train.run_dir)
     if not existing.is_dir():
         raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
