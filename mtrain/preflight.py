@@ -105,11 +105,11 @@ def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
     inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
               "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
+    from mtrain.kernels.bitwise_ops import row_parallel_slice_problem
     for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
-        local = size // tp
-        if local and local & (local - 1):
-            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp} needs a power-of-two slice per rank of "
-                                              f"each row-parallel input; this model's {name}={size} gives {local}: "
+        problem = row_parallel_slice_problem(size, tp)
+        if problem:
+            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp}: {problem} (this model's {name}={size}): "
                                               f"use parallel.tp=1 or numerics.on_policy=off")
 
 
