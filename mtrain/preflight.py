@@ -87,7 +87,8 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
             build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
         except LayoutError as err:
             raise _fail("engine.tp", f"engine tp={e.tp} ep={e.ep} does not fit the model: {err}") from None
-    max_pos = hf_config.get("max_position_embeddings")
+    from mtrain.models.hf_config import context_length
+    max_pos = context_length(hf_config)
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                                               f"model's context (max_position_embeddings={max_pos})")
@@ -242,6 +243,38 @@ def check_data(cfg: RunConfig) -> None:
         raise _fail(e.key if cfg.data.train_path else "data", str(e)) from None
 
 
+def check_prompt_context(cfg: RunConfig, hf_config: dict) -> None:
+    """Every prompt takes rollout.max_new_tokens more within the model's context: the rollout refuses one that does not
+    (data/chat.context_problem) when it is drawn, steps into the run. Nothing is read when rollout.max_prompt_len +
+    rollout.max_new_tokens fits (every prompt kept is at most max_prompt_len long); else the prompts are rendered
+    here as the rollout renders them, and the first that does not fit is named by its file and line. Single-turn
+    generation only: tool and agent rollouts fit their turns into the context themselves."""
+    from mtrain.models.hf_config import context_length
+    r, d = cfg.rollout, cfg.data
+    context = context_length(hf_config)
+    if context is None or r.max_prompt_len + r.max_new_tokens <= context or cfg.multi_turn.rollout_fn or \
+            cfg.serve.agent:
+        return
+    from mtrain.data import load_datasets
+    from mtrain.data.chat import PromptError, context_problem, tokenize_prompts
+    from mtrain.trainer.engines import load_tokenizer
+    tokenizer = load_tokenizer(Path(cfg.model.hf_path), hf_config, max_pixels=d.max_pixels)
+    train, evals = load_datasets(cfg)
+    for key, samples in (("data.train_path", train), ("data.eval_path", evals)):
+        if not samples:
+            continue
+        try:
+            prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
+                                       apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
+                                       drop_overlong=d.drop_overlong_prompts)
+        except PromptError as e:  # the message names the prompt and the setting to change
+            raise _fail("data.task" if d.task else key, str(e)) from None
+        for p in prompts:
+            problem = context_problem(p, r.max_new_tokens, context)
+            if problem:
+                raise _fail("rollout.max_new_tokens", problem)
+
+
 def check_reward_package(cfg: RunConfig) -> None:
     """The verifier rewards' optional package, named before start (else the first reward call would fail)."""
     import importlib.util
@@ -289,6 +322,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    check_prompt_context(cfg, hf_config)
     check_run_dir(cfg)
     check_resume(cfg)
     check_logging(cfg)
