@@ -10,6 +10,7 @@ Every failure is a ConfigError whose message starts with the config key to chang
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -55,6 +56,24 @@ def check_batch(cfg: RunConfig, dp: int) -> None:
                     f"{what} samples per optimizer step do not split over {dp} data-parallel rank(s) x micro batches "
                     f"of {t.micro_batch_size}: it must be a multiple of {unit}"
                     + (f" ({per_rank} samples per rank)" if gbs % dp == 0 else ""))
+
+
+def check_rollout_host_memory(cfg: RunConfig) -> None:
+    """A step's rollout batch cannot outgrow the host: every completion of the step is held at once, at least
+    MIN_COMPLETION_HOST_BYTES each. Past this floor a huge rollout.prompts_per_step (10**9) was minutes of the
+    sampler filling memory, then a MemoryError traceback or the OOM killer; a batch larger than the data set is
+    fine (it goes on into the next epoch), so only the host's memory bounds it here."""
+    from mtrain.rollout.protocol import MIN_COMPLETION_HOST_BYTES
+    r = cfg.rollout
+    samples = math.ceil(r.prompts_per_step * (r.over_sample if r.partial else 1.0)) * r.samples_per_prompt
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if samples * MIN_COMPLETION_HOST_BYTES > host:
+        gib = 1 << 30
+        held = f"{samples} samples per step" + (f" with rollout.over_sample={r.over_sample}" if r.partial else "")
+        raise _fail("rollout.prompts_per_step", f"{r.prompts_per_step} x rollout.samples_per_prompt="
+                    f"{r.samples_per_prompt}: {held} hold at least {samples * MIN_COMPLETION_HOST_BYTES / gib:.0f} GiB "
+                    f"of host memory ({MIN_COMPLETION_HOST_BYTES} bytes per completion), more than this host's "
+                    f"{host / gib:.0f} GiB: lower rollout.prompts_per_step")
 
 
 def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
@@ -319,6 +338,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_lora_model(cfg, hf_config)
     check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)
+    check_rollout_host_memory(cfg)
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
