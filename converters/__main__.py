@@ -11,6 +11,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from mtrain.paths import user_path  # `~` in a path argument, as mtrain's config path keys get it
+
 from .errors import ConvertError
 
 PROG = "mtrain-convert"
@@ -74,36 +76,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron dist checkpoint")
-    p.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="Megatron checkpoint directory to write")
+    p.add_argument("--hf", required=True, metavar="DIR", type=user_path, help="HF checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="Megatron checkpoint directory to write")
     _add_parallel(p, etp=True)
     _add_stage_split(p)
     p.add_argument("--dtype", type=parse_dtype, default=None, help="parameter dtype (default: as in the HF config)")
     _add_force(p)
 
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF checkpoint")
-    p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="HF checkpoint directory to write")
-    p.add_argument("--hf-config", metavar="DIR", default=None, help="HF directory whose config.json/tokenizer to copy")
+    p.add_argument("--mcore", required=True, metavar="DIR", type=user_path, help="Megatron checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="HF checkpoint directory to write")
+    p.add_argument("--hf-config", metavar="DIR", type=user_path, default=None, help="HF directory whose config.json/tokenizer to copy")
     _add_force(p)
 
     p = sub.add_parser("export-lora", help="LoRA adapters of a Megatron checkpoint -> PEFT adapter (or merged HF)")
-    p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron dist checkpoint of a LoRA run")
-    p.add_argument("--hf", required=True, metavar="DIR", help="the HF base model the run trained on")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    p.add_argument("--mcore", required=True, metavar="DIR", type=user_path, help="Megatron dist checkpoint of a LoRA run")
+    p.add_argument("--hf", required=True, metavar="DIR", type=user_path, help="the HF base model the run trained on")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="directory to write")
     p.add_argument("--merge", action="store_true", help="write the base with the adapters merged (a HF checkpoint)")
     _add_force(p)
 
     p = sub.add_parser("gguf-to-hf", help="GGUF file -> HF checkpoint (dequantised)")
-    p.add_argument("--gguf", required=True, metavar="FILE|smollm2",
+    p.add_argument("--gguf", required=True, metavar="FILE|smollm2", type=user_path,
                    help="GGUF file, or 'smollm2' to fetch SmolLM2-135M-Instruct (cached)")
-    p.add_argument("--out", required=True, metavar="DIR", help="HF checkpoint directory to write")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="HF checkpoint directory to write")
     p.add_argument("--dtype", type=parse_dtype, default=None, help="dtype of the written tensors (default float32)")
     _add_force(p)
 
     p = sub.add_parser("verify", help="check a Megatron checkpoint against its HF source")
-    p.add_argument("--hf", required=True, metavar="DIR", help="HF checkpoint directory")
-    p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")
+    p.add_argument("--hf", required=True, metavar="DIR", type=user_path, help="HF checkpoint directory")
+    p.add_argument("--mcore", required=True, metavar="DIR", type=user_path, help="Megatron checkpoint directory")
     _add_parallel(p)
     _add_stage_split(p)
     p.add_argument("--tol", type=float, default=None, help="tolerance for logits (default: the verifier's)")
@@ -112,17 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the conversion without bf16's arithmetic noise")
 
     p = sub.add_parser("mcore-to-sglang", help="Megatron checkpoint -> SGLang engine-rank shards")
-    p.add_argument("--mcore", required=True, metavar="DIR", help="Megatron checkpoint directory")
+    p.add_argument("--mcore", required=True, metavar="DIR", type=user_path, help="Megatron checkpoint directory")
     p.add_argument("--engine-tp", required=True, type=_positive_int, help="SGLang tensor-parallel size")
     p.add_argument("--engine-ep", type=_positive_int, default=1, help="SGLang expert-parallel size")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="directory to write")
     _add_force(p)
 
     p = sub.add_parser("make-fp8", help="write a DeepSeek-V3-release-style FP8 checkpoint (block-scaled)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="HF checkpoint to quantise")
-    src.add_argument("--config", metavar="FILE", help="config.json: random weights for every tensor, MTP included")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    src.add_argument("--hf", metavar="DIR", type=user_path, help="HF checkpoint to quantise")
+    src.add_argument("--config", metavar="FILE", type=user_path, help="config.json: random weights for every tensor, MTP included")
+    p.add_argument("--out", required=True, metavar="DIR", type=user_path, help="directory to write")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed (with --config)")
     p.add_argument("--block", type=_positive_int, default=128, help="FP8 block size (the release: 128)")
     p.add_argument("--shard-gb", type=float, default=1.0, help="size cap of one safetensors shard, GiB")

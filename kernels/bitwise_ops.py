@@ -46,6 +46,17 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x[..., 0]
 
 
+def row_parallel_slice_problem(size: int, ranks: int) -> str | None:
+    """Why `ranks` ranks, each holding a contiguous slice of a row-parallel layer's `size` inputs, cannot add up to
+    the single-rank `tree_sum` bit for bit (None: they can): each slice must be a power of two, so that it is exactly
+    one subtree of the fixed order. Read by the bitwise layer as it is built and by the launcher's early check."""
+    local = size // ranks
+    if ranks > 1 and local & (local - 1):
+        return (f"a power-of-two input slice per rank of each row-parallel layer is needed (one subtree of the fixed "
+                f"sum order); {size}/{ranks}={local} is not one")
+    return None
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.double()).float()
 

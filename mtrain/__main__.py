@@ -108,6 +108,7 @@ def _init_tiny_problem(args) -> str | None:
     """What would stop write_tiny_hf part way (a KeyError, JSONDecodeError, NotADirectoryError traceback), said first."""
     import json
     from pathlib import Path
+    from mtrain.paths import nearest_existing
     from mtrain.tiny_configs import TINY
     from mtrain.tiny_hf import VLM_ARCHS
     if not args.arch and not args.config:
@@ -128,43 +129,43 @@ def _init_tiny_problem(args) -> str | None:
                 return f"--config {args.config}: must hold a JSON object (a HF config.json)"
         except (OSError, ValueError) as e:
             return f"--config {args.config}: cannot read it ({e})"
-    out = Path(args.out)
-    existing = next(p for p in (out, *out.parents) if p.exists())
+    existing = nearest_existing(args.out)
     if not existing.is_dir():
         return f"--out {args.out}: {existing} is a file, not a folder"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mtrain.paths import user_path as path  # `~` in a path argument, as the config's path keys get it
     p = argparse.ArgumentParser(prog="mtrain", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run RL training from a YAML config plus a.b.c=value overrides")
     t.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="check the config, then start N ranks on this machine (torch's elastic launcher, as torchrun)")
-    t.add_argument("config", nargs="?", default=None)
+    t.add_argument("config", nargs="?", default=None, type=path)
     t.add_argument("overrides", nargs="*")
     t.set_defaults(fn=_train)
     sv = sub.add_parser("serve", help="serve the configured model behind the OpenAI front (serve.* keys)")
-    sv.add_argument("config", nargs="?", default=None)
+    sv.add_argument("config", nargs="?", default=None, type=path)
     sv.add_argument("overrides", nargs="*")
     sv.set_defaults(fn=_serve)
     pl = sub.add_parser("plot", help="draw reward, KL and logprob diff of a run to a PNG")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out", default=None)
+    pl.add_argument("run_dir", type=path)
+    pl.add_argument("--out", default=None, type=path)
     pl.set_defaults(fn=_plot)
     gp = sub.add_parser("gap-probe", help="compare the trainer's and the engine's activations and logprobs on one "
                         "sequence, layer by layer, against a float64 HF reference")
-    gp.add_argument("config", nargs="?", default=None)
+    gp.add_argument("config", nargs="?", default=None, type=path)
     gp.add_argument("overrides", nargs="*")
     gp.add_argument("--record", type=int, default=0, help="which eval (else train) record's prompt to use")
     gp.add_argument("--new-tokens", type=int, default=32, help="tokens the engine samples after the prompt")
     gp.add_argument("--reference-dtype", default="float64", choices=("float64", "float32"))
-    gp.add_argument("--out", default=None, help="write the full report as JSON here")
+    gp.add_argument("--out", default=None, type=path, help="write the full report as JSON here")
     gp.set_defaults(fn=_gap_probe)
     it = sub.add_parser("init-tiny", help="write a tiny random HF model (config.json + safetensors)")
     it.add_argument("--arch", help="one of mtrain.tiny_configs.TINY, or qwen2_5_vl / qwen2_5_vl_gpu (with a processor)")
-    it.add_argument("--config", help="a full HF config.json to instantiate with random weights instead")
-    it.add_argument("--out", required=True)
+    it.add_argument("--config", type=path, help="a full HF config.json to instantiate with random weights instead")
+    it.add_argument("--out", required=True, type=path)
     it.add_argument("--seed", type=int, default=0)
     it.add_argument("--set", nargs="*", default=[], help="config.json overrides key=value (JSON values)")
     it.set_defaults(fn=_init_tiny)

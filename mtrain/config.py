@@ -23,7 +23,9 @@ from typing import Any, Literal
 import yaml
 
 from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
-from mtrain.config_sections import ALGO_PRESETS, PARTIAL_OVER_SAMPLE, RunConfig, _field_of, _key_of  # noqa: F401  (RunConfig: re-exported)
+from mtrain.config_sections import (ALGO_PRESETS, PARTIAL_OVER_SAMPLE, PATH_KEYS, RunConfig,  # noqa: F401  (RunConfig: re-exported)
+                                   _field_of, _key_of)
+from mtrain.paths import user_path
 
 
 
@@ -223,6 +225,21 @@ def resolve_presets(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def expand_user_paths(cfg: RunConfig) -> RunConfig:
+    """`~` expanded in every PATH_KEYS value (in place): the one place it happens, so no reader has to."""
+    for key in PATH_KEYS:
+        *sections, name = key.split(".")
+        obj = cfg
+        for part in sections:
+            obj = getattr(obj, part)
+        value = getattr(obj, _field_of(name))
+        if isinstance(value, list):
+            setattr(obj, _field_of(name), [user_path(v) for v in value])
+        elif value:
+            setattr(obj, _field_of(name), user_path(value))
+    return cfg
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's message on one line (its own has several: a caret under a copy of the line); the error line is one
     write, which keeps ranks' lines whole."""
@@ -240,7 +257,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     tree: dict = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
+        path = Path(user_path(str(path)))
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
@@ -259,6 +276,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if os.environ.get("RANK", "0") == "0":
             print(f"mtrain: note: {note}", file=sys.stderr)
     cfg = _build(RunConfig, tree, "", f"{source} + overrides" if overrides else source)
+    expand_user_paths(cfg)
     resolve_presets(cfg)
     validate(cfg)
     if check_files:

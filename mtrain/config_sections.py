@@ -41,6 +41,13 @@ def _user_keys(tree: Any) -> Any:
 # config_checks.refuse_secret_overrides) and never in a config dump, log or tracker (RunConfig.to_dict).
 SECRET_KEYS = {"serve.api_key": "serve.api_key_env (default $MTRAIN_API_KEY)"}
 
+# Keys whose value is a file or folder, or may name one ("path/to/file.py:function", train.resume's checkpoint):
+# `~` in them is expanded once, when the config is loaded (mtrain.config.expand_user_paths), so every reader gets
+# a path the filesystem knows. List keys (multi_turn.tools) are expanded item by item.
+PATH_KEYS = ("model.hf_path", "model.mcore_ckpt", "critic.hf_path", "algo.distill.teacher_path", "data.train_path",
+             "data.eval_path", "reward.fn", "reward.judge.hf_path", "train.run_dir", "train.resume",
+             "multi_turn.rollout_fn", "multi_turn.tools", "multi_turn.retrieval_corpus", "serve.agent")
+
 
 @dataclass
 class LoraConfig:

@@ -10,6 +10,7 @@ Every failure is a ConfigError whose message starts with the config key to chang
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -57,6 +58,24 @@ def check_batch(cfg: RunConfig, dp: int) -> None:
                     + (f" ({per_rank} samples per rank)" if gbs % dp == 0 else ""))
 
 
+def check_rollout_host_memory(cfg: RunConfig) -> None:
+    """A step's rollout batch cannot outgrow the host: every completion of the step is held at once, at least
+    MIN_COMPLETION_HOST_BYTES each. Past this floor a huge rollout.prompts_per_step (10**9) was minutes of the
+    sampler filling memory, then a MemoryError traceback or the OOM killer; a batch larger than the data set is
+    fine (it goes on into the next epoch), so only the host's memory bounds it here."""
+    from mtrain.rollout.protocol import MIN_COMPLETION_HOST_BYTES
+    r = cfg.rollout
+    samples = math.ceil(r.prompts_per_step * (r.over_sample if r.partial else 1.0)) * r.samples_per_prompt
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if samples * MIN_COMPLETION_HOST_BYTES > host:
+        gib = 1 << 30
+        held = f"{samples} samples per step" + (f" with rollout.over_sample={r.over_sample}" if r.partial else "")
+        raise _fail("rollout.prompts_per_step", f"{r.prompts_per_step} x rollout.samples_per_prompt="
+                    f"{r.samples_per_prompt}: {held} hold at least {samples * MIN_COMPLETION_HOST_BYTES / gib:.0f} GiB "
+                    f"of host memory ({MIN_COMPLETION_HOST_BYTES} bytes per completion), more than this host's "
+                    f"{host / gib:.0f} GiB: lower rollout.prompts_per_step")
+
+
 def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     """The model's config.json is one we build, and its heads/groups/layers/experts fit the parallel sizes
     (the layout the trainer will build: vpp and an uneven pipeline split included), planned as the sync plans it."""
@@ -87,7 +106,8 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
             build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
         except LayoutError as err:
             raise _fail("engine.tp", f"engine tp={e.tp} ep={e.ep} does not fit the model: {err}") from None
-    max_pos = hf_config.get("max_position_embeddings")
+    from mtrain.models.hf_config import context_length
+    max_pos = context_length(hf_config)
     if max_pos is not None and cfg.rollout.max_new_tokens >= max_pos:
         raise _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                                               f"model's context (max_position_embeddings={max_pos})")
@@ -105,11 +125,11 @@ def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
     inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
               "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
+    from mtrain.kernels.bitwise_ops import row_parallel_slice_problem
     for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
-        local = size // tp
-        if local and local & (local - 1):
-            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp} needs a power-of-two slice per rank of "
-                                              f"each row-parallel input; this model's {name}={size} gives {local}: "
+        problem = row_parallel_slice_problem(size, tp)
+        if problem:
+            raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp}: {problem} (this model's {name}={size}): "
                                               f"use parallel.tp=1 or numerics.on_policy=off")
 
 
@@ -213,8 +233,8 @@ def _check_hf_weights(key: str, hf_path: str) -> None:
 def check_run_dir(cfg: RunConfig) -> None:
     """train.run_dir is a folder or can be made one: the trainer makes it after the models are built, where a file
     in its place (or above it) was a traceback."""
-    run = Path(cfg.train.run_dir)
-    existing = next(p for p in (run, *run.parents) if p.exists())  # a relative path ends at '.', which exists
+    from mtrain.paths import nearest_existing
+    existing = nearest_existing(cfg.train.run_dir)
     if not existing.is_dir():
         raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -240,6 +260,38 @@ def check_data(cfg: RunConfig) -> None:
         load_datasets(cfg)
     except DatasetError as e:
         raise _fail(e.key if cfg.data.train_path else "data", str(e)) from None
+
+
+def check_prompt_context(cfg: RunConfig, hf_config: dict) -> None:
+    """Every prompt takes rollout.max_new_tokens more within the model's context: the rollout refuses one that does not
+    (data/chat.context_problem) when it is drawn, steps into the run. Nothing is read when rollout.max_prompt_len +
+    rollout.max_new_tokens fits (every prompt kept is at most max_prompt_len long); else the prompts are rendered
+    here as the rollout renders them, and the first that does not fit is named by its file and line. Single-turn
+    generation only: tool and agent rollouts fit their turns into the context themselves."""
+    from mtrain.models.hf_config import context_length
+    r, d = cfg.rollout, cfg.data
+    context = context_length(hf_config)
+    if context is None or r.max_prompt_len + r.max_new_tokens <= context or cfg.multi_turn.rollout_fn or \
+            cfg.serve.agent:
+        return
+    from mtrain.data import load_datasets
+    from mtrain.data.chat import PromptError, context_problem, tokenize_prompts
+    from mtrain.trainer.engines import load_tokenizer
+    tokenizer = load_tokenizer(Path(cfg.model.hf_path), hf_config, max_pixels=d.max_pixels)
+    train, evals = load_datasets(cfg)
+    for key, samples in (("data.train_path", train), ("data.eval_path", evals)):
+        if not samples:
+            continue
+        try:
+            prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
+                                       apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
+                                       drop_overlong=d.drop_overlong_prompts)
+        except PromptError as e:  # the message names the prompt and the setting to change
+            raise _fail("data.task" if d.task else key, str(e)) from None
+        for p in prompts:
+            problem = context_problem(p, r.max_new_tokens, context)
+            if problem:
+                raise _fail("rollout.max_new_tokens", problem)
 
 
 def check_reward_package(cfg: RunConfig) -> None:
@@ -286,9 +338,11 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_lora_model(cfg, hf_config)
     check_sglang_engine(cfg, hf_config)
     check_batch(cfg, dp)
+    check_rollout_host_memory(cfg)
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    check_prompt_context(cfg, hf_config)
     check_run_dir(cfg)
     check_resume(cfg)
     check_logging(cfg)

@@ -132,7 +132,8 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
     # the tiny Llama's MLP (intermediate_size 96) gives 48 per rank at TP2: the bitwise row-parallel layer refused
     # it with a ValueError traceback while the model was built, after the process groups had started
     over = ("parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
-    fails(cfg_for(hf, tmp_path, *over), r"^numerics\.on_policy: bitwise at parallel\.tp=2 .*intermediate_size=96 .*48",
+    fails(cfg_for(hf, tmp_path, *over), r"^numerics\.on_policy: bitwise at parallel\.tp=2: .*96/2=48 is not one "
+          r"\(this model's intermediate_size=96\)",
           world=2)
     pow2 = write_tiny_hf("llama", tmp_path / "pow2", overrides={"intermediate_size": 128})
     assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"

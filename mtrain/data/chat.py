@@ -63,7 +63,7 @@ def tokenize_prompts(samples: Sequence[PromptSample], tokenizer: Any, *, max_pro
         vision = None
         if getattr(s, "images", ()):
             if not hasattr(tokenizer, "vision_inputs"):
-                raise PromptError(f"sample {s.index}: the sample has {len(s.images)} image(s) but the model has no "
+                raise PromptError(f"{s.where}: the sample has {len(s.images)} image(s) but the model has no "
                                   f"vision tower (its config.json has no vision_config/image_token_id)")
             text, ids, vision = tokenizer.render(s.prompt, s.images, apply_chat_template=apply_chat_template,
                                                  system_prompt=system_prompt, sample_id=s.index)
@@ -72,14 +72,28 @@ def tokenize_prompts(samples: Sequence[PromptSample], tokenizer: Any, *, max_pro
                                       system_prompt=system_prompt, sample_id=s.index)
         if len(ids) > max_prompt_len:
             if not drop_overlong:
-                raise PromptError(f"sample {s.index}: prompt has {len(ids)} tokens > rollout.max_prompt_len="
+                raise PromptError(f"{s.where}: prompt has {len(ids)} tokens > rollout.max_prompt_len="
                                   f"{max_prompt_len}; raise the limit or set data.drop_overlong_prompts=true")
-            dropped.append(s.index)
+            dropped.append(s.where)
             continue
         out.append(TokenizedPrompt(sample=s, text=text, ids=ids, vision=vision))
     if dropped:
-        log.warning("dropped %d of %d prompts longer than %d tokens (first: sample %d)",
+        log.warning("dropped %d of %d prompts longer than %d tokens (first: %s)",
                     len(dropped), len(samples), max_prompt_len, dropped[0])
     if not out:
         raise PromptError(f"every prompt is longer than max_prompt_len={max_prompt_len} tokens")
     return out
+
+
+def context_problem(prompt: TokenizedPrompt, max_new_tokens: int, max_positions: int | None) -> str | None:
+    """Why `prompt` cannot take `max_new_tokens` more tokens in the model's context (max_position_embeddings), naming
+    the prompt's file and line and what to change; None when it fits (or the context is unknown). The one rule of the
+    rollout (checked before any generation) and of preflight (before any work, where the limits allow a miss)."""
+    n = len(prompt.ids)
+    if max_positions is None or n + max_new_tokens <= max_positions:
+        return None
+    room = max_positions - n
+    fix = f"lower rollout.max_new_tokens to {room} or less" if room >= 1 else "shorten that prompt"
+    return (f"{prompt.sample.where}: prompt of {n} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+            f"context (max_position_embeddings={max_positions}): {fix}, or leave such prompts out "
+            f"with rollout.max_prompt_len={max_positions - max_new_tokens} and data.drop_overlong_prompts=true")

@@ -186,7 +186,7 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str =
             top.add(image_key.split(".")[0])
         meta = {k: v for k, v in rec.items() if k not in top}
         samples.append(PromptSample(index=len(samples), prompt=prompt, answer=values[1], metadata=meta,
-                                    images=images))
+                                    images=images, source=where))
     if not samples:
         raise DatasetError(f"{path}: no records")
     return samples

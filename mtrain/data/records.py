@@ -25,3 +25,12 @@ class PromptSample:
     # Images in prompt order, one per `<image>` in the prompt: file paths, PIL images or generated pictures
     # (anything with `size` and `to_pil()`); mtrain/data/vision.py renders them.
     images: tuple[Any, ...] = ()
+    # where a record of a file came from ("FILE:LINE", "FILE: record I", "FILE: row I"), for messages about it; ""
+    # for generated tasks, which are named by index. Not part of the sample's value (equality, hash): the same record
+    # read from a .jsonl or a .parquet file is the same sample
+    source: str = field(default="", compare=False)
+
+    @property
+    def where(self) -> str:
+        """How a message names this sample: its file and line, else its index."""
+        return self.source or f"sample {self.index}"

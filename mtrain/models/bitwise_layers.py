@@ -70,10 +70,9 @@ class BitwiseRowParallelLinear(RowParallelLinear):
 
     def __init__(self, input_size, output_size, *args, **kwargs):
         super().__init__(input_size, output_size, *args, **kwargs)
-        local = self.input_size_per_partition
-        if _tp(self) > 1 and (local & (local - 1)):
-            raise ValueError(f"numerics.on_policy=bitwise with tensor parallelism needs a power-of-two input slice per "
-                             f"rank for row-parallel layers; this one has {input_size}/{_tp(self)}={local}")
+        problem = ops.row_parallel_slice_problem(input_size, _tp(self))
+        if problem:
+            raise ValueError(f"numerics.on_policy=bitwise with tensor parallelism: {problem}")
 
     def forward(self, input_):
         partial = ops.linear_fp32(input_, self.weight)

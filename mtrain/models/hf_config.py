@@ -387,6 +387,14 @@ def map_hf_config(hf_config: dict) -> MappedConfig:
     return _MAPPERS[mt](hf_config)
 
 
+def context_length(hf_config: dict) -> int | None:
+    """The model's context: max_position_embeddings (a VLM's text model's), None where config.json has none. A
+    prompt plus its new tokens past it is refused by the rollout and the reference engine (rope_scaling does not
+    raise it: HF configs that extend the context state the extended length here)."""
+    from mtrain.layouts.vlm import flat_config
+    return flat_config(hf_config).get("max_position_embeddings")
+
+
 def dtype_flags(params_dtype: torch.dtype) -> dict[str, Any]:
     """TransformerConfig precision flags for a parameter dtype."""
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):

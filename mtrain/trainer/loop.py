@@ -26,7 +26,7 @@ from mtrain.rollout.judge_engine import make_reward_fn
 from mtrain.data.sampler import PromptSampler
 from mtrain.dist import destroy as destroy_distributed, init_distributed
 from mtrain.layouts import model_layout
-from mtrain.layouts.vlm import flat_config
+from mtrain.models.hf_config import context_length
 from mtrain.metrics import MetricsWriter
 from mtrain.wandb_log import wandb_sink
 from mtrain.run_output import summary as run_summary
@@ -98,7 +98,7 @@ class Trainer:
         # RL updates the main model only: MTP layers (DeepSeek-V3) are carried by the converters.
         self.train_config = dict(self.hf_config, num_nextn_predict_layers=0)
         self.layout = model_layout(self.train_config, mtp=False)
-        self.max_positions = flat_config(self.hf_config).get("max_position_embeddings")  # VLMs: in text_config
+        self.max_positions = context_length(self.hf_config)
         if self.max_positions is not None and cfg.rollout.max_new_tokens >= self.max_positions:
             raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
                               f"the model's context (max_position_embeddings={self.max_positions})")

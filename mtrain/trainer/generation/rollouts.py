@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from mtrain.data.chat import PromptError, tokenize_prompts
+from mtrain.data.chat import PromptError, context_problem, tokenize_prompts
 from mtrain.data.rewards import finite_reward, score_responses
 from mtrain.rollout.client import EngineClient
 from mtrain.rollout.pool import RolloutPool
@@ -61,12 +61,10 @@ def run_rollout(pool: RolloutPool, tokenizer, samples, cfg, reward_fn, *, n: int
     prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
                                apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
                                drop_overlong=d.drop_overlong_prompts)
-    if max_positions is not None:
-        for p in prompts:
-            if len(p.ids) + budget > max_positions:
-                raise PromptError(f"sample {p.sample.index}: prompt of {len(p.ids)} tokens + rollout.max_new_tokens="
-                                  f"{r.max_new_tokens} exceeds the model's context (max_position_embeddings="
-                                  f"{max_positions}); shorten the prompt or lower rollout.max_new_tokens")
+    for p in prompts:
+        problem = context_problem(p, budget, max_positions)
+        if problem:
+            raise PromptError(problem)
     params = SamplingParams(max_new_tokens=budget, temperature=0.0 if greedy else r.temperature,
                             top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
                             stop_token_ids=stop_ids(tokenizer, r.stop_token_ids),
