@@ -138,6 +138,22 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
     assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"
 
 
+@pytest.mark.parametrize("arch,changes,match", [
+    ("deepseek_v3", {}, "deepseek_v3 with these settings is not built for it"),  # MLA, sigmoid router, yarn
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}}, "llama with these settings"),
+])
+def test_bitwise_refuses_a_model_it_does_not_compute_before_any_process_group(tmp_path, arch, changes, match):
+    """Was a ValueError traceback on every rank once the process groups had started (exit 1)."""
+    hf = write_tiny_hf(arch, tmp_path / arch, overrides=changes)
+    fails(cfg_for(hf, tmp_path, "numerics.on_policy=bitwise", "engine.kind=reference"), f"numerics.on_policy: .*{match}")
+
+
+def test_bitwise_runs_qwen2_and_its_biases(tmp_path):
+    preflight(cfg_for(write_tiny_hf("qwen2", tmp_path / "qwen2"), tmp_path, "numerics.on_policy=bitwise",
+                      "engine.kind=reference"), world=1)
+
+
 def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
     # the line named data.train_path for a problem in the eval file
     good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
