@@ -126,15 +126,19 @@ def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     """numerics.on_policy=bitwise at parallel.tp > 1 adds a row-parallel layer's ranks by a fixed tree, which needs
     each rank's input slice to be a power of two (mtrain/models/bitwise_layers.py refuses it while building the
     model, after the process groups start). Checked here for the layers every such model has: the attention output
-    (heads x head_dim) and, in a dense model, the MLP's down projection."""
+    (heads x head_dim), the dense layers' down projection (a MoE model's dense layers too: Qwen3-MoE's
+    mlp_only_layers) and the experts' (expert TP is the TP)."""
+    from mtrain.layouts.models import moe_layer_pattern
     from mtrain.models.hf_config import map_hf_config
     tp = cfg.parallel.tp
     if cfg.numerics.on_policy != "bitwise" or tp == 1:
         return
     kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
+    pattern = moe_layer_pattern(hf_config)  # 1: a MoE layer, 0: a dense one
     inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
-              "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
-    for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
+              "intermediate_size": kw.get("ffn_hidden_size", 0) if 0 in pattern else 0,
+              "moe_intermediate_size": (kw.get("moe_ffn_hidden_size") or 0) if 1 in pattern else 0}
+    for name, size in inputs.items():  # 0: not this model's layer (MLA attention), left to the build
         local = size // tp
         if local and local & (local - 1):
             raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp} needs a power-of-two slice per rank of "

@@ -154,6 +154,17 @@ def test_bitwise_runs_qwen2_and_its_biases(tmp_path):
                       "engine.kind=reference"), world=1)
 
 
+@pytest.mark.parametrize("changes,match", [
+    ({"mlp_only_layers": [0], "moe_intermediate_size": 32}, "intermediate_size=96 gives 48"),  # its dense layer
+    ({"intermediate_size": 128, "moe_intermediate_size": 48}, "moe_intermediate_size=48 gives 24"),  # its experts
+])
+def test_bitwise_tensor_parallel_checks_a_moe_models_dense_layers_and_experts(tmp_path, changes, match):
+    """A Qwen3-MoE with a dense layer (mlp_only_layers) was left to the build: a ValueError traceback per rank."""
+    hf = write_tiny_hf("qwen3_moe", tmp_path / "moe", overrides=changes)
+    over = ("parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
+    fails(cfg_for(hf, tmp_path, *over), rf"^numerics\.on_policy: bitwise at parallel\.tp=2 .*{match}", world=2)
+
+
 def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
     # the line named data.train_path for a problem in the eval file
     good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
