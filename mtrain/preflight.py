@@ -322,6 +322,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    from mtrain.preflight_models import check_chat_template
+    check_chat_template(cfg, hf_config)
     check_run_dir(cfg)
     check_resume(cfg)
     check_logging(cfg)

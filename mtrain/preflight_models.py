@@ -72,6 +72,20 @@ def check_tokenizer(cfg: RunConfig) -> None:
         f"`mtrain init-tiny` carries {CHAR_TOKENIZER_MARKER} instead")
 
 
+def check_chat_template(cfg: RunConfig, hf_config: dict) -> None:
+    """data.apply_chat_template=true needs a tokenizer with a chat template: every prompt is rendered through it.
+    Without one the run built its models, started the first step and stopped there (a PromptError per rank)."""
+    from mtrain.tokenizer_files import tokenizer_files
+    hf = Path(cfg.model.hf_path)
+    if not cfg.data.apply_chat_template or hf_config.get("vision_config") or not tokenizer_files(hf):
+        return  # a vision model's processor renders its own template; the character tokenizer has one
+    from transformers import AutoTokenizer
+    if not getattr(AutoTokenizer.from_pretrained(str(hf)), "chat_template", None):
+        raise ConfigError(f"data.apply_chat_template: the tokenizer in {hf} has no chat template; set "
+                          f"data.apply_chat_template=false to use plain text prompts, or add the model's chat "
+                          f"template (chat_template.jinja, or chat_template in tokenizer_config.json)")
+
+
 def finished_run(cfg: RunConfig) -> str | None:
     """The line to print instead of starting a run that is already complete (train.resume=auto finds a checkpoint at
     train.steps or later), or None. Every rank decides alike from the same files, before any process group."""

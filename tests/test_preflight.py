@@ -165,6 +165,35 @@ def test_bitwise_tensor_parallel_checks_a_moe_models_dense_layers_and_experts(tm
     fails(cfg_for(hf, tmp_path, *over), rf"^numerics\.on_policy: bitwise at parallel\.tp=2 .*{match}", world=2)
 
 
+def _with_tokenizer(hf: Path, out: Path, chat_template: str | None) -> Path:
+    """A copy of the tiny model with a real (word-level) HF tokenizer instead of the character tokenizer's marker."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtrain.tokenizer_files import CHAR_TOKENIZER_MARKER
+    shutil.copytree(hf, out)
+    (out / CHAR_TOKENIZER_MARKER).unlink()
+    words = ["<pad>", "<s>", "</s>", "<unk>", "What", "is", "+", "?"] + [str(i) for i in range(10)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_any_process_group(hf, tmp_path):
+    """data.apply_chat_template=true (the default) with a tokenizer that has no template: the run built its models
+    and stopped at the first step with a PromptError per rank."""
+    bare = _with_tokenizer(hf, tmp_path / "bare", None)
+    fails(cfg_for(bare, tmp_path), r"^data\.apply_chat_template: the tokenizer in .* has no chat template")
+    preflight(cfg_for(bare, tmp_path, "data.apply_chat_template=false"), world=1)
+    chat = _with_tokenizer(hf, tmp_path / "chat", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    preflight(cfg_for(chat, tmp_path), world=1)
+
+
 def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
     # the line named data.train_path for a problem in the eval file
     good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
