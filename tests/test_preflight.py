@@ -188,8 +188,15 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_any_process_group
     """data.apply_chat_template=true (the default) with a tokenizer that has no template: the run built its models
     and stopped at the first step with a PromptError per rank."""
     bare = _with_tokenizer(hf, tmp_path / "bare", None)
-    fails(cfg_for(bare, tmp_path), r"^data\.apply_chat_template: the tokenizer in .* has no chat template")
+    fails(cfg_for(bare, tmp_path), r"^data\.apply_chat_template: .* the tokenizer in .* has none; set "
+                                   r"data\.apply_chat_template=false")
     preflight(cfg_for(bare, tmp_path, "data.apply_chat_template=false"), world=1)
+    # tool rollouts and agents render every turn through the template: a transformers traceback per rank at step 1
+    tools = ("data.apply_chat_template=false", "multi_turn.rollout_fn=mtrain.rollout.agents.multi_turn:rollout_group",
+             "multi_turn.tools=calculator")
+    fails(cfg_for(bare, tmp_path, *tools), r"^multi_turn\.rollout_fn: renders prompts .* has none; add")
+    agent = f"serve.agent={REPO / 'tests' / 'trainer' / 'agents_for_tests.py'}:two_turn_digits"
+    fails(cfg_for(bare, tmp_path, "data.apply_chat_template=false", agent), r"^serve\.agent: renders prompts")
     chat = _with_tokenizer(hf, tmp_path / "chat", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     preflight(cfg_for(chat, tmp_path), world=1)
 
