@@ -205,10 +205,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from mtrain.layouts import LayoutError
     from mtrain.metrics import MetricsError
     from mtrain.models.hf_config import ModelConfigError
+    from mtrain.rollout.agents.tito import TemplateError
     from mtrain.rollout.protocol import EngineError
     from mtrain.trainer.checkpoint import CheckpointError
+    # TemplateError: a chat template token-in-token-out cannot append turns to (tools, agents): the model's to change
     return (ConfigError, PromptError, DatasetError, RewardError, ParallelLayoutError, LayoutError, ModelConfigError,
-            EngineError, CheckpointError, FileExistsError, MetricsError)
+            EngineError, CheckpointError, FileExistsError, MetricsError, TemplateError)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,13 @@ def validate(cfg: RunConfig) -> None:
            f"must be in (0, 1), got {e.mem_fraction_static}")
     args_problems = server_args_problems(e.server_args, e.kind)
     _check(not args_problems, "engine.server_args", "; ".join(args_problems))
-    # Every algorithm here uses a group baseline: one sample per prompt gives advantage 0 everywhere.
-    _check(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
-           f"must be >= 2 for {a.name} (the group baseline needs several samples), got {r.samples_per_prompt}")
+    # The critic-free algorithms take a group baseline: one sample per prompt gives advantage 0 everywhere. PPO's
+    # advantage is its critic's GAE, and distillation alone (algo.distill.only) the teacher's per-token term: neither
+    # needs a group (unless DAPO's filter drops the uniform ones, which every group of one is).
+    group = a.name != "ppo" and not (a.distill.only and a.distill.teacher_path and not a.filter_uniform_groups)
+    _check(r.samples_per_prompt >= (2 if group else 1), "rollout.samples_per_prompt",
+           f"must be >= 2 for {a.name} (the group baseline needs several samples), got {r.samples_per_prompt}"
+           if group else f"must be >= 1, got {r.samples_per_prompt}")
     _check(r.temperature > 0, "rollout.temperature",
            f"must be > 0 (greedy rollouts give equal samples and zero advantages), got {r.temperature}")
     _check(0.0 < r.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")

@@ -113,20 +113,53 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
                                               f"model's context (max_position_embeddings={max_pos})")
 
 
+def check_bitwise_model(cfg: RunConfig, hf_config: dict) -> None:
+    """numerics.on_policy=bitwise: both sides compute the model with the fixed-order ops, the trainer's bitwise
+    layers (mtrain/models/bitwise_layers.bitwise_mapped says what they build) and the engine's forward (the reference
+    engine's list, or the SGLang classes mtrain serves). Said here in one line; without it an architecture they do
+    not compute (MLA, RoPE scaling, a MoE other than Qwen3-MoE's) was a ValueError traceback per rank once the
+    process groups had started."""
+    if cfg.numerics.on_policy != "bitwise":
+        return
+    from mtrain.models.bitwise_layers import bitwise_mapped
+    from mtrain.models.hf_config import map_hf_config
+    try:
+        bitwise_mapped(map_hf_config(hf_config))  # check_model has run: the mapping succeeds
+    except ValueError as e:
+        raise _fail("numerics.on_policy", f"{e}; use numerics.on_policy=off") from None
+    check_bitwise_tensor_parallel(cfg, hf_config)
+    if _engine_is_sglang(cfg):
+        from mtrain.rollout.protocol import EngineError
+        from mtrain.rollout.sglang_wire import bitwise_architecture
+        try:
+            bitwise_architecture((hf_config.get("architectures") or [""])[0])
+        except EngineError as e:
+            raise _fail("numerics.on_policy", str(e)) from None
+        return
+    from mtrain.rollout.reference_engine_bitwise import unsupported_model
+    problem = unsupported_model(hf_config)
+    if problem:
+        raise _fail("numerics.on_policy", problem)
+
+
 def check_bitwise_tensor_parallel(cfg: RunConfig, hf_config: dict) -> None:
     """numerics.on_policy=bitwise at parallel.tp > 1 adds a row-parallel layer's ranks by a fixed tree, which needs
     each rank's input slice to be a power of two (mtrain/models/bitwise_layers.py refuses it while building the
     model, after the process groups start). Checked here for the layers every such model has: the attention output
-    (heads x head_dim) and, in a dense model, the MLP's down projection."""
+    (heads x head_dim), the dense layers' down projection (a MoE model's dense layers too: Qwen3-MoE's
+    mlp_only_layers) and the experts' (expert TP is the TP)."""
+    from mtrain.layouts.models import moe_layer_pattern
     from mtrain.models.hf_config import map_hf_config
     tp = cfg.parallel.tp
     if cfg.numerics.on_policy != "bitwise" or tp == 1:
         return
     kw = map_hf_config(hf_config).config_kwargs  # check_model has run: the mapping succeeds
+    pattern = moe_layer_pattern(hf_config)  # 1: a MoE layer, 0: a dense one
     inputs = {"num_attention_heads x head_dim": kw.get("num_attention_heads", 0) * (kw.get("kv_channels") or 0),
-              "intermediate_size": 0 if kw.get("num_moe_experts") else kw.get("ffn_hidden_size", 0)}
+              "intermediate_size": kw.get("ffn_hidden_size", 0) if 0 in pattern else 0,
+              "moe_intermediate_size": (kw.get("moe_ffn_hidden_size") or 0) if 1 in pattern else 0}
     from mtrain.kernels.bitwise_ops import row_parallel_slice_problem
-    for name, size in inputs.items():  # 0: not this model's layer (MLA attention, MoE experts), left to the build
+    for name, size in inputs.items():  # 0: not this model's layer (MLA attention), left to the build
         problem = row_parallel_slice_problem(size, tp)
         if problem:
             raise _fail("numerics.on_policy", f"bitwise at parallel.tp={tp}: {problem} (this model's {name}={size}): "
@@ -332,7 +365,7 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     dp = data_parallel_size(cfg, train_world(cfg, world))
     check_model(cfg, hf_config, dp)
     check_score_centering_k(cfg)
-    check_bitwise_tensor_parallel(cfg, hf_config)
+    check_bitwise_model(cfg, hf_config)
     from mtrain.preflight_models import check_side_models
     check_side_models(cfg, hf_config, dp)  # PPO's critic and the distillation teacher fit the layout
     check_lora_model(cfg, hf_config)
@@ -342,6 +375,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
+    from mtrain.preflight_models import check_chat_template
+    check_chat_template(cfg, hf_config)  # before the prompts are rendered with it
     check_prompt_context(cfg, hf_config)
     check_run_dir(cfg)
     check_resume(cfg)

@@ -72,6 +72,33 @@ def check_tokenizer(cfg: RunConfig) -> None:
         f"`mtrain init-tiny` carries {CHAR_TOKENIZER_MARKER} instead")
 
 
+# what renders every prompt through the tokenizer's chat template: the config key that asks for it
+TEMPLATE_USERS = (("data.apply_chat_template", lambda cfg: cfg.data.apply_chat_template),
+                  # the built-in tool rollouts: token-in-token-out appends each turn through the template
+                  ("multi_turn.rollout_fn", lambda cfg: (cfg.multi_turn.rollout_fn or "").endswith(
+                      "mtrain.rollout.agents.multi_turn:rollout_group")),
+                  ("serve.agent", lambda cfg: bool(cfg.serve.agent)))  # the OpenAI front renders every chat call
+
+
+def check_chat_template(cfg: RunConfig, hf_config: dict) -> None:
+    """A tokenizer without a chat template, where the run renders prompts through one (TEMPLATE_USERS). Without this
+    the run built its models and engines, started step 1 and stopped there: a PromptError per rank for
+    data.apply_chat_template, a transformers ValueError traceback per rank for tool rollouts and agents."""
+    from mtrain.tokenizer_files import tokenizer_files
+    hf = Path(cfg.model.hf_path)
+    users = [key for key, uses in TEMPLATE_USERS if uses(cfg)]
+    if not users or hf_config.get("vision_config") or not tokenizer_files(hf):
+        return  # a vision model's processor renders its own template; the character tokenizer has one
+    from transformers import AutoTokenizer
+    if getattr(AutoTokenizer.from_pretrained(str(hf)), "chat_template", None):
+        return
+    fix = ("set data.apply_chat_template=false to use plain text prompts, or add"
+           if users == ["data.apply_chat_template"] else "add")
+    raise ConfigError(f"{users[0]}: renders prompts through the tokenizer's chat template, and the tokenizer in {hf} "
+                      f"has none; {fix} the model's chat template (chat_template.jinja, or chat_template in "
+                      f"tokenizer_config.json)")
+
+
 def finished_run(cfg: RunConfig) -> str | None:
     """The line to print instead of starting a run that is already complete (train.resume=auto finds a checkpoint at
     train.steps or later), or None. Every rank decides alike from the same files, before any process group."""

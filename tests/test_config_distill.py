@@ -71,3 +71,16 @@ def test_teacher_with_another_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match=r"^algo\.distill\.teacher_path: the policy's tokenizer files are .*, the "
                                           r"teacher's none"):
         load(policy, f"algo.distill.teacher_path={none}")
+
+
+def test_one_sample_per_prompt_without_a_group_baseline():
+    """PPO (its critic's GAE) and distillation alone (the teacher's term) take one sample per prompt; the
+    critic-free group baselines, and DAPO's uniform-group filter, still need two."""
+    from mtrain.config import ConfigError, load_config
+    base = ["model.hf_path=x", "data.task=arithmetic", "rollout.samples_per_prompt=1"]
+    load_config(None, base + ["algo.name=ppo"])
+    load_config(None, base + ["algo.distill.teacher_path=t", "algo.distill.only=true"])
+    for extra in ([], ["algo.distill.teacher_path=t"], ["algo.distill.teacher_path=t", "algo.distill.only=true",
+                                                         "algo.name=dapo"]):
+        with pytest.raises(ConfigError, match="rollout.samples_per_prompt: must be >= 2"):
+            load_config(None, base + extra)

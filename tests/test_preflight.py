@@ -139,6 +139,69 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
     assert preflight(cfg_for(pow2, tmp_path, *over), world=2)["model_type"] == "llama"
 
 
+@pytest.mark.parametrize("arch,changes,match", [
+    ("deepseek_v3", {}, "deepseek_v3 with these settings is not built for it"),  # MLA, sigmoid router, yarn
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}}, "llama with these settings"),
+])
+def test_bitwise_refuses_a_model_it_does_not_compute_before_any_process_group(tmp_path, arch, changes, match):
+    """Was a ValueError traceback on every rank once the process groups had started (exit 1)."""
+    hf = write_tiny_hf(arch, tmp_path / arch, overrides=changes)
+    fails(cfg_for(hf, tmp_path, "numerics.on_policy=bitwise", "engine.kind=reference"), f"numerics.on_policy: .*{match}")
+
+
+def test_bitwise_runs_qwen2_and_its_biases(tmp_path):
+    preflight(cfg_for(write_tiny_hf("qwen2", tmp_path / "qwen2"), tmp_path, "numerics.on_policy=bitwise",
+                      "engine.kind=reference"), world=1)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"mlp_only_layers": [0], "moe_intermediate_size": 32}, r"96/2=48 .*this model's intermediate_size=96"),  # dense
+    ({"intermediate_size": 128, "moe_intermediate_size": 48}, r"48/2=24 .*this model's moe_intermediate_size=48"),
+])
+def test_bitwise_tensor_parallel_checks_a_moe_models_dense_layers_and_experts(tmp_path, changes, match):
+    """A Qwen3-MoE with a dense layer (mlp_only_layers) was left to the build: a ValueError traceback per rank."""
+    hf = write_tiny_hf("qwen3_moe", tmp_path / "moe", overrides=changes)
+    over = ("parallel.tp=2", "numerics.on_policy=bitwise", "engine.kind=reference")
+    fails(cfg_for(hf, tmp_path, *over), rf"^numerics\.on_policy: bitwise at parallel\.tp=2: .*{match}", world=2)
+
+
+def _with_tokenizer(hf: Path, out: Path, chat_template: str | None) -> Path:
+    """A copy of the tiny model with a real (word-level) HF tokenizer instead of the character tokenizer's marker."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtrain.tokenizer_files import CHAR_TOKENIZER_MARKER
+    shutil.copytree(hf, out)
+    (out / CHAR_TOKENIZER_MARKER).unlink()
+    words = ["<pad>", "<s>", "</s>", "<unk>", "What", "is", "+", "?"] + [str(i) for i in range(10)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_any_process_group(hf, tmp_path):
+    """data.apply_chat_template=true (the default) with a tokenizer that has no template: the run built its models
+    and stopped at the first step with a PromptError per rank."""
+    bare = _with_tokenizer(hf, tmp_path / "bare", None)
+    fails(cfg_for(bare, tmp_path), r"^data\.apply_chat_template: .* the tokenizer in .* has none; set "
+                                   r"data\.apply_chat_template=false")
+    preflight(cfg_for(bare, tmp_path, "data.apply_chat_template=false"), world=1)
+    # tool rollouts and agents render every turn through the template: a transformers traceback per rank at step 1
+    tools = ("data.apply_chat_template=false", "multi_turn.rollout_fn=mtrain.rollout.agents.multi_turn:rollout_group",
+             "multi_turn.tools=calculator")
+    fails(cfg_for(bare, tmp_path, *tools), r"^multi_turn\.rollout_fn: renders prompts .* has none; add")
+    agent = f"serve.agent={REPO / 'tests' / 'trainer' / 'agents_for_tests.py'}:two_turn_digits"
+    fails(cfg_for(bare, tmp_path, "data.apply_chat_template=false", agent), r"^serve\.agent: renders prompts")
+    chat = _with_tokenizer(hf, tmp_path / "chat", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    preflight(cfg_for(chat, tmp_path), world=1)
+
+
 def test_a_bad_eval_file_names_data_eval_path(hf, tmp_path):
     # the line named data.train_path for a problem in the eval file
     good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"

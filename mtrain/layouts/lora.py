@@ -142,6 +142,13 @@ def peft_target_modules(layout: ModelLayout) -> list[str]:
     return sorted({p.name.rsplit(".", 3)[-3] for w in layout.weights for p in w.hf})
 
 
+def peft_module_paths(layout: ModelLayout) -> list[str]:
+    """The adapted modules by their last two HF name components (`self_attn.q_proj`, `mlp.gate_proj`,
+    `shared_experts.gate_proj`): PEFT matches a target by name suffix, so these tell a dense MLP's linears from a MoE
+    block's shared experts', which the last component alone (`gate_proj`) does not."""
+    return sorted({".".join(p.name.rsplit(".", 4)[-4:-2]) for w in layout.weights for p in w.hf})
+
+
 def module_slices(layout: ModelLayout) -> dict[str, list[tuple[str, Weight, Weight]]]:
     """Megatron base module name template -> [(slice name or '', A row, B row)] in the base weight's HF order."""
     out: dict[str, list] = {}

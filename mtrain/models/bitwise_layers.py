@@ -234,8 +234,6 @@ def bitwise_mapped(mapped):
             kw.get("position_embedding_type") != "rope" or kw.get("rope_scaling") or kw.get("rotary_percent", 1.0) != 1.0:
         raise ValueError(f"numerics.on_policy=bitwise supports Llama, Qwen2/3 and Qwen3-MoE shapes with plain RoPE; "
                          f"{mapped.model_type} with these settings is not built for it")
-    if mapped.config_kwargs.get("add_qkv_bias"):
-        raise ValueError("numerics.on_policy=bitwise: attention biases (Qwen2) are not built for it")
     model = dict(kw, position_embedding_type="none")
     return dataclasses.replace(mapped, model_kwargs=model), float(kw["rotary_base"])
 

@@ -155,7 +155,8 @@ def _common(hf: dict, mt: str) -> tuple[dict, dict]:
     if hf.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=True is not supported (Megatron has one add_bias_linear switch)")
     if hf.get("use_sliding_window"):
-        raise ModelConfigError("use_sliding_window=True is not supported")
+        raise ModelConfigError("use_sliding_window=True is not supported: mtrain's packed attention computes full "
+                               "causal attention (docs/design-trainer.md, 'Model options refused at load')")
     heads = int(_req(hf, "num_attention_heads", mt))
     hidden = int(_req(hf, "hidden_size", mt))
     cfg = dict(

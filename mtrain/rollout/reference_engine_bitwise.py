@@ -27,7 +27,18 @@ from mtrain.rollout.protocol import Completion, EngineError, Request
 from mtrain.rollout.reference_engine import ReferenceEngine
 from mtrain.rollout.reference_engine_sampling import sample_token, top_alternatives
 
-SUPPORTED = ("llama", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def unsupported_model(hf_config: dict) -> str | None:
+    """Why this engine cannot compute a model (its config.json dict) bit for bit, or None. The preflight asks it
+    before any process group starts; the engine's constructor asks it again."""
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    if hf_config.get("model_type") not in SUPPORTED or hf_config.get("vision_config") or \
+            rope.get("rope_type", rope.get("type", "default")) != "default":
+        return (f"numerics.on_policy=bitwise: the reference engine computes {', '.join(SUPPORTED)} with plain RoPE; "
+                f"got {hf_config.get('model_type')}")
+    return None
 
 
 def reference_engine_class(on_policy: str) -> type[ReferenceEngine]:
@@ -44,12 +55,10 @@ class BitwiseReferenceEngine(ReferenceEngine):
         record = bool(kwargs.pop("record_routing", False))  # recorded by this forward, not the HF model's hooks
         super().__init__(config, **kwargs)
         cfg = self._config
-        rope = getattr(cfg, "rope_scaling", None) or {}
-        if cfg.model_type not in SUPPORTED or self._vlm or (rope and rope.get("rope_type", "default") != "default"):
-            raise EngineError(f"numerics.on_policy=bitwise: the reference engine computes {SUPPORTED} with plain RoPE; "
-                              f"got {cfg.model_type}")
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-            raise EngineError("numerics.on_policy=bitwise: linear biases are not built for it")
+        problem = unsupported_model(cfg.to_dict()) or (self._vlm and f"numerics.on_policy=bitwise: {cfg.model_type} "
+                                                                       f"is a vision-language model")
+        if problem:
+            raise EngineError(problem)
         self.tp_size = int(tp_size)
         self._theta = float(getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {})["rope_theta"])
         self._eps = float(cfg.rms_norm_eps)
@@ -60,20 +69,23 @@ class BitwiseReferenceEngine(ReferenceEngine):
             raise EngineError("record_routing: the model has no MoE layers, there is no routing to record")
         self._record = record
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias, added in x's dtype after the rounding, as the trainer's row-parallel layer)."""
         if self.tp_size == 1:
-            return ops.linear(x, weight)
+            return ops.linear(x, weight, bias)
         k = weight.shape[1] // self.tp_size
         if k & (k - 1) or weight.shape[1] % self.tp_size:
             raise EngineError(f"bitwise engine tp_size={self.tp_size}: K={weight.shape[1]} per rank is not a power of 2")
         parts = [ops.linear_fp32(x[..., r * k:(r + 1) * k], weight[:, r * k:(r + 1) * k]) for r in range(self.tp_size)]
-        return ops.tree_sum(torch.stack(parts, dim=-1)).to(x.dtype)
+        out = ops.tree_sum(torch.stack(parts, dim=-1)).to(x.dtype)
+        return out + bias if bias is not None else out
 
     def _mlp(self, mlp, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the MLP block's output, expert ids [T, k] of a Qwen3-MoE block or None for a dense one)."""
         if not hasattr(mlp, "experts"):
-            act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight), ops.linear(y, mlp.up_proj.weight))
-            return self._row_parallel(act, mlp.down_proj.weight), None
+            act = ops.silu_mul(ops.linear(y, mlp.gate_proj.weight, mlp.gate_proj.bias),
+                               ops.linear(y, mlp.up_proj.weight, mlp.up_proj.bias))
+            return self._row_parallel(act, mlp.down_proj.weight, mlp.down_proj.bias), None
         ex = mlp.experts  # transformers 5: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]
         expert = moe_ops.fused_experts(ex.gate_up_proj, ex.down_proj, self._row_parallel)
         return moe_ops.moe(y, mlp.gate.weight, int(self._config.num_experts_per_tok),
@@ -98,15 +110,16 @@ class BitwiseReferenceEngine(ReferenceEngine):
             for li, layer in enumerate(m.layers):
                 a = layer.self_attn
                 y = ops.rms_norm(x, layer.input_layernorm.weight, self._eps)
-                q = ops.linear(y, a.q_proj.weight).view(t, h, d)
-                k = ops.linear(y, a.k_proj.weight).view(t, hkv, d)
-                v = ops.linear(y, a.v_proj.weight).view(t, hkv, d)
+                # biases (Qwen2's q/k/v) are added after the rounding, in the model's dtype, as the trainer's layers
+                q = ops.linear(y, a.q_proj.weight, a.q_proj.bias).view(t, h, d)
+                k = ops.linear(y, a.k_proj.weight, a.k_proj.bias).view(t, hkv, d)
+                v = ops.linear(y, a.v_proj.weight, a.v_proj.bias).view(t, hkv, d)
                 if hasattr(a, "q_norm"):
                     q = ops.rms_norm(q, a.q_norm.weight, self._eps)
                     k = ops.rms_norm(k, a.k_norm.weight, self._eps)
                 q, k = ops.rope(q, pos, self._theta), ops.rope(k, pos, self._theta)
                 o = ops.causal_attention(q, k, v, d ** -0.5).reshape(t, h * d)
-                x = x + self._row_parallel(o, a.o_proj.weight)
+                x = x + self._row_parallel(o, a.o_proj.weight, a.o_proj.bias)
                 y = ops.rms_norm(x, layer.post_attention_layernorm.weight, self._eps)
                 out, ids = self._mlp(layer.mlp, y)
                 x = x + out

@@ -8,7 +8,7 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from mtrain.rollout.protocol import EngineError
-from mtrain.rollout.reference_engine_lora_experts import fuse_expert_tensors, peft_lora_config, wrapper_params
+from mtrain.rollout.reference_engine_lora_experts import as_given, fuse_expert_tensors, peft_lora_config, wrapper_params
 
 
 class ReferenceLoraSlots:
@@ -85,7 +85,8 @@ class ReferenceLoraSlots:
             # PEFT checks rank/alpha_pattern against target_modules only; the gate_up_proj key does apply, to the
             # fused-expert target_parameters (reference_engine_lora_experts.py)
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
-            peft.inject_adapter_in_model(peft_lora_config(self._lora), self._model, adapter_name=slot)
+            with as_given():  # the config names transformers 5's modules and parameters already
+                peft.inject_adapter_in_model(peft_lora_config(self._lora), self._model, adapter_name=slot)
         self._model.to(self._dtype).requires_grad_(False)
         self._slot_params(slot)  # every injected slot is in _slot_cache from here on
         return slot

@@ -12,6 +12,7 @@ alpha / r. The engine's arithmetic stays PEFT's; this file only lays the trainer
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -23,20 +24,39 @@ _PER_EXPERT = re.compile(r"^(?P<path>.+\.experts)\.(?P<e>\d+)\.(?P<lin>gate_proj
 
 
 def peft_lora_config(lora: dict):
-    """PEFT's LoraConfig for the engine's adapter slots: lora = {r, lora_alpha, target_modules[, exclude_modules,
-    experts, module_targets]} (mtrain.trainer.publishers.lora.engine_lora_args). With experts the fused expert
-    parameters are target_parameters and target_modules keeps only the names of the non-expert rows.
-    exclude_modules: a vision-language model's vision tower, whose MLP shares the language model's linear names."""
+    """PEFT's LoraConfig for the engine's adapter slots: lora = {r, lora_alpha, target_modules[, module_targets,
+    exclude_modules, experts]} (mtrain.trainer.publishers.lora.engine_lora_args). PEFT's target_modules are the
+    non-expert rows' module_targets (two name components; target_modules' last components where absent); with
+    experts the fused expert parameters are target_parameters. exclude_modules: a vision-language model's vision
+    tower, whose MLP shares the language model's linear names. Inject it under `as_given()`."""
     import peft
     exclude = {"exclude_modules": lora["exclude_modules"]} if lora.get("exclude_modules") else {}
+    modules = list(lora.get("module_targets", lora["target_modules"]))
     if not lora.get("experts"):
         return peft.LoraConfig(lora_dropout=0.0, r=lora["r"], lora_alpha=lora["lora_alpha"],
-                               target_modules=list(lora["target_modules"]), **exclude)
+                               target_modules=modules, **exclude)
     r, alpha = int(lora["r"]), float(lora["lora_alpha"])
-    return peft.LoraConfig(lora_dropout=0.0, r=r, lora_alpha=alpha, target_modules=list(lora["module_targets"]),
+    return peft.LoraConfig(lora_dropout=0.0, r=r, lora_alpha=alpha, target_modules=modules,
                            **exclude,
                            target_parameters=[f"mlp.experts.{p}" for p in FUSED],
                            rank_pattern={"gate_up_proj": 2 * r}, alpha_pattern={"gate_up_proj": 2 * alpha})
+
+
+@contextlib.contextmanager
+def as_given():
+    """PEFT under transformers 5 rewrites, on any MoE model (Qwen3-MoE, DeepSeek-V3, ...), target_modules ending in
+    gate_proj / up_proj / down_proj into the fused experts' target_parameters and drops them from target_modules
+    (peft.utils.transformers_weight_conversion: adapters trained on transformers 4's per-expert linears). The
+    engine's config is already in transformers 5's terms, so that rewrite took the adapters off a dense MLP layer
+    and off DeepSeek's shared experts (the first load then refused their tensors as unknown) and put them on experts
+    no one had targeted. Inside this block the rewrite is off."""
+    from peft.utils import transformers_weight_conversion as conversion
+    rewrite = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = rewrite
 
 
 def wrapper_params(model: torch.nn.Module, slot: str) -> dict[str, torch.nn.Parameter]:

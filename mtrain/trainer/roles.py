@@ -80,11 +80,14 @@ def _learner(t):
 
 
 def _estimator(cfg, side):
-    """The advantage estimator: the critic's GAE (algo.name=ppo), else the group baseline of algo.baseline."""
-    from mtrain.trainer.learner.advantages import CriticGAE, GroupBaseline
+    """The advantage estimator: the critic's GAE (algo.name=ppo), none of the task reward's when the teacher's term is
+    the whole advantage (algo.distill.only), else the group baseline of algo.baseline."""
+    from mtrain.trainer.learner.advantages import CriticGAE, GroupBaseline, NoTaskAdvantage
     from mtrain.trainer.learner.leave_one_out import LeaveOneOutBaseline
     if side.critic_step is not None:
         return CriticGAE(side.critic_step)
+    if cfg.algo.distill.only and cfg.algo.distill.teacher_path:
+        return NoTaskAdvantage()
     baselines = {"group_mean": GroupBaseline, "leave_one_out": LeaveOneOutBaseline}
     return baselines[cfg.algo.baseline](cfg.algo, cfg.rollout.samples_per_prompt)
 

@@ -1,6 +1,6 @@
 """numerics.on_policy=bitwise: the logprob the reference engine returns for each sampled token equals, bit for bit
-(torch.equal), the one the trainer's Megatron model recomputes from the same weights, for a tiny Llama and a tiny
-Qwen3 with random weights (norms included), float32 and bf16: trainer TP1 and TP2 against engine TP1 and TP2.
+(torch.equal), the one the trainer's Megatron model recomputes from the same weights, for a tiny Llama, a tiny Qwen2
+(q/k/v biases) and a tiny Qwen3 with random weights (norms included), float32 and bf16: trainer TP1 and TP2 against engine TP1 and TP2.
 For a tiny Qwen3-MoE (a dense layer, then a MoE layer with top-4 of 8 experts) the experts each side chose for every
 token are equal too, without routing replay.
 
@@ -20,7 +20,7 @@ from mtrain.dist import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3")  # qwen2: q/k/v biases
 MOE = ("qwen3_moe",)
 DTYPES = ("float32", "bfloat16")
 PROMPTS = ([5, 17, 33, 2, 91, 40], [7, 7, 120, 64, 3, 19], [11, 42, 8])  # two prompt lengths: two decode groups
@@ -108,6 +108,8 @@ def _tp1_state(cfg: dict, dtype: torch.dtype, bitwise: bool) -> dict:
         p = f"decoder.layers.{i}."
         names[p + "input_layernorm.weight"] = torch.zeros(h)
         names[p + "self_attention.linear_qkv.weight"] = torch.zeros((q + 2 * g) * hd, h)
+        if c.get("add_qkv_bias"):
+            names[p + "self_attention.linear_qkv.bias"] = torch.zeros((q + 2 * g) * hd)
         names[p + "self_attention.linear_proj.weight"] = torch.zeros(h, q * hd)
         if c.get("qk_layernorm"):
             names[p + "self_attention.q_layernorm.weight"] = torch.zeros(hd)
@@ -137,8 +139,8 @@ def _shard(full: dict, local: dict, tp: int, rank: int, cfg: dict) -> dict:
             out[name] = target
             continue
         t = full[name]
-        if tp > 1 and "linear_qkv.weight" in name:
-            t = t.view(tp, -1, t.shape[-1])[rank]  # rows are grouped by query group, groups split evenly
+        if tp > 1 and "linear_qkv." in name:
+            t = t.view(tp, -1, *t.shape[1:])[rank]  # rows (and biases) are grouped by query group, split evenly
         elif tp > 1 and "linear_fc1.weight" in name:
             gate, up = t.chunk(2)
             t = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])

@@ -63,3 +63,19 @@ def test_bad_values_are_refused_at_load():
         load_config(None, BASE + ["multi_turn.tool_parser=llama4"])
     with pytest.raises(ConfigError, match="multi_turn.rollout_fn"):
         load_config(None, BASE + ["multi_turn.rollout_fn=nocolon"])
+
+
+def test_a_prompt_over_the_token_budget_is_a_prompt_error(tmp_path):
+    """The tools' system prompt rendered with a prompt reaches the model's context: one PromptError line (exit 2)
+    naming what to change, not a ValueError traceback on every rank (a 256-position model with the calculator)."""
+    from mtrain.data.chat import PromptError
+    from mtrain.data.records import PromptSample
+    from mtrain.rollout.agents.multi_turn import new_trajectory
+
+    cfg = load_config(None, BASE + ["multi_turn.tools=calculator",
+                                    "multi_turn.rollout_fn=mtrain.rollout.agents.multi_turn:rollout_group"])
+    tok = CharTokenizer()
+    ctx = make_context(cfg, tok, build_tool_server(cfg.multi_turn), None, base_seed=0, rid_prefix="s0-g0",
+                       params=SamplingParams(stop_token_ids=(tok.eos_token_id,)), greedy=True, max_positions=256)
+    with pytest.raises(PromptError, match=r"sample 7: the prompt has \d+ tokens .*model context 256"):
+        new_trajectory(PromptSample(index=7, prompt="What is 3 + 4?", answer="7"), ctx, "r0")

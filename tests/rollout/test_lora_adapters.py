@@ -180,10 +180,23 @@ def test_unload_waits_for_requests_that_name_the_adapter():
     assert v.wait_unused("policy-v0", 5.0) and v.in_use("policy-v0") == 0 and v.in_use("policy-v1") == 1
 
 
-def test_expert_adapters_generate_like_the_merged_hf_model(tmp_path):
-    """LoRA on attention and every routed expert of a tiny Qwen3-MoE (transformers keeps the experts fused): the
-    engine takes the trainer's per-expert PEFT names, and generates with the logprobs of the plain HF model whose
-    weights have W + (alpha/r) B A merged in by hand, per expert, from those same per-expert tensors (<= 1e-5)."""
+MOE_CASES = {  # id: (architecture, config.json changes, targets)
+    "qwen3_moe-experts": ("qwen3_moe", {}, ("qkv", "experts")),
+    # a dense layer's MLP in a MoE model, and DeepSeek's shared experts: PEFT under transformers 5 rewrote targets
+    # named gate_proj/up_proj/down_proj on a MoE model into the fused experts' parameters, so these linears got no
+    # adapter (the first load refused their tensors as unknown) and the experts got one no one had targeted
+    "qwen3_moe-dense_layer": ("qwen3_moe", {"mlp_only_layers": [0]}, ("gate_up", "down")),
+    "deepseek_v3-shared": ("deepseek_v3", {}, ("experts", "shared.gate_up", "shared.down")),
+    "deepseek_v3-dense_layer": ("deepseek_v3", {}, ("gate_up", "down")),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_expert_adapters_generate_like_the_merged_hf_model(tmp_path, case):
+    """LoRA on a MoE model's linears: every routed expert (transformers keeps the experts fused), a dense layer's
+    MLP, shared experts. The engine takes the trainer's per-expert PEFT names, and generates with the logprobs of the
+    plain HF model whose weights have W + (alpha/r) B A merged in by hand, per expert, from those same tensors
+    (<= 1e-5)."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -194,12 +207,13 @@ def test_expert_adapters_generate_like_the_merged_hf_model(tmp_path):
     from mtrain.tiny_hf import write_tiny_hf
     from mtrain.trainer.publishers.lora import engine_lora_args
 
-    hf = write_tiny_hf("qwen3_moe", tmp_path / "moe", seed=0)
+    arch, changes, targets = MOE_CASES[case]
+    hf = write_tiny_hf(arch, tmp_path / "moe", seed=0, overrides=changes)
     base = model_layout(dict(json.loads((hf / "config.json").read_text()), num_nextn_predict_layers=0), mtp=False)
-    spec = LoraSpec(RANK, ALPHA, ("qkv", "experts"))
+    spec = LoraSpec(RANK, ALPHA, targets)
     table, lora = lora_layout(base, spec), engine_lora_args(base, spec)
     tensors = _adapter(table, seed=3)
-    assert any(".experts.3.up_proj.lora_B" in k for k in tensors)
+    assert ("experts" in targets) == any(".experts.3.up_proj.lora_B" in k for k in tensors)
     engine = ReferenceEngine.from_pretrained(str(hf), lora=lora)
     prompt = [3, 17, 5, 9]
     try:

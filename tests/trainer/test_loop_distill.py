@@ -58,8 +58,19 @@ def test_teacher_equal_to_the_policy_gives_zero_signal(models, tmp_path):
                                            "algo.distill.only": "true"}), cwd=tmp_path)
     first = train_records(run)[1]
     assert first["distill/reverse_kl"] == 0.0
-    assert first["adv/std"] > 0  # the task reward did carry signal, which `only` left out
+    assert "adv/std" not in first  # `only`: the task reward gives no advantage (learner/advantages.NoTaskAdvantage)
     assert first["grad_norm"] == 0.0
+
+
+@pytest.mark.slow  # a further torchrun launch (~25 s on 2 cores): MTRAIN_SLOW=1
+def test_distillation_alone_takes_one_sample_per_prompt(models, tmp_path):
+    """algo.distill.only needs no group: the teacher's per-token term is the whole advantage. One sample per prompt
+    was refused at load, and past that the group baseline raised 'group_size must be >= 2' on every rank."""
+    recs = distill_run(models, tmp_path, **{"algo.distill.only": "true", "rollout.samples_per_prompt": 1,
+                                            "rollout.prompts_per_step": 4, "train.micro_batch_size": 2})
+    assert sorted(recs) == [1, 2]
+    for r in recs.values():
+        assert r["grad_norm"] > 0.0 and r["distill/reverse_kl"] != 0.0, r
 
 
 @pytest.mark.slow  # a third torchrun launch: MTRAIN_SLOW=1

@@ -95,3 +95,23 @@ def test_ppo_pp2_two_minibatches_scores_as_tp2(ppo_run, tiny, tmp_path):
     for k in ("critic/values_mean", "critic/explained_var", "critic/returns_mean", "reward/mean"):
         assert abs(got[k] - ref[k]) < 1e-5, (k, got[k], ref[k])
     assert got["ppo/updates"] == 2.0 and got["critic/grad_norm"] > 0
+
+
+def test_ppo_takes_one_sample_per_prompt(tiny, tmp_path):
+    """PPO's advantage is its critic's GAE, not a group baseline: rollout.samples_per_prompt=1 (the classic PPO
+    batch) was refused at load with the GRPO family's reason. 2 steps at TP2: the advantages are not all 0 and the
+    policy's gradient is not 0; GRPO keeps the refusal."""
+    from mtrain.config import ConfigError, load_config
+    from loop_harness import CONFIG
+
+    run = tmp_path / "run"
+    launch(base_overrides(tiny[0], run, **{"algo.name": "ppo", "critic.lr": 1e-3, "rollout.samples_per_prompt": 1,
+                                           "rollout.prompts_per_step": 4, "train.micro_batch_size": 2,
+                                           "train.steps": 2, "train.save_interval": -1}), cwd=tmp_path)
+    recs = train_records(run)
+    assert sorted(recs) == [1, 2]
+    for r in recs.values():
+        assert r["adv/std"] > 0.5 and r["grad_norm"] > 0.0, r
+        assert r["logprob_diff/max_abs"] <= 1e-5
+    with pytest.raises(ConfigError, match="rollout.samples_per_prompt: must be >= 2 for grpo"):
+        load_config(CONFIG, ["model.hf_path=x", "rollout.samples_per_prompt=1"])

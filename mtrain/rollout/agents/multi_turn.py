@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from mtrain.data.chat import PromptError
 from mtrain.data.datasets import PromptSample
 from mtrain.data.rewards import finite_reward, safe_reward
 from mtrain.rollout.agents import tito
@@ -110,16 +111,19 @@ def new_trajectory(sample: PromptSample, ctx: RolloutContext, rid: str) -> Traje
     vision = None
     if getattr(sample, "images", ()):
         if not hasattr(ctx.tokenizer, "render_messages"):
-            raise ValueError(f"sample {sample.index}: the sample has {len(sample.images)} image(s) but the model has "
+            raise PromptError(f"sample {sample.index}: the sample has {len(sample.images)} image(s) but the model has "
                              f"no vision tower (its config.json has no vision_config/image_token_id)")
         messages, text, ids, vision = ctx.tokenizer.render_messages(messages, sample.images, ctx.template_schemas,
                                                                     sample_id=sample.index)
     else:
         text, ids = tito.prompt_ids(ctx.tokenizer, messages, ctx.template_schemas)
     if len(ids) >= ctx.token_budget:
-        raise ValueError(f"sample {sample.index}: the prompt has {len(ids)} tokens, not below the token budget "
-                         f"{ctx.token_budget} (multi_turn.max_total_tokens={ctx.max_total_tokens}, model context "
-                         f"{ctx.max_positions})")
+        # the prompt as the chat template renders it with the tools' system prompt, so known only here: one line
+        # (PromptError) for what the user changes, not a traceback per rank
+        raise PromptError(f"sample {sample.index}: the prompt has {len(ids)} tokens (with the tools' system prompt), "
+                          f"not below the token budget {ctx.token_budget} (multi_turn.max_total_tokens="
+                          f"{ctx.max_total_tokens}, model context {ctx.max_positions}); shorten the prompt or "
+                          f"multi_turn.system_prompt, or use a model of a longer context")
     return Trajectory(rid=rid, segments=[Segment("prompt", ids, text=text)], messages=messages, sample=sample,
                       vision=vision,
                       metrics={"tool_calls": 0.0, "valid_tool_calls": 0.0, "tool_errors": 0.0, "aborts": 0.0})

@@ -22,3 +22,12 @@ class CriticGAE:
 
     def __call__(self, batch, rows: int):
         return self.critic_step.advantages(batch, rows)
+
+
+class NoTaskAdvantage:
+    """Distillation alone (algo.distill.only): the teacher's per-token term is the whole advantage, so the task reward
+    gives none; zeros ([B, T], like the response mask) for the term to replace. No group needed: one sample per prompt
+    runs."""
+
+    def __call__(self, batch, rows: int):
+        return batch.response_mask[:rows].new_zeros(batch.response_mask[:rows].shape), {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from mtrain.layouts.lora import LoraSpec, lora_layout, peft_target_modules
+from mtrain.layouts.lora import LoraSpec, lora_layout, peft_module_paths, peft_target_modules
 from mtrain.layouts.table import ModelLayout
 from mtrain.layouts.vlm import HF_VISION
 
@@ -35,16 +35,18 @@ def vision_layout(base: ModelLayout) -> ModelLayout:
 
 def engine_lora_args(base: ModelLayout, spec: LoraSpec) -> dict:
     """PEFT LoraConfig fields of the engine's adapter (the reference engine injects them; SGLang's
-    lora_target_modules / max_lora_rank come from the same names). With expert rows also `experts` and
-    `module_targets` (the names of the non-expert rows): the reference engine wraps transformers' fused expert
-    parameters, not modules of those names (mtrain/rollout/reference_engine_lora_experts.py)."""
+    lora_target_modules / max_lora_rank come from the same names). `module_targets`: the non-expert rows' modules as
+    the reference engine's PEFT matches them, by their last two name components (a dense MLP's `mlp.gate_proj` is
+    not DeepSeek's `shared_experts.gate_proj`); with expert rows also `experts`: the reference engine wraps
+    transformers' fused expert parameters, not modules (mtrain/rollout/reference_engine_lora_experts.py)."""
     table = lora_layout(base, spec)
     out = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": peft_target_modules(table)}
     if vision_layout(base).weights:  # Qwen2.5-VL's vision MLP has gate/up/down_proj too: adapters stay off it
         out["exclude_modules"] = VISION_MODULES
-    if any(w.expert is not None for w in table.weights):
-        dense = replace(table, weights=[w for w in table.weights if w.expert is None])
-        out.update(experts=True, module_targets=peft_target_modules(dense) if dense.weights else [])
+    dense = replace(table, weights=[w for w in table.weights if w.expert is None])
+    out["module_targets"] = peft_module_paths(dense)
+    if len(dense.weights) < len(table.weights):
+        out["experts"] = True
     return out
 
 
