@@ -147,7 +147,8 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
 def test_bitwise_refuses_a_model_it_does_not_compute_before_any_process_group(tmp_path, arch, changes, match):
     """Was a ValueError traceback on every rank once the process groups had started (exit 1)."""
     hf = write_tiny_hf(arch, tmp_path / arch, overrides=changes)
-    fails(cfg_for(hf, tmp_path, "numerics.on_policy=bitwise", "engine.kind=reference"), f"numerics.on_policy: .*{match}")
+    fails(cfg_for(hf, tmp_path, "numerics.on_policy=bitwise", "engine.kind=reference"),
+          f"numerics.on_policy: .*{match}")
 
 
 def test_bitwise_runs_qwen2_and_its_biases(tmp_path):
