@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+from starlette.requests import ClientDisconnect
 
 from mtrain.data.rewards import RewardError, finite_reward
 from mtrain.rollout.protocol import EngineError
@@ -196,6 +197,9 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         except asyncio.TimeoutError:
             raise FrontError(408, f"the request body did not arrive within {read_timeout_s:g} s",
                              code="timeout") from None
+        except ClientDisconnect:  # a client gone mid-body is ordinary: no traceback (nobody reads the answer)
+            raise FrontError(400, "the client closed the connection before its request body arrived",
+                             code="client_disconnected") from None
         if len(raw) > max_body_bytes:  # chunked bodies carry no content-length
             raise FrontError(413, f"request body larger than {max_body_bytes} bytes", code="too_large")
         try:

@@ -224,3 +224,27 @@ def test_max_session_tokens_below_one_is_one_config_line():
     from mtrain.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="serve.max_session_tokens"):
         load_config(None, ["model.hf_path=x", "data.task=arithmetic", "serve.max_session_tokens=0"])
+
+
+@pytest.mark.parametrize("cut", ["length", "chunked"])
+def test_a_client_gone_mid_body_logs_no_traceback(server, caplog, cut):
+    """A client that closes its connection before its body is complete (a Content-Length it never sends, an
+    unterminated chunked body) is an ordinary event: no "unexpected error" traceback, and the next call is served."""
+    import logging
+    import socket
+    import time
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+            f"Content-Type: application/json\r\n")
+    head += "Content-Length: 100\r\n\r\n" if cut == "length" else "Transfer-Encoding: chunked\r\n\r\n8\r\n"
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(head.encode() + b'{"model"')
+                time.sleep(0.2)
+        time.sleep(1.0)
+        c = OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    bad = [x for x in caplog.records if x.levelno >= logging.ERROR or x.exc_info]
+    assert not bad, [x.getMessage() for x in bad]
