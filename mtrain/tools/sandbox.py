@@ -340,10 +340,13 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
         raise RuntimeError("sandbox: network=False needs root and an interpreter other users may run "
                            "(a network namespace of its own); run as root, or allow the network")
     uid = _acquire_uid(own_uid)
-    scratch = Path(tempfile.mkdtemp(prefix="mtrain-sandbox-"))
-    proc = None
-    try:
-        (scratch / "main.py").write_text(code)
+    scratch, proc = None, None
+    try:  # from here on the uid is released on every path, a failed mkdtemp (a full /tmp) included
+        scratch = Path(tempfile.mkdtemp(prefix="mtrain-sandbox-"))
+        # The interpreter reads its source as UTF-8 whatever the trainer's locale. A lone surrogate (JSON's
+        # "\ud800" in a tool call's arguments decodes to one) cannot be encoded: written as the escape it came
+        # from, so a string literal keeps its meaning and anything else is the model's SyntaxError, not a crash.
+        (scratch / "main.py").write_text(code, encoding="utf-8", errors="backslashreplace")
         tmp_env = private_dirs(scratch)
         if uid is not None:
             chown_tree(scratch, uid)
@@ -365,7 +368,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
         for t in readers:
             t.start()
         try:
-            proc.stdin.write(stdin.encode())
+            proc.stdin.write(stdin.encode("utf-8", errors="backslashreplace"))
             proc.stdin.close()
         except BrokenPipeError:
             pass
@@ -406,7 +409,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str
             proc.wait()
         clean = False
         try:  # nothing of the uid runs any more: its files and zombies can go
-            clean = remove_tree(scratch)
+            clean = remove_tree(scratch) if scratch is not None else True
             if uid is not None:
                 clean = not remove_owned(uid) and clean
                 _reap(uid)

@@ -270,3 +270,32 @@ def test_calculator_is_exact_against_python_ints():
     for bad in ["__import__('os')", "a+1", "2**100000", "9**9**9", "1/0", "", "x" * 600]:
         with pytest.raises(ToolError):
             evaluate(bad)
+
+
+def test_a_lone_surrogate_in_code_is_the_models_code_not_a_crash():
+    """JSON's "\\ud800" in a tool call's arguments decodes to a lone surrogate, which UTF-8 cannot encode: the
+    script is written with it escaped, so the call runs (a string literal keeps its meaning)."""
+    server = ToolServer([PythonTool(LIMITS)], timeout_s=30)
+
+    async def go():
+        async with server.session("s") as s:
+            return await server.call(s, "python", '{"code": "x = \'\\ud800\'\\nprint(len(x), hex(ord(x)))"}')
+    r = asyncio.run(go())
+    server.close()
+    assert r.ok and r.content == "1 0xd800", (r.error_kind, r.content)
+
+
+def test_a_failed_scratch_directory_releases_the_sandbox_uid(monkeypatch):
+    import tempfile
+
+    from mtrain.tools import sandbox
+    if not sandbox_python()[1]:
+        pytest.skip("not root: no sandbox uid to release")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space"):
+            run_python("print(1)", LIMITS)
+    assert not sandbox._uids_in_use
