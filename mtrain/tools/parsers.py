@@ -70,8 +70,18 @@ def load_json(raw: str) -> tuple[Any, str | None]:
         return None, f"invalid JSON: {e}"
 
 
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def valid_unicode(json_text: str) -> str:
+    """`json_text` with every lone surrogate written as its JSON escape: the same JSON value, and text that UTF-8
+    can encode. Model output's JSON may write "\\ud800", which `json.loads` decodes to a lone surrogate; dumped
+    back as it is, it made every later encode fail (the front's JSON response, the tokenizer, a log file)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return valid_unicode(json.dumps(value, ensure_ascii=False))
 
 
 @dataclass(frozen=True)
@@ -238,4 +248,4 @@ class ToolCallParser:
         except Exception as e:  # noqa: BLE001 - SGLang raises on non-object JSON; ours treats it as malformed
             log.debug("SGLang's %s parser raised %s; using ours for this text", self.name, e)
             return ours
-        return ParseResult(normal, [ToolCall(i.name, i.parameters) for i in items], ours.malformed)
+        return ParseResult(normal, [ToolCall(i.name, valid_unicode(i.parameters)) for i in items], ours.malformed)
