@@ -15,9 +15,13 @@ MAX_VERDICT_CHARS = 2000
 # a yes/no answer: the first of these words, as a word of its own (not "yesterday", "nothing")
 _YES_NO = re.compile(r"\b(yes|no|correct|incorrect|true|false)\b", re.IGNORECASE)
 _YES = {"yes", "correct", "true"}
-# an ASCII number, optionally "N/M" or "N out of M"; unicode digits are not numbers here (float() would take them)
-_SCORE = re.compile(r"(?<![\w.])(-?[0-9]+(?:\.[0-9]+)?)(?:\s*(?:/|out of)\s*([0-9]+(?:\.[0-9]+)?))?(?![\w.])",
+# an ASCII number, optionally "N/M" or "N out of M"; unicode digits are not numbers here (float() would take them);
+# not part of a word or of a dotted version ("v2", "1.2.3"), but a sentence's full stop may follow ("It gets 8.")
+_SCORE = re.compile(r"(?<![\w.])(-?[0-9]+(?:\.[0-9]+)?)(?:\s*(?:/|out of)\s*([0-9]+(?:\.[0-9]+)?))?(?!\w|\.[0-9])",
                     re.IGNORECASE | re.ASCII)
+
+# what parse_regex's group may hold: an ASCII decimal number (float() would also take "١", "1_0", " 5 ", "infinity")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
 def _clip01(x: float) -> float | None:
@@ -37,9 +41,13 @@ def parse_yes_no(text: str) -> float | None:
 def parse_score(text: str, score_max: float) -> float | None:
     """The first number of the text as a share of `score_max` ("7", "7/10", "7 out of 10": the given denominator
     wins), clipped to [0, 1]; a negative score is 0. None when there is no number or it is not finite."""
-    m = _SCORE.search(text[:MAX_VERDICT_CHARS])
+    head = text[:MAX_VERDICT_CHARS]
+    m = _SCORE.search(head)
     if m is None:
         return None
+    before = head[:m.start()].rstrip().lower()
+    if before.endswith("/") or re.search(r"\bout of$", before[-7:]):
+        return None  # "?/10", "Score: /10", "N/A out of 10": the first number is a denominator; no score was given
     value = float(m.group(1))
     top = float(m.group(2)) if m.group(2) is not None else score_max
     if top <= 0:
@@ -52,11 +60,10 @@ def parse_regex(text: str, pattern: re.Pattern) -> float | None:
     m = pattern.search(text[:MAX_VERDICT_CHARS])
     if m is None or m.group(1) is None:
         return None
-    try:
-        value = float(m.group(1).strip())
-    except ValueError:
+    raw = m.group(1).strip()
+    if _NUMBER.fullmatch(raw) is None:
         return None
-    return _clip01(value)
+    return _clip01(float(raw))
 
 
 def compile_pattern(pattern: str | None) -> re.Pattern:

@@ -35,7 +35,10 @@ def test_yes_no(text, expected):
 @pytest.mark.parametrize("text, expected", [
     ("7", 0.7), ("Score: 7/10", 0.7), ("8 out of 10", 0.8), ("3/4", 0.75), ("-3", 0.0), ("42", 1.0),
     ("10.0", 1.0), ("score 5/0", None), ("v2.5 model says 5", 0.5), ("1e999", None), ("٣", None),
-    ("1.2.3", None), ("abc", None), ("NaN", None), ("0/0", None)])
+    ("1.2.3", None), ("abc", None), ("NaN", None), ("0/0", None),
+    # a sentence's full stop ends a score; a denominator with no score before it is no verdict (not a full score)
+    ("I give it 8.", 0.8), ("Score: 7/10.", 0.7), ("1.2.3.", None), ("?/10", None), ("Score: /10", None),
+    ("Score: N/A out of 10", None), ("\u2176/10", None), ("out of 10", None)])
 def test_score(text, expected):
     got = parse_score(text, 10.0)
     assert got == (pytest.approx(expected) if expected is not None else None)
@@ -45,6 +48,9 @@ def test_regex_reads_its_group_and_clips():
     p = make_parser("regex", pattern=r"reward=([^ ]+)")
     assert p("reward=0.25 done") == 0.25 and p("reward=7") == 1.0 and p("reward=-1") == 0.0
     assert p("reward=nan") is None and p("reward=inf") is None and p("reward=abc") is None and p("none") is None
+    # only ASCII decimal numbers: float() would also read unicode digits and underscores
+    assert p("reward=\u0663") is None and p("reward=\uff11") is None and p("reward=1_0") is None
+    assert p("reward=.5") == 0.5 and p("reward=1e-3") == 0.001 and p("reward=+1.") == 1.0
 
 
 def test_a_long_hostile_output_is_read_quickly():
