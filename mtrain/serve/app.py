@@ -145,8 +145,13 @@ def build_app(front: OpenAIFront, *, api_key: str | None, max_body_bytes: int = 
         return error(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, e: RequestValidationError):
-        return error(FrontError(400, str(e.errors()[:1])))
+    async def _validation(_, e: RequestValidationError):  # a query or path parameter (`?tokens=abc`): one line
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ())]
+        where = f"{'.'.join(loc[1:])} ({loc[0]})" if len(loc) > 1 else ".".join(loc)
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        return error(FrontError(400, f"{where}: {first.get('msg', 'invalid')}{more}", param=".".join(loc[1:]) or None))
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _):

@@ -248,3 +248,13 @@ def test_a_client_gone_mid_body_logs_no_traceback(server, caplog, cut):
         assert r.choices[0].finish_reason in ("stop", "length")
     bad = [x for x in caplog.records if x.levelno >= logging.ERROR or x.exc_info]
     assert not bad, [x.getMessage() for x in bad]
+
+
+def test_a_bad_query_parameter_is_one_openai_shaped_line(server):
+    sid = _new_session(server)
+    r = httpx.get(f"{server.url}/sessions/{sid}?tokens=abc", headers=_auth(server))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "tokens (query): Input should be a valid integer, unable to parse string as an integer"
+    assert err["param"] == "tokens"
+    assert httpx.get(f"{server.url}/sessions/{sid}?tokens=1", headers=_auth(server)).status_code == 200
