@@ -24,7 +24,7 @@ import yaml
 
 from mtrain.config_checks import ConfigError, check_paths, refuse_secret_overrides, validate  # noqa: F401  (ConfigError, check_paths: re-exported)
 from mtrain.config_sections import (ALGO_PRESETS, PARTIAL_OVER_SAMPLE, PATH_KEYS, RunConfig,  # noqa: F401  (RunConfig: re-exported)
-                                   _field_of, _key_of)
+                                   SECRET_KEYS, _field_of, _key_of)
 from mtrain.paths import user_path
 
 
@@ -86,7 +86,7 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
         if isinstance(value, bool) and ("on" if value else "off") in args:
             value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not {_type_name(t)}")
+            raise ConfigError(f"{key}: {_shown(value, key, False)} is not {_type_name(t)}")
         return value
     if origin is dict:  # a free-form mapping (engine.server_args): str keys, YAML values kept as they are
         if isinstance(value, str):  # "{a: 1, b: x}" from a shell override
@@ -94,7 +94,7 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
         if value is None:
             return {}
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {_shown(value, key, False)}")
         return dict(value)
     if origin is list:
         (elem,) = args
@@ -126,7 +126,14 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
             return str(value)
     else:
         raise ConfigError(f"{key}: unsupported field type {t}")
-    raise ConfigError(f"{key}: expected {_type_name(t)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{key}: expected {_type_name(t)}, got {_shown(value, key)}")
+
+
+def _shown(value: Any, key: str, with_type: bool = True) -> str:
+    """A bad value as an error message shows it; a secret's is not shown (the message reaches logs and trackers)."""
+    if key.split("[", 1)[0] in SECRET_KEYS:
+        return f"a {type(value).__name__} (not shown: {key} is a secret)"
+    return f"{value!r} ({type(value).__name__})" if with_type else repr(value)
 
 
 def _build(cls: type, data: Any, prefix: str, source: str) -> Any:

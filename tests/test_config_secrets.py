@@ -48,3 +48,14 @@ def test_wandb_gets_the_config_without_the_key(tmp_path, monkeypatch):
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files)
     assert not [p for p in files if KEY.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize("value", [[KEY], {"k": KEY}, {KEY: 1}, True])
+def test_a_secret_of_the_wrong_type_is_refused_without_showing_it(tmp_path, value):
+    from mtrain.config import ConfigError
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"model": {"hf_path": "x"}, "data": {"task": "arithmetic"},
+                                 "serve": {"api_key": value}}))
+    with pytest.raises(ConfigError, match=r"serve.api_key: expected .*not shown: serve.api_key is a secret") as e:
+        load_config(f)
+    assert KEY not in str(e.value)
