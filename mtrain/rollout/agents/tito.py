@@ -17,6 +17,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from mtrain.rollout.special_text import defuse_messages, special_texts
+
 _DUMMY = "\x00mtrain-dummy-assistant-content\x00"
 _DUMMY_HEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
@@ -53,6 +55,8 @@ def suffix(tokenizer: Any, new_messages: list[dict[str, Any]], tools: list[dict]
     already in the model's tokens and is left out here."""
     head = _DUMMY_HEAD + [{"role": "assistant", "content": _DUMMY}]
     base = render(tokenizer, head, tools, add_generation_prompt=False)
+    # a tool's output is not ours (sandboxed code prints what the model wrote): special-token text in it stays text
+    new_messages = defuse_messages(new_messages, special_texts(tokenizer))
     full = render(tokenizer, head + list(new_messages), tools, add_generation_prompt=True)
     anchor = base.find(_DUMMY)
     if anchor < 0:
