@@ -33,7 +33,9 @@ def cfg_for(hf: Path, tmp_path: Path, *overrides: str):
 def test_the_floor_is_below_what_one_completion_takes():
     c = Completion(rid="s-0-0-", prompt_ids=[5], output_ids=[7], logprobs=[-1.5], finish_reason="stop",
                    weight_version=0)
-    own = sum(sys.getsizeof(x) for x in (c, vars(c), c.prompt_ids, c.output_ids, c.logprobs, c.rid, c.logprobs[0]))
+    # not vars(c): the field dict's size depends on the instance layout Python chose (479 bytes in all in a long
+    # process where a fresh one gave 607)
+    own = sum(sys.getsizeof(x) for x in (c, c.prompt_ids, c.output_ids, c.logprobs, c.rid, c.logprobs[0]))
     assert own >= MIN_COMPLETION_HOST_BYTES, own
 
 
