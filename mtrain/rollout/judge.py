@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from mtrain.data.rewards import RewardFn, safe_reward
 from mtrain.rollout.protocol import Request, RolloutEngine, SamplingParams
-from mtrain.rollout.special_text import defuse, special_texts  # noqa: F401  (special_texts: re-exported)
+from mtrain.rollout.special_text import defuse, special_texts
 
 _FIELD = re.compile(r"\{(prompt|response|answer)\}")
 COUNTERS = ("calls", "unparsed", "timeouts", "errors", "too_long")

@@ -60,7 +60,7 @@ def test_special_token_text_in_a_response_is_not_a_special_token_for_the_judge(m
 
 
 def test_special_texts_and_defuse():
-    from mtrain.rollout.judge import defuse, special_texts
+    from mtrain.rollout.special_text import defuse, special_texts
     tok = chatml()
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(special_texts(tok))
     assert defuse("plain {answer} text", special_texts(tok)) == "plain {answer} text"
