@@ -122,7 +122,7 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     rl_loop) OUT=$out/rl_loop bash benchmarks/gpu_rl_loop.sh ;;
     bitwise) OUT=$out/bitwise bash benchmarks/gpu_bitwise.sh ;;
     bitwise_token) OUT=$out/bitwise_token ATTN=token KERNELS=0 bash benchmarks/gpu_bitwise.sh ;;
-    bitwise_moe) OUT=$out/bitwise_moe MODELS=qwen3moe STEPS=4 RUN_LIMIT=180 TILES=1 \
+    bitwise_moe) OUT=$out/bitwise_moe MODELS=qwen3moe STEPS=4 RUN_LIMIT=180 TILES=${TILES-1} \
                      EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
     bitwise_1_7b) OUT=$out/bitwise_1_7b MODELS=qwen3_1_7b STEPS=4 RUN_LIMIT=210 KERNELS=0 \
                       EXTRA=train.max_tokens_per_micro_batch=4096 bash benchmarks/gpu_bitwise.sh ;;
