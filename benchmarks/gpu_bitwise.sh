@@ -9,7 +9,8 @@
 # EXTRA="key=value ..." adds overrides to every run (e.g. train.max_tokens_per_micro_batch=4096: packed micro-batches);
 # KERNELS=0 skips the kernel checks, TILES=1 adds the linear tile candidates to them; PROFILE=1 also profiles the
 # logprob pass off vs bitwise on the first model (gpu_bitwise_profile.py); ATTN=token runs the mode with
-# bitwise_gpu.paged_attention on both sides (MTRAIN_BITWISE_ATTENTION) instead of segment_attention, the default.
+# bitwise_gpu.paged_attention on both sides (MTRAIN_BITWISE_ATTENTION) instead of segment_attention, the default;
+# ELEM=torch keeps RoPE and silu_mul in their torch forms (MTRAIN_BITWISE_ELEMENTWISE) instead of one launch each.
 set -uo pipefail
 repo=$(pwd)
 work=${WORK:-/tmp/mtrain-bitwise}
@@ -17,6 +18,7 @@ out=${OUT:-$work}
 mkdir -p "$work" "$out"
 failed=0
 [ -n "${ATTN:-}" ] && export MTRAIN_BITWISE_ATTENTION=$ATTN
+[ -n "${ELEM:-}" ] && export MTRAIN_BITWISE_ELEMENTWISE=$ELEM
 if [ "${KERNELS:-1}" = 1 ]; then
     python benchmarks/gpu_bitwise_check.py --out "$out/bitwise_kernels.json" ${TILES:+--tiles} > "$out/log_bitwise_kernels.txt" 2>&1 ||
         failed=$((failed + 1))

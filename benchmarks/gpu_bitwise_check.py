@@ -11,8 +11,10 @@ must agree on, checked for bit equality, and what the fixed kernels cost against
 4. `bitwise_moe_ops.moe` (Qwen3-MoE): a token's experts and output are the same whatever other tokens share its call
    (the engine routes a decode batch, the trainer a packed micro-batch), so the two sides route alike without
    routing replay.
-5. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
-6. Candidate tiles for the linear (`--tiles`): each one's time against cuBLAS on the SmolLM2 and Qwen3-1.7B layer
+5. `bitwise_gpu_elementwise`'s one-launch silu_mul and RoPE: a row's bits in any row count, and their time against
+   the torch forms (float64 silu, float32 RoPE in several launches) they replace.
+6. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
+7. Candidate tiles for the linear (`--tiles`): each one's time against cuBLAS on the SmolLM2 and Qwen3-1.7B layer
    shapes, and whether a row's output stays the same at 1, 7 and 333 rows. Measures only: the mode keeps
    `bitwise_gpu.LINEAR_TILE` (a tile change is a change of bits on both sides).
 
@@ -169,6 +171,38 @@ def check_moe(gen) -> dict:
                          "experts_used": int(ids.unique().numel())}}
 
 
+def check_elementwise(gen) -> dict:
+    """The one-launch silu_mul and RoPE (bitwise_gpu_elementwise): a row's bits in calls of 1, 7 and 333 rows, and
+    their time against the torch forms they replace, at Qwen3-1.7B's MLP width and head layout, 4,096 tokens."""
+    from mtrain.kernels import bitwise_gpu_elementwise as e
+    from mtrain.kernels import bitwise_ops as ops
+    t, f, heads, dim = 4096, 6144, 16, 128
+    fused = torch.randn(t, 2 * f, device="cuda", generator=gen).bfloat16()
+    gate, up = fused[:, :f], fused[:, f:]
+    q = torch.randn(t, heads, dim, device="cuda", generator=gen).bfloat16()
+    pos = torch.arange(t, device="cuda")
+    ang = pos.double()[:, None] * ops._inv_freq(1e6, dim, pos.device)[None, :]
+    cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
+    silu, rot = e.silu_mul(gate, up), e.rope(q, cos, sin)
+    rows = ((0, 1), (100, 107), (3, 336))
+    out = {"silu_mul_rows_equal": all(torch.equal(e.silu_mul(gate[a:b], up[a:b]), silu[a:b]) for a, b in rows),
+           "rope_rows_equal": all(torch.equal(e.rope(q[a:b], cos[a:b], sin[a:b]), rot[a:b]) for a, b in rows)}
+
+    def torch_silu_mul():
+        g = gate.double()
+        return ((g / (1.0 + torch.exp(-g))).float() * up.float()).to(gate.dtype)
+
+    def torch_rope():
+        c, s, xf = cos[:, None, :], sin[:, None, :], q.float()
+        return torch.cat([xf[..., :dim // 2] * c - xf[..., dim // 2:] * s,
+                          xf[..., dim // 2:] * c + xf[..., :dim // 2] * s], dim=-1).to(q.dtype)
+    out["silu_mul_ms"] = 1e3 * _timed(lambda: e.silu_mul(gate, up))
+    out["silu_mul_torch_ms"] = 1e3 * _timed(torch_silu_mul)
+    out["rope_ms"], out["rope_torch_ms"] = 1e3 * _timed(lambda: e.rope(q, cos, sin)), 1e3 * _timed(torch_rope)
+    out["silu_mul_max_abs_vs_torch"] = float((silu.float() - torch_silu_mul().float()).abs().max())
+    return {"qwen3_1_7b_4096": out}
+
+
 def check_softmax(gen) -> dict:
     out = {}
     for vocab in (49152, 151936):
@@ -185,17 +219,17 @@ def check_softmax(gen) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/bitwise_kernels.json")
-    ap.add_argument("--tiles", action="store_true", help="also time candidate linear tiles (section 6)")
+    ap.add_argument("--tiles", action="store_true", help="also time candidate linear tiles (section 7)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "linear": check_linear(gen), "attention": check_attention(gen),
-           "moe": check_moe(gen), "softmax": check_softmax(gen)}
+           "moe": check_moe(gen), "elementwise": check_elementwise(gen), "softmax": check_softmax(gen)}
     if args.tiles:
         res["linear_tiles"] = sweep_tiles(gen)
     print(json.dumps(res, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    flags = [v for part in ("linear", "attention", "moe") for m in res[part].values() if isinstance(m, dict)
+    flags = [v for part in ("linear", "attention", "moe", "elementwise") for m in res[part].values() if isinstance(m, dict)
              for key, v in m.items() if (key.endswith("equal") or key.endswith("_equal_trainer"))
              and not key.startswith("segment_")]  # the candidate kernel is measured, not yet relied on
     flags += list(res["softmax"].values())

@@ -114,8 +114,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     """Rotate-half RoPE (Llama/Qwen3, Megatron's non-interleaved layout) of x [T, H, D] at integer positions [T]."""
     d = x.shape[-1]
     ang = positions.to(torch.float64)[:, None] * _inv_freq(float(theta), d, positions.device)[None, :]
-    cos = torch.cos(ang).float()[:, None, :]
-    sin = torch.sin(ang).float()[:, None, :]
+    cos, sin = torch.cos(ang).float(), torch.sin(ang).float()  # [T, D/2]: small next to x
+    if x.is_cuda:
+        from .bitwise_gpu_elementwise import ELEMENTWISE, rope as gpu_rope
+        if ELEMENTWISE == "fused":
+            return gpu_rope(x, cos, sin)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     xf = x.float()
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -143,7 +147,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (the SwiGLU MLP's activation), float64 silu rounded to float32, result in gate's dtype."""
+    """silu(gate) * up (the SwiGLU MLP's activation), float64 silu rounded to float32, result in gate's dtype. On CUDA:
+    one launch in float32 (bitwise_gpu_elementwise), which both sides run."""
+    if gate.is_cuda:
+        from .bitwise_gpu_elementwise import ELEMENTWISE, silu_mul as gpu_silu_mul
+        if ELEMENTWISE == "fused":
+            return gpu_silu_mul(gate, up)
     g = gate.double()
     silu = (g / (1.0 + torch.exp(-g))).float()
     return (silu * up.float()).to(gate.dtype)
