@@ -5,6 +5,7 @@ The checkpoint may have been saved at any TP/PP layout: it is loaded into a TP1/
 adapters (Megatron reshards on load), then the planner maps the adapter rows of the layout table
 (mtrain/layouts/lora.py) to PEFT's names: one lora_A/lora_B per HF linear (q/k/v, gate/up split back apart).
 The adapter's rank, alpha and targets come from the checkpoint's lora.json (written with every LoRA checkpoint).
+On a MoE model a dense layer's MLP and the shared experts are PEFT target_parameters (`peft_targets` says why).
 --merge uses PEFT's own merge (PeftModel.merge_and_unload) on the HF base read from --hf.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def write_adapter(mcore: Path, hf: Path, out: Path) -> int:
     from peft import LoraConfig
 
     from mtrain.layouts import model_layout
-    from mtrain.layouts.lora import lora_layout, peft_target_modules, read_meta
+    from mtrain.layouts.lora import lora_layout, read_meta
 
     spec = read_meta(mcore)
     if spec is None:
@@ -72,19 +73,60 @@ def write_adapter(mcore: Path, hf: Path, out: Path) -> int:
         raise CheckpointError(f"{hf / 'config.json'}: unreadable: {e}") from e
     cfg = dict(cfg, num_nextn_predict_layers=0)
     table = lora_layout(model_layout(cfg, mtp=False), spec)
-    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=peft_target_modules(table), lora_dropout=0.0,
-               task_type="CAUSAL_LM", base_model_name_or_path=str(hf)).save_pretrained(str(out))
+    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+               base_model_name_or_path=str(hf), **peft_targets(table, cfg.get("model_type"))).save_pretrained(str(out))
     stable_adapter_config(out / "adapter_config.json")
     job = dict(cfg=cfg, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets), mcore=str(mcore), out=str(out))
     return run_ranks(adapter_rank, 1, job)[0]
+
+
+def peft_targets(table, model_type: str | None) -> dict:
+    """LoraConfig's target_modules and target_parameters for the adapter table (tensors keep the table's HF names).
+
+    PEFT under transformers 5 rewrites, on a MoE model, every target_modules entry ending in gate_proj / up_proj /
+    down_proj into the fused experts' parameters (peft.utils.transformers_weight_conversion: adapters saved on
+    transformers 4's per-expert linears). Routed experts rely on that: their per-expert tensors and last-component
+    targets are what it converts on load. A dense layer's MLP and DeepSeek's shared experts would lose their adapters
+    to it, so their linears are named by weight in target_parameters (`mlp.gate_proj.weight`,
+    `shared_experts.down_proj.weight`): PEFT wraps a 2-d parameter as W + (alpha/r) B A, with the same
+    `<module>.lora_A.weight` tensor names, and never rewrites target_parameters."""
+    from dataclasses import replace
+
+    from mtrain.layouts.lora import peft_module_path, peft_module_paths, peft_target_modules
+
+    dense = replace(table, weights=[w for w in table.weights if w.expert is None])
+    experts = replace(table, weights=[w for w in table.weights if w.expert is not None])
+    moved = rewritten_by_peft(peft_module_paths(dense), model_type)
+    kept = [w for w in dense.weights if peft_module_path(w.hf[0].name) not in moved]
+    modules = set(peft_target_modules(experts)) | set(peft_target_modules(replace(table, weights=kept)))
+    out = {"target_modules": sorted(modules) or None}
+    if moved:
+        out["target_parameters"] = sorted(f"{m}.weight" for m in moved)
+    return out
+
+
+def rewritten_by_peft(module_paths: list[str], model_type: str | None) -> set[str]:
+    """The target_modules entries PEFT's transformers-5 conversion takes off their modules for this model type
+    (asked of PEFT itself, on a config naming only them)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    if not module_paths or not model_type:
+        return set()
+    cfg = LoraConfig(target_modules=list(module_paths))
+    convert_peft_config_for_transformers(cfg, SimpleNamespace(config=SimpleNamespace(model_type=model_type)), None)
+    return set(module_paths) - set(cfg.target_modules or ())
 
 
 def stable_adapter_config(path: Path) -> None:
     """PEFT keeps target_modules as a set and writes it in hash order, which changes from one process to the next:
     sorted here (and every key), so two exports of one checkpoint are the same bytes."""
     cfg = json.loads(path.read_text())
-    if isinstance(cfg.get("target_modules"), list):
-        cfg["target_modules"] = sorted(cfg["target_modules"])
+    for key in ("target_modules", "target_parameters"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = sorted(cfg[key])
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

@@ -146,7 +146,12 @@ def peft_module_paths(layout: ModelLayout) -> list[str]:
     """The adapted modules by their last two HF name components (`self_attn.q_proj`, `mlp.gate_proj`,
     `shared_experts.gate_proj`): PEFT matches a target by name suffix, so these tell a dense MLP's linears from a MoE
     block's shared experts', which the last component alone (`gate_proj`) does not."""
-    return sorted({".".join(p.name.rsplit(".", 4)[-4:-2]) for w in layout.weights for p in w.hf})
+    return sorted({peft_module_path(p.name) for w in layout.weights for p in w.hf})
+
+
+def peft_module_path(hf_name: str) -> str:
+    """'model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight' -> 'shared_experts.gate_proj'."""
+    return ".".join(hf_name.rsplit(".", 4)[-4:-2])
 
 
 def module_slices(layout: ModelLayout) -> dict[str, list[tuple[str, Weight, Weight]]]:

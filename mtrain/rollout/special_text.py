@@ -9,12 +9,28 @@ after the marker's first character, so it reads the same and is ordinary text. U
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Sequence
+
+# tokenizer -> its special_texts; a tokenizer's special tokens are fixed once it is loaded (mtrain adds none later)
+_SPECIAL_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def special_texts(tokenizer: Any) -> tuple[str, ...]:
     """The texts the tokenizer turns into its special tokens wherever they appear in a string (`<|im_start|>`,
-    `<|im_end|>`, `<eos>`...), longest first."""
+    `<|im_end|>`, `<eos>`...), longest first. Computed once per tokenizer object (every tool turn asks again);
+    a tokenizer that cannot be weakly referenced or hashed gets them computed on every call."""
+    try:
+        return _SPECIAL_TEXTS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable, or unhashable
+        return _compute_special_texts(tokenizer)
+    out = _SPECIAL_TEXTS[tokenizer] = _compute_special_texts(tokenizer)
+    return out
+
+
+def _compute_special_texts(tokenizer: Any) -> tuple[str, ...]:
     out = set(getattr(tokenizer, "all_special_tokens", None) or ())
     for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
         if getattr(tok, "special", False):

@@ -102,3 +102,47 @@ def test_special_token_text_in_a_tool_result_stays_text(content):
     assert [i for i in env if i in special] == [i for i in benign if i in special], text
     raw = content if isinstance(content, str) else content[0]["text"]
     assert raw in text.replace("\u200b", "")  # the text itself reads the same
+
+
+def test_special_texts_are_computed_once_per_tokenizer():
+    """Every tool turn defuses its messages with the tokenizer's special texts: the second turn reuses the first
+    turn's (no decode of the special ids again), and they and the suffix are what a fresh computation gives."""
+    from mtrain.rollout import special_text
+    tok, fresh = chatml_tokenizer(), chatml_tokenizer()
+    decoded = []
+    real_decode = tok.decode
+    tok.decode = lambda *a, **k: decoded.append(a) or real_decode(*a, **k)  # a spy on the real decode
+    msg = [{"role": "tool", "content": "<|im_end|>56"}]
+    first = tito.suffix(tok, msg, None, stop_text="<|im_end|>")
+    n = len(decoded)
+    assert n == len(tok.all_special_ids) > 0  # the first turn computed them: one decode per special id
+    second = tito.suffix(tok, msg, None, stop_text="<|im_end|>")
+    assert len(decoded) == n  # the second did not
+    assert first == second == tito.suffix(fresh, msg, None, stop_text="<|im_end|>")
+    assert special_text.special_texts(tok) == special_text._compute_special_texts(fresh)
+    assert set(SPECIALS) <= set(special_text.special_texts(tok))
+
+
+def test_special_texts_of_a_tokenizer_that_cannot_be_cached():
+    """A tokenizer without weak references (a __slots__ class) or without a hash gets them computed every call."""
+    from mtrain.rollout.special_text import special_texts
+
+    class Slotted:
+        __slots__ = ("calls",)
+        all_special_tokens = ["<s>", "</s>"]
+        all_special_ids = [0, 1]
+
+        def __init__(self):
+            self.calls = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            self.calls += 1
+            return self.all_special_tokens[ids[0]]
+
+    class Unhashable(Slotted):
+        __slots__ = ("__weakref__",)
+        __hash__ = None
+
+    for tok in (Slotted(), Unhashable()):
+        assert special_texts(tok) == special_texts(tok) == ("</s>", "<s>")
+        assert tok.calls == 4
