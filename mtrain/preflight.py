@@ -380,6 +380,8 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     check_prompt_context(cfg, hf_config)
     check_run_dir(cfg)
     check_resume(cfg)
+    from mtrain.preflight_resume import check_resume_model
+    check_resume_model(cfg, hf_config)  # a run dir of another model: one line, not a loader traceback per rank
     check_logging(cfg)
     check_reward_package(cfg)
     from mtrain.preflight_models import check_reward_fn
