@@ -272,6 +272,12 @@ def check_run_dir(cfg: RunConfig) -> None:
         raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _fail("train.run_dir", f"{existing} is not writable here: pick another train.run_dir")
+    import tempfile
+    try:  # os.access says yes to root everywhere: a read-only mount, /proc, a full quota say no only when tried
+        os.rmdir(tempfile.mkdtemp(prefix=".mtrain_write_probe_", dir=existing))
+    except OSError as e:
+        raise _fail("train.run_dir", f"cannot make a folder in {existing} ({e.strerror}): pick another "
+                                     f"train.run_dir") from None
 
 
 def check_resume(cfg: RunConfig) -> None:
