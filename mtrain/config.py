@@ -90,7 +90,7 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
         return value
     if origin is dict:  # a free-form mapping (engine.server_args): str keys, YAML values kept as they are
         if isinstance(value, str):  # "{a: 1, b: x}" from a shell override
-            value = yaml.safe_load(value) if value.strip() else {}
+            value = _yaml_value(value) if value.strip() else {}
         if value is None:
             return {}
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -98,8 +98,9 @@ def _coerce(value: Any, t: Any, key: str) -> Any:
         return dict(value)
     if origin is list:
         (elem,) = args
-        if isinstance(value, str):  # "1,2,3" from a shell override
-            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # "1,2,3" or "[1, 2, 3]" from a shell override
+            whole = _yaml_value(value)
+            value = whole if isinstance(whole, list) else [_yaml_value(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -157,6 +158,15 @@ def _is_str_field(t: Any) -> bool:
     return args == [str]
 
 
+def _yaml_value(raw: str) -> Any:
+    """A shell override's value as YAML reads it; text YAML cannot read (`[1`, `@x`) stays text, which the key's type
+    check then names in one line (a ParserError traceback before)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def _apply_override(tree: dict, override: str) -> None:
     text = override[2:] if override.startswith("--") else override
     if "=" not in text:
@@ -182,14 +192,14 @@ def _apply_override(tree: dict, override: str) -> None:
             entries = node.setdefault(part, {})
             if not isinstance(entries, dict):
                 raise ConfigError(f"'{'.'.join(parts[:i + 1])}' must be a mapping")
-            entries[".".join(parts[i + 1:])] = yaml.safe_load(raw) if raw else None
+            entries[".".join(parts[i + 1:])] = _yaml_value(raw) if raw else None
             return
         elif not last:
             raise _unknown_key(key, f"override {override!r}")
         elif _is_str_field(t) and raw not in ("null", "None", "~"):
             node[part] = raw  # keep strings verbatim: YAML would turn "no" into False, "007" into 7
         else:
-            node[part] = yaml.safe_load(raw) if raw else None
+            node[part] = _yaml_value(raw) if raw else None
 
 
 def switch_data_source(file_tree: dict, tree: dict, overrides) -> list[str]:

@@ -272,6 +272,12 @@ def check_run_dir(cfg: RunConfig) -> None:
         raise _fail("train.run_dir", f"{existing} is a file, not a folder: pick another train.run_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _fail("train.run_dir", f"{existing} is not writable here: pick another train.run_dir")
+    import tempfile
+    try:  # os.access says yes to root everywhere: a read-only mount, /proc, a full quota say no only when tried
+        os.rmdir(tempfile.mkdtemp(prefix=".mtrain_write_probe_", dir=existing))
+    except OSError as e:
+        raise _fail("train.run_dir", f"cannot make a folder in {existing} ({e.strerror}): pick another "
+                                     f"train.run_dir") from None
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -295,12 +301,13 @@ def check_data(cfg: RunConfig) -> None:
         raise _fail(e.key if cfg.data.train_path else "data", str(e)) from None
 
 
-def check_prompt_context(cfg: RunConfig, hf_config: dict) -> None:
+def check_prompt_context(cfg: RunConfig, hf_config: dict, tokenizer) -> None:
     """Every prompt takes rollout.max_new_tokens more within the model's context: the rollout refuses one that does not
     (data/chat.context_problem) when it is drawn, steps into the run. Nothing is read when rollout.max_prompt_len +
     rollout.max_new_tokens fits (every prompt kept is at most max_prompt_len long); else the prompts are rendered
     here as the rollout renders them, and the first that does not fit is named by its file and line. Single-turn
-    generation only: tool and agent rollouts fit their turns into the context themselves."""
+    generation only: tool and agent rollouts fit their turns into the context themselves. tokenizer: a call that
+    returns the model's tokenizer (preflight's, loaded once)."""
     from mtrain.models.hf_config import context_length
     r, d = cfg.rollout, cfg.data
     context = context_length(hf_config)
@@ -309,14 +316,12 @@ def check_prompt_context(cfg: RunConfig, hf_config: dict) -> None:
         return
     from mtrain.data import load_datasets
     from mtrain.data.chat import PromptError, context_problem, tokenize_prompts
-    from mtrain.trainer.engines import load_tokenizer
-    tokenizer = load_tokenizer(Path(cfg.model.hf_path), hf_config, max_pixels=d.max_pixels)
     train, evals = load_datasets(cfg)
     for key, samples in (("data.train_path", train), ("data.eval_path", evals)):
         if not samples:
             continue
         try:
-            prompts = tokenize_prompts(samples, tokenizer, max_prompt_len=r.max_prompt_len,
+            prompts = tokenize_prompts(samples, tokenizer(), max_prompt_len=r.max_prompt_len,
                                        apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
                                        drop_overlong=d.drop_overlong_prompts)
         except PromptError as e:  # the message names the prompt and the setting to change
@@ -331,7 +336,8 @@ def check_reward_package(cfg: RunConfig) -> None:
     """The verifier rewards' optional package, named before start (else the first reward call would fail)."""
     import importlib.util
     if cfg.reward.fn.endswith(":math_verify_reward") and importlib.util.find_spec("math_verify") is None:
-        raise _fail("reward.fn", f"{cfg.reward.fn} needs math-verify, which is not installed: pip install 'mtrain[math]'")
+        raise _fail("reward.fn", f"{cfg.reward.fn} needs math-verify, which is not installed: "
+                                 "pip install 'mtrain[math]'")
 
 
 def check_logging(cfg: RunConfig) -> None:
@@ -375,11 +381,14 @@ def preflight(cfg: RunConfig, world: int | None = None) -> dict:
     report_memory_plan(cfg, hf_config, dp)  # each GPU's peak, printed; refused in one line if it cannot fit
     check_weights(cfg)
     check_data(cfg)
-    from mtrain.preflight_models import check_chat_template
-    check_chat_template(cfg, hf_config)  # before the prompts are rendered with it
-    check_prompt_context(cfg, hf_config)
+    from mtrain.preflight_models import check_chat_template, tokenizer_loader
+    tokenizer = tokenizer_loader(cfg, hf_config)  # loaded once, by the first check that needs it
+    check_chat_template(cfg, hf_config, tokenizer)  # before the prompts are rendered with it
+    check_prompt_context(cfg, hf_config, tokenizer)
     check_run_dir(cfg)
     check_resume(cfg)
+    from mtrain.preflight_resume import check_resume_model
+    check_resume_model(cfg, hf_config)  # a run dir of another model: one line, not a loader traceback per rank
     check_logging(cfg)
     check_reward_package(cfg)
     from mtrain.preflight_models import check_reward_fn

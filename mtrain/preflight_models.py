@@ -80,17 +80,36 @@ TEMPLATE_USERS = (("data.apply_chat_template", lambda cfg: cfg.data.apply_chat_t
                   ("serve.agent", lambda cfg: bool(cfg.serve.agent)))  # the OpenAI front renders every chat call
 
 
-def check_chat_template(cfg: RunConfig, hf_config: dict) -> None:
+def tokenizer_loader(cfg: RunConfig, hf_config: dict):
+    """A call that returns the policy's tokenizer as the trainer loads it, read from disk at the first call only (the
+    chat-template and prompt-context checks both need it: a real tokenizer takes seconds to load)."""
+    import functools
+
+    @functools.cache
+    def tokenizer():
+        from mtrain.trainer.engines import load_tokenizer
+        hf = Path(cfg.model.hf_path)
+        try:
+            return load_tokenizer(hf, hf_config, max_pixels=cfg.data.max_pixels)
+        except (OSError, ValueError) as e:  # transformers' own message, on several lines
+            raise ConfigError(f"model.hf_path: the tokenizer files in {hf} ({', '.join(tokenizer_files(hf))}) do "
+                              f"not load ({' '.join(str(e).split())}): copy the model's complete tokenizer from "
+                              f"where the weights came from") from None
+    from mtrain.tokenizer_files import tokenizer_files
+    return tokenizer
+
+
+def check_chat_template(cfg: RunConfig, hf_config: dict, tokenizer) -> None:
     """A tokenizer without a chat template, where the run renders prompts through one (TEMPLATE_USERS). Without this
     the run built its models and engines, started step 1 and stopped there: a PromptError per rank for
-    data.apply_chat_template, a transformers ValueError traceback per rank for tool rollouts and agents."""
+    data.apply_chat_template, a transformers ValueError traceback per rank for tool rollouts and agents. tokenizer:
+    tokenizer_loader's call."""
     from mtrain.tokenizer_files import tokenizer_files
     hf = Path(cfg.model.hf_path)
     users = [key for key, uses in TEMPLATE_USERS if uses(cfg)]
     if not users or hf_config.get("vision_config") or not tokenizer_files(hf):
         return  # a vision model's processor renders its own template; the character tokenizer has one
-    from transformers import AutoTokenizer
-    if getattr(AutoTokenizer.from_pretrained(str(hf)), "chat_template", None):
+    if getattr(tokenizer(), "chat_template", None):
         return
     fix = ("set data.apply_chat_template=false to use plain text prompts, or add"
            if users == ["data.apply_chat_template"] else "add")

@@ -47,6 +47,9 @@ def test_overrides_are_coerced_to_field_types():
     assert cfg.engine.colocate is False and cfg.rollout.stop_token_ids == [3, 4]
     assert cfg.engine.attention_backend == "fa3" and cfg.parallel.vpp is None
     assert cfg.model.hf_path == "007" and cfg.data.system_prompt == "no" and cfg.train.steps == 7
+    # a YAML list (as in the file) is a list too, not split at its commas into '[qkv' and 'o_proj]' (a ParserError)
+    assert load_config(None, BASE + ["model.lora.targets=[qkv, o_proj]"]).model.lora.targets == ["qkv", "o_proj"]
+    assert load_config(None, BASE + ["model.lora.targets=qkv,o_proj"]).model.lora.targets == ["qkv", "o_proj"]
 
 
 @pytest.mark.parametrize("override, message", [
@@ -60,6 +63,11 @@ def test_overrides_are_coerced_to_field_types():
     ("engine.fp8_scaling=tensor", "engine.fp8_scaling: must be auto, block or channel, got 'tensor'"),
     ("engine.fp8_scaling=channel", "engine.fp8_scaling: channel is an FP8 engine's format: it needs "
                                    "engine.weight_dtype=fp8"),
+    # values YAML cannot read were a ParserError / ScannerError traceback
+    ("optim.lr=[1", "optim.lr: expected float, got '[1' (str)"),
+    ("optim.lr=@x", "optim.lr: expected float, got '@x' (str)"),
+    ("engine.server_args={a: 1", "engine.server_args: expected a mapping of names to values, got '{a: 1'"),
+    ("rollout.stop_token_ids=[1, 2", "rollout.stop_token_ids[0]: expected int, got '[1' (str)"),
 ])
 def test_bad_override_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=None) as e:

@@ -128,6 +128,17 @@ def test_a_run_dir_at_or_below_a_file(hf, tmp_path, run_dir):
     fails(cfg, rf"^train\.run_dir: {tmp_path / 'afile'} is a file, not a folder")
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_run_dir_where_no_folder_can_be_made(hf, tmp_path):
+    # /proc takes no new folder, yet os.access says writable to root (as for a read-only mount): that was a
+    # FileNotFoundError / OSError traceback per rank once the models were built
+    fails(cfg_for(hf, tmp_path, "train.run_dir=/proc/mtrain_run"),
+          r"^train\.run_dir: cannot make a folder in /proc \(.*\): pick another train\.run_dir$")
+    assert not list(tmp_path.glob(".mtrain_write_probe_*"))
+    preflight(cfg_for(hf, tmp_path), world=1)
+    assert not list(tmp_path.glob(".mtrain_write_probe_*"))  # the probe is removed
+
+
 def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_path):
     # the tiny Llama's MLP (intermediate_size 96) gives 48 per rank at TP2: the bitwise row-parallel layer refused
     # it with a ValueError traceback while the model was built, after the process groups had started

@@ -81,3 +81,44 @@ def test_a_prompt_longer_than_max_prompt_len_names_its_file_and_line(tmp_path):
     with pytest.raises(PromptError, match=r"^sample 7: prompt has"):
         tokenize_prompts([PromptSample(7, "x" * 80, "0")], CharTokenizer(), max_prompt_len=50,
                          apply_chat_template=False)
+
+
+def test_preflight_loads_the_tokenizer_once(hf, tmp_path, monkeypatch):
+    """The chat-template check and the prompt-context check both need the tokenizer: one load from disk (each was its
+    own `from_pretrained`, seconds for a real tokenizer)."""
+    from test_preflight import _with_tokenizer
+    from transformers import AutoTokenizer
+    chat = _with_tokenizer(hf, tmp_path / "chat", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    loads, real = [], AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: loads.append(a) or real(cls, *a, **kw)))
+    cfg = cfg_for(chat, tmp_path, "rollout.max_prompt_len=256", "rollout.max_new_tokens=100")  # renders every prompt
+    preflight(cfg, world=1)
+    assert loads == [(str(chat),)]
+
+
+def _bpe_files_only(src: Path, out: Path) -> Path:
+    """A copy of a tiny model whose tokenizer is a GPT-2 style vocab.json + merges.txt and nothing else."""
+    import json
+    import shutil
+    from mtrain.tokenizer_files import CHAR_TOKENIZER_MARKER
+    shutil.copytree(src, out)
+    (out / CHAR_TOKENIZER_MARKER).unlink()
+    (out / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}))
+    (out / "merges.txt").write_text("#version: 0.2\na b\n")
+    return out
+
+
+def test_vocab_and_merges_alone_are_the_models_tokenizer_or_one_line(hf, tmp_path):
+    """check_tokenizer accepts vocab.json + merges.txt as a tokenizer; the trainer read the same folder through the
+    character tokenizer (a real model trained on garbage, no error). Files that do not load are one line."""
+    import json
+    from mtrain.trainer.engines import load_tokenizer
+    qwen2 = _bpe_files_only(write_tiny_hf("qwen2", tmp_path / "q"), tmp_path / "qwen2")
+    tok = load_tokenizer(qwen2, json.loads((qwen2 / "config.json").read_text()))
+    assert not isinstance(tok, CharTokenizer) and tok.convert_tokens_to_ids("ab") == 2
+    llama = _bpe_files_only(hf, tmp_path / "llama")  # a Llama tokenizer is not a vocab.json + merges.txt one
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg_for(llama, tmp_path), world=1)
+    assert str(e.value).startswith(f"model.hf_path: the tokenizer files in {llama} (vocab.json, merges.txt) do not "
+                                   f"load (") and "\n" not in str(e.value)

@@ -20,7 +20,8 @@ def load_tokenizer(hf_dir: Path, hf_config: dict, max_pixels: int | None = None)
     from mtrain.data.vision import is_vision_config, load_vision_processor
     if is_vision_config(hf_config):
         return load_vision_processor(hf_dir, hf_config, max_pixels)
-    if any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    from mtrain.tokenizer_files import tokenizer_files
+    if tokenizer_files(hf_dir):  # the files preflight's check_tokenizer accepts: never a real model's char tokenizer
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(hf_dir))
     from mtrain.data.tiny_tokenizer import CharTokenizer
