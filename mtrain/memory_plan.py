@@ -20,10 +20,15 @@ Per training rank (the heaviest pipeline stage), in bytes:
   the trainer's resident state at that moment shrinks it. Its weights come out of that share; the rest is KV cache.
   With engine.colocate the engine hands weights and KV cache back while training runs; with rollout.async it stays.
 
-Peak = max(rollout: engine + trainer state, training: trainer state + activations [+ engine if resident]) plus one
-CUDA context per process. A layout whose peak exceeds the device, or whose engine is left no KV cache for one
-sample, is refused in one line that says what to change. Estimates, not guarantees: the allocator's slack, SGLang's
-CUDA graphs and temporary buffers come on top (docs/results.md has estimated against measured peaks).
+- what the counted terms leave out, as measured on the GPU (docs/design-memory-plan.md): SGLang's memory outside
+  its static share (CUDA graphs, which stay while training runs, its prefill and sampler work space), and the
+  training step's allocator slack (the caching allocator's blocks, split by packed micro-batches of varying
+  length, held beyond what is allocated), taken as one more activation working set.
+
+Peak = max(rollout: engine + trainer state, training: trainer state + activations + slack [+ engine if resident])
+plus the engine's outside work space and one CUDA context per process. A layout whose peak exceeds the device, or
+whose engine is left no KV cache for one sample, is refused in one line that says what to change. An estimate, not a
+guarantee (docs/results.md has planned against measured peaks).
 """
 from __future__ import annotations
 
@@ -32,6 +37,10 @@ from dataclasses import dataclass
 
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # one process's CUDA context and library handles (cuBLAS workspace, NCCL)
+# SGLang's memory outside mem_fraction_static beyond its scheduler's CUDA context: the GPU's measured peak less the
+# plan, where the peak was in rollout (Qwen3-1.7B shape, one H100, engine at 0.5, 2026-12-06: 67.0 GiB measured
+# against 61.3 planned). One figure for every model until it is measured apart (CUDA graphs, prefill, sampler).
+ENGINE_OUTSIDE_SHARE = int(5.1 * GIB)
 
 
 def _numel(shape) -> int:
@@ -121,13 +130,29 @@ class MemoryPlan:
         return self.weights + self.reference + self.grads + self.main + self.adam
 
     @property
+    def engine_outside(self) -> int:
+        return ENGINE_OUTSIDE_SHARE if self.engine else 0
+
+    @property
+    def slack(self) -> int:
+        """The training step's allocator slack: one more activation working set (the Qwen3-1.7B shape's GPU peak in
+        training less the trainer's allocated peak, SGLang's outside share and the contexts: 11.5 GiB, against 11.8
+        GiB of activations and logits; docs/design-memory-plan.md)."""
+        return self.activations + self.logits
+
+    @property
+    def fixed(self) -> int:
+        """What every phase holds besides the trainer and the engine's share: CUDA contexts, the engine's outside."""
+        return (2 if self.engine else 1) * CUDA_CONTEXT + self.engine_outside
+
+    @property
     def rollout_peak(self) -> int:
-        return self.engine + self.state - self.offloaded_in_rollout + (2 if self.engine else 1) * CUDA_CONTEXT
+        return self.engine + self.state - self.offloaded_in_rollout + self.fixed
 
     @property
     def train_peak(self) -> int:
         engine = self.engine if self.engine_resident_in_training else 0
-        return self.state + self.activations + self.logits + engine + (2 if self.engine else 1) * CUDA_CONTEXT
+        return self.state + self.activations + self.logits + self.slack + engine + self.fixed
 
     @property
     def peak(self) -> int:
@@ -137,10 +162,11 @@ class MemoryPlan:
         g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
         ref = f" + reference model {g(self.reference)}" if self.reference else ""
         out = (f"weights {g(self.weights)}{ref} + grads {g(self.grads)} + main copy {g(self.main)} + Adam {g(self.adam)} "
-               f"+ activations {g(self.activations)} + logits {g(self.logits)} GiB")
+               f"+ activations {g(self.activations)} + logits {g(self.logits)} + allocator slack {g(self.slack)} GiB")
         if self.engine:
             out += (f"; engine {g(self.engine)} GiB (weights {g(self.engine_weights)}, KV cache for "
-                    f"{self.kv_tokens:,} tokens{', resident while training' if self.engine_resident_in_training else ''})")
+                    f"{self.kv_tokens:,} tokens{', resident while training' if self.engine_resident_in_training else ''})"
+                    f" + {g(self.engine_outside)} GiB outside its share")
         return out
 
     def line(self) -> str:
@@ -160,7 +186,7 @@ class MemoryPlan:
         if self.train_peak > self.device_bytes:
             if self.engine_resident_in_training:
                 fixes.append("set rollout.async=off (the engine then leaves the GPU while training runs)")
-            if self.activations + self.logits > self.train_peak - self.device_bytes:
+            if self.activations + self.logits + self.slack > self.train_peak - self.device_bytes:
                 fixes.append("lower train.max_tokens_per_micro_batch or set train.recompute.granularity=full")
         fixes.append("set optim.cpu_offload=true (with optim.use_distributed_optimizer), shard over more ranks "
                      "(parallel.tp/pp, data parallelism with the distributed optimizer) or use model.lora")

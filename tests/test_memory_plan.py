@@ -11,7 +11,7 @@ import torch
 
 from mtrain.config import ConfigError, load_config
 from mtrain.layouts import model_layout
-from mtrain.memory_plan import CUDA_CONTEXT, GIB, check, plan, rank_params
+from mtrain.memory_plan import CUDA_CONTEXT, ENGINE_OUTSIDE_SHARE, GIB, check, plan, rank_params
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 Q17 = json.loads((CONFIGS / "qwen3_1_7b.json").read_text())
@@ -54,11 +54,13 @@ def test_plan_arithmetic_qwen3_1_7b():
     assert p.engine == int(0.5 * (H100 - start))
     assert p.engine_weights == 2 * P17
     assert p.kv_tokens == (p.engine - 2 * P17) // (2 * 28 * 8 * 128 * 2)
-    assert p.rollout_peak == p.engine + 18 * P17 + 2 * CUDA_CONTEXT
-    assert p.train_peak == 18 * P17 + p.activations + p.logits + 2 * CUDA_CONTEXT  # the engine released
+    fixed = 2 * CUDA_CONTEXT + ENGINE_OUTSIDE_SHARE  # two processes; SGLang's graphs etc. stay while training
+    assert p.rollout_peak == p.engine + 18 * P17 + fixed
+    # the engine's share released; the allocator's slack taken as one more activation working set
+    assert p.train_peak == 18 * P17 + 2 * (p.activations + p.logits) + fixed
     assert p.problem() is None
     assert p.line().startswith("memory plan per GPU: weights 3.2 + grads 6.4 + main copy 6.4 + Adam 12.8 + "
-                               "activations 8.3 + logits 3.5 GiB; engine ")
+                               "activations 8.3 + logits 3.5 + allocator slack 11.8 GiB; engine ")
 
 
 def test_kl_reference_model_and_lora():
@@ -94,13 +96,33 @@ def test_refuses_the_layout_that_ran_out_of_memory():
     assert err.startswith("engine.offload_train: the memory plan does not fit one GPU")
     assert "set engine.offload_train=true" in err and "lower train.max_tokens_per_micro_batch" in err
     # what the line says to change makes it fit
-    fixed = cfg("engine.mem_fraction_static=0.5", "engine.offload_train=true", "train.max_tokens_per_micro_batch=1024")
+    fixed = cfg(*FITTING_4B)
     assert plan(fixed, Q4, 1, H100, colocated_engine=True).problem() is None
+
+
+FITTING_4B = ("engine.mem_fraction_static=0.5", "engine.offload_train=true", "train.max_tokens_per_micro_batch=1024",
+              "train.recompute.granularity=full")
+
+
+@pytest.mark.parametrize("fraction, mode, ran", [(0.5, "off", True), (0.3, "off", True), (0.3, "one_step", True),
+                                                 (0.5, "one_step", False)])
+def test_the_qwen3_1_7b_runs_on_an_h100(fraction, mode, ran):
+    """The Qwen3-1.7B shape, 32 x 8 x 1,024 new tokens, packed 4,096 (run_gpu.sh e2e_1_7b, e2e_async_1_7b): the
+    layouts that ran pass, the one that ran out of memory (one_step with the engine at 0.5, 2026-12-07) is refused,
+    with what to change; each GPU peak measured is within 15 % of the plan (docs/results.md)."""
+    p = plan(cfg(f"engine.mem_fraction_static={fraction}", f"rollout.async={mode}", "rollout.max_new_tokens=1024"),
+             Q17, 1, H100, colocated_engine=True)
+    assert (p.problem() is None) == ran, p.problem()
+    measured = {(0.5, "off"): 67.0, (0.3, "off"): 60.1, (0.3, "one_step"): 79.0}.get((fraction, mode))
+    if measured:
+        assert abs(p.peak / GIB - measured) <= 0.15 * measured
+    else:
+        assert p.problem().startswith("rollout.async: the memory plan does not fit one GPU")
 
 
 def test_refuses_an_engine_left_without_kv_cache():
     # the layout that fits at 0.5 (test above), its engine's share cut to 0.05
-    c = cfg("engine.mem_fraction_static=0.05", "engine.offload_train=true", "train.max_tokens_per_micro_batch=1024")
+    c = cfg(*FITTING_4B[1:], "engine.mem_fraction_static=0.05")
     err = plan(c, Q4, 1, H100, colocated_engine=True).problem()
     assert err.startswith("engine.mem_fraction_static: the engine's share") and "KV cache for 0 tokens" in err
 

@@ -67,4 +67,9 @@ def _local_metrics(actor, pp_rank: int) -> dict[str, float]:
     out[f"mem/stage{pp_rank}/peak_rss_bytes_max"] = float(peak_rss_bytes())
     if torch.cuda.is_available():  # the GPU's own peak (weights, grads, optimizer, activations, allocator)
         out[f"mem/stage{pp_rank}/cuda_peak_bytes_max"] = float(torch.cuda.max_memory_allocated())
+        # what the caching allocator held at its peak (allocated + slack), and the device's use by every process
+        # now (an engine colocated in its own processes included): the memory plan's slack and outside terms
+        out[f"mem/stage{pp_rank}/cuda_reserved_peak_bytes_max"] = float(torch.cuda.max_memory_reserved())
+        free, total = torch.cuda.mem_get_info()
+        out[f"mem/stage{pp_rank}/device_used_bytes_max"] = float(total - free)
     return out
