@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"rollout"},                                    # engines, the pool, trajectories, agents
     {"serve"},                                      # the OpenAI front
     {"trainer", "memory_plan"},                     # the RL loop; each GPU's memory planned from the config
-    {"__main__", "preflight", "preflight_models", "serve_command", "gap_probe", "hub_models", "launch"},     # commands: parse, check, start
+    {"__main__", "preflight", "preflight_models", "preflight_resume", "serve_command", "gap_probe", "hub_models", "launch"},     # commands: parse, check, start
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
