@@ -15,7 +15,8 @@ must agree on, checked for bit equality, and what the fixed kernels cost against
    the torch forms (float64 silu, float32 RoPE in several launches) they replace.
 6. Cost: the fixed linear vs cuBLAS at the SmolLM2 and Qwen3-1.7B shapes, the attention vs SDPA (forward).
 7. Candidate tiles for the linear (`--tiles`): each one's time against cuBLAS on the SmolLM2 and Qwen3-1.7B layer
-   shapes, and whether a row's output stays the same at 1, 7 and 333 rows. Measures only: the mode keeps
+   shapes, whether a row's output stays the same at 1, 7 and 333 rows, and whether it equals the mode's tile's
+   (a smaller tile for the engine's decode batches would need that). Measures only: the mode keeps
    `bitwise_gpu.LINEAR_TILE` (a tile change is a change of bits on both sides).
 
 Usage (GPU machine, after `source benchmarks/gpu_setup.sh`): python benchmarks/gpu_bitwise_check.py --out F.json
@@ -144,6 +145,9 @@ def sweep_tiles(gen) -> dict:
                 full = g._linear_forward(x, w, torch.float32, tile)
                 res[f"{shape}_rows_equal"] = all(torch.equal(g._linear_forward(x[a:b], w, torch.float32, tile),
                                                              full[a:b]) for a, b in ((0, 1), (100, 107), (3, 333)))
+                # the same bits as the mode's tile: then the engine's decode could take this tile while the trainer
+                # keeps LINEAR_TILE (a row's K chunks and instruction are what fix its bits, if not the row block)
+                res[f"{shape}_equals_mode_tile"] = torch.equal(full, g._linear_forward(x, w, torch.float32))
                 xm = torch.randn(4096, k, device="cuda", generator=gen).bfloat16()
                 res[f"{shape}_m4096_time_ratio"] = (_timed(lambda: g._linear_forward(xm, w, torch.bfloat16, tile))
                                                     / _timed(lambda: xm @ w.t()))
