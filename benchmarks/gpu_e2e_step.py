@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/release_memory", "time/resume_memory")
+PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/release_memory", "time/resume_memory",
+          "time/logprobs_prepare", "time/logprobs_policy", "time/logprobs_reference")  # the last three: within logprobs
 DATASHEET_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 T0 = time.perf_counter()
 _phase = ["start"]
@@ -401,6 +402,9 @@ def main() -> None:
             lines.append(f"{label:<16}{s['median']:>12.3f} ({s['min']:.3f}-{s['max']:.3f})  {(floor or 0):>10.3f}"
                          f"{ratio:>8}")
         lines.append(f"scoring alone (Actor.logprobs, same batch): {statistics.median(tr['actor_logprobs']):.3f} s")
+        lines.append("within the run's logprob phase: " + ", ".join(
+            f"{k.split('_', 1)[1]} {ph[k]['median']:.3f} ({ph[k]['min']:.3f}-{ph[k]['max']:.3f})"
+            for k in ("time/logprobs_prepare", "time/logprobs_policy", "time/logprobs_reference")))
         flops = train_flops(hf_cfg, [prompt_len + response_len] * n)
         mfu = [flops / m["time/train"] / 1e12 for m in steps]
         res.update(floor_s=f, step_over_floors=ph["time/step"]["median"] / sum(f.values()),

@@ -20,6 +20,13 @@ from mtrain.trainer.learner.scoring import Recompute
 from mtrain.trainer.train_samples import write_train_samples
 
 
+def _synced_clock() -> float:
+    """perf_counter after the GPU's queued work: a phase's time is then its kernels', not their launches'."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class NoReference:
     """algo.kl_coef unset: no reference model, no KL term."""
 
@@ -131,6 +138,10 @@ class PolicyLearner:
                                   f"this step")
             dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             minibatches, slices = [], []
+            # the logprob phase's parts (issue 44: the phase varied 1.7-10 s beyond its floor on a GPU): the batch's
+            # making and the engine's release before this point, then the policy's and the reference's passes
+            parts = {"time/logprobs_prepare": _synced_clock() - t1, "time/logprobs_policy": 0.0,
+                     "time/logprobs_reference": 0.0}
             for start in range(0, batch.size, gbs):
                 sl = dp_rows(batch.seq_lens[start:start + gbs], dp_rank, dp_size,
                              by_tokens=cfg.train.max_tokens_per_micro_batch is not None)
@@ -138,13 +149,19 @@ class PolicyLearner:
                 mb = batch.select(sl)
                 slices.append(sl)
                 kept = min(max(rows - start, 0), gbs)  # rows past `rows` are zero-mask fillers (DAPO filter)
+                t = _synced_clock()
                 lp = self.scorer.logprobs(mb)
                 a = adv[sl]
                 for term in self.terms:  # e.g. distillation: adv - coef * (student - teacher logprobs)
                     a = term.advantages(mb, a, lp)
-                minibatches.append((mb, a, lp, self.reference.logprobs(mb),
-                                    {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
-                                     "num_seqs": float(kept)}))
+                t_ref = _synced_clock()
+                ref = self.reference.logprobs(mb)
+                t_end = _synced_clock()
+                parts["time/logprobs_policy"] += t_ref - t
+                parts["time/logprobs_reference"] += t_end - t_ref
+                minibatches.append((mb, a, lp, ref, {"num_tokens": float(batch.response_mask[start:start + gbs].sum()),
+                                                     "num_seqs": float(kept)}))
+            local.update(parts)
             for term in self.terms:
                 local.update(term.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
