@@ -242,19 +242,35 @@ def resolve_presets(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _field(cfg: RunConfig, key: str) -> tuple[Any, str]:
+    """The section object holding a dotted key and the key's field name in it."""
+    *sections, name = key.split(".")
+    obj = cfg
+    for part in sections:
+        obj = getattr(obj, part)
+    return obj, _field_of(name)
+
+
 def expand_user_paths(cfg: RunConfig) -> RunConfig:
     """`~` expanded in every PATH_KEYS value (in place): the one place it happens, so no reader has to."""
     for key in PATH_KEYS:
-        *sections, name = key.split(".")
-        obj = cfg
-        for part in sections:
-            obj = getattr(obj, part)
-        value = getattr(obj, _field_of(name))
+        obj, field = _field(cfg, key)
+        value = getattr(obj, field)
         if isinstance(value, list):
-            setattr(obj, _field_of(name), [user_path(v) for v in value])
+            setattr(obj, field, [user_path(v) for v in value])
         elif value:
-            setattr(obj, _field_of(name), user_path(value))
+            setattr(obj, field, user_path(value))
     return cfg
+
+
+def path_values(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(key, value) of every set PATH_KEYS value, a list key's items one by one."""
+    out = []
+    for key in PATH_KEYS:
+        obj, field = _field(cfg, key)
+        value = getattr(obj, field)
+        out.extend((key, v) for v in (value if isinstance(value, list) else [value]) if v)
+    return out
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mtrain.fileperm import replace_text
+from mtrain.run_files import TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class MetricsWriter:
             return None
         # purge_step hides the events past the checkpoint that an interrupted run had written.
         purge = resume_step + 1 if resume_step is not None else None
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one record {"step": step, **metrics}; several calls for the same step are allowed."""

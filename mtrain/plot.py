@@ -14,6 +14,7 @@ from typing import Sequence
 
 from mtrain.fileperm import chmod_umask
 from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
+from mtrain.run_files import PLOT_FILE
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
 # PPO's critic and on-policy distillation: panels added to the default ones when the run logged them. A run without
@@ -115,7 +116,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    out = Path(out_png) if out_png is not None else run_dir / "metrics.png"
+    out = Path(out_png) if out_png is not None else run_dir / PLOT_FILE
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")

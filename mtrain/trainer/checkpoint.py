@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mtrain.run_files import CHECKPOINTS
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -63,7 +65,7 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
     a crash at any point leaves no step directory that looks like a checkpoint. extra: further trained models by
     name (PPO's critic), each saved like the policy into `{name}/` with its schedule and Adam steps."""
     from megatron.core import dist_checkpointing
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     final, part = root / f"step_{step}", root / f".partial_step_{step}"
     rank = dist.get_rank()
     if rank == 0:
@@ -127,7 +129,7 @@ def save_without_model(run_dir: str | Path, step: int, extra: tuple[str, ...] = 
     rank 0 (a training rank), trainer_state.pt and COMPLETE. extra: the names of the training ranks' further models
     (PPO's critic), whose saves this rank joins the same way."""
     from megatron.core import dist_checkpointing
-    part = Path(run_dir) / "checkpoints" / f".partial_step_{step}"
+    part = Path(run_dir) / CHECKPOINTS / f".partial_step_{step}"
     dist.barrier()
     with _quiet_common_check():
         dist_checkpointing.save({}, str(part / "mcore"))
@@ -211,7 +213,7 @@ def find_latest(run_dir: str | Path, report=print) -> Path | None:
     `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind. A newer
     checkpoint that is damaged (a shard deleted or cut short, a half-written save) is skipped, and `report`
     says which and why, so that resume falls back to the newest one that can be loaded."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
     steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
@@ -350,13 +352,13 @@ def load(path: str | Path, actor, extra: dict | None = None) -> dict:
         raise CheckpointError(
             f"{path}: optimizer state saved as dp_reshardable at {_layout_text(saved)} cannot be loaded at "
             f"{_layout_text(now)}: resume with that layout, or start from its weights with "
-            f"model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
+            f"model.mcore_ckpt={path / 'mcore'} in another train.run_dir (Adam's state restarts)")
     n_saved, n_now = len(trainer["adam_steps"]), len(_inner_optimizers(actor.optimizer))
     if n_saved != n_now:  # e.g. a MoE model whose expert parameters get an optimizer of their own at one layout
         raise CheckpointError(
             f"{path}: optimizer state saved for {n_saved} optimizer(s) at {_layout_text(saved or {})} but this run "
             f"builds {n_now} at {_layout_text(now)} (not supported yet): resume with that layout, or start from its "
-            f"weights with model.mcore_ckpt={path / 'mcore'} train.resume=never (Adam's state restarts)")
+            f"weights with model.mcore_ckpt={path / 'mcore'} in another train.run_dir (Adam's state restarts)")
     saved_extra = trainer.pop("extra_models", {})
     for name in extra or {}:
         if name not in saved_extra:

@@ -29,6 +29,7 @@ from mtrain.layouts import model_layout
 from mtrain.models.hf_config import context_length
 from mtrain.metrics import MetricsWriter
 from mtrain.wandb_log import wandb_sink
+from mtrain.run_files import CONFIG_FILE, set_aside
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.decisions import decide
@@ -63,7 +64,7 @@ class Trainer:
         resumed = self._resume()
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.dump_yaml(self.run_dir / "config.yaml")
+            cfg.dump_yaml(self.run_dir / CONFIG_FILE)
             from mtrain.job_split import train_world
             print(run_summary(cfg, self.hf_config, dist.get_world_size(), train_world(cfg, dist.get_world_size())),
                   flush=True)  # full: config.yaml
@@ -113,8 +114,14 @@ class Trainer:
 
     def _resume(self) -> bool:
         r = self.cfg.train.resume
+        if r == "never":  # an earlier run's checkpoints and records are moved aside, not overwritten or mixed
+            line = set_aside(self.run_dir) if self.rank == 0 else None
+            if line:
+                print(line, flush=True)
+            dist.barrier()  # no rank goes on (and none writes into run_dir) before the move is done
+            return False
         report = print if self.rank == 0 else None  # why a newer checkpoint is skipped, said once
-        path = None if r == "never" else (checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r))
+        path = checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r)
         if path is None:
             return False
         state = self.learner.load(path)  # engine ranks: the step and the sources' state only

@@ -85,6 +85,24 @@ def test_resume_after_sigkill_is_exact(tiny_llama, reference_run, tmp_path):
     _assert_same_metrics(run, reference_run)
 
 
+def test_never_sets_the_earlier_run_aside(tiny_llama, tmp_path):
+    """train.resume=never where a 2-step run left checkpoints: that run moves whole into RUN_DIR/previous/<time>/
+    (bytes intact, one line saying where), the new 1-step run's checkpoints stand alone, and resume=auto then goes on
+    from the new run's step_1, not the earlier run's step_2."""
+    run = tmp_path / "run"
+    launch(base_overrides(tiny_llama, run, **{"train.steps": 2, "train.save_interval": 1}), cwd=tmp_path)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert {"step_1", "step_2"} <= {p.parts[1] for p in before if p.parts[0] == "checkpoints" and len(p.parts) > 2}
+    p = launch(base_overrides(tiny_llama, run, **{"train.steps": 1, "train.resume": "never"}), cwd=tmp_path)
+    (moved,) = (run / "previous").iterdir()
+    assert p.stdout.count("train.resume=never: the earlier run's") == 1 and str(moved) in p.stdout
+    assert {p.relative_to(moved): p.read_bytes() for p in moved.rglob("*") if p.is_file()} == before
+    assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["latest", "step_1"]
+    p = launch(base_overrides(tiny_llama, run, **{"train.steps": 2}), cwd=tmp_path)
+    assert f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in p.stdout
+    assert sorted(train_records(run)) == [1, 2] and len(list((run / "previous").iterdir())) == 1
+
+
 def test_plot_writes_png(reference_run, tmp_path):
     out = tmp_path / "curves.png"
     p = subprocess.run([sys.executable, "-m", "mtrain", "plot", str(reference_run), "--out", str(out)],

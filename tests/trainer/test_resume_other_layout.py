@@ -69,7 +69,7 @@ def test_same_layout_format_at_another_layout_is_one_line_saying_what_to_do(tiny
     errors = [x for x in p.stderr.splitlines() if x.startswith("mtrain: error")]
     assert len(errors) == 1, p.stderr[-3000:]
     assert "saved as dp_reshardable at world=2 tp=2" in errors[0] and "cannot be loaded at world=1 tp=1" in errors[0]
-    assert f"model.mcore_ckpt={ref / 'checkpoints' / 'step_2' / 'mcore'} train.resume=never" in errors[0]
+    assert f"model.mcore_ckpt={ref / 'checkpoints' / 'step_2' / 'mcore'} in another train.run_dir" in errors[0]
 
 
 @pytest.mark.slow  # a tiny DeepSeek-V3 run on 2 ranks, then a refused resume
@@ -88,4 +88,4 @@ def test_moe_resume_across_an_optimizer_split_is_one_line(tmp_path_factory, tmp_
     errors = [x for x in p.stderr.splitlines() if x.startswith("mtrain: error")]
     assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
     assert "saved for 2 optimizer(s) at world=2" in errors[0] and "this run builds 1" in errors[0]
-    assert "train.resume=never" in errors[0]
+    assert "in another train.run_dir" in errors[0]
