@@ -21,8 +21,9 @@ TEST_REWARDS = REPO / "tests" / "trainer" / "rewards_for_tests.py"
 # Metrics that differ between two runs of the same config: wall-clock times and throughputs, and the engine-vs-trainer
 # logprob gap (the reference engine batches whatever requests are queued when it is free, and CPU BLAS rounds a row's
 # last bits by batch size: the tokens are identical, the engine's logprobs agree to ~1e-7), and how many groups each
-# engine happened to take from the shared queue (which engine frees first; a CI run had 2/2 against 1/3).
-TIME_KEYS = ("time/", "perf/", "logprob_diff/", "rollout/groups_per_engine_")
+# engine happened to take from the shared queue (which engine frees first; a CI run had 2/2 against 1/3) and so how
+# many engines served the step (1.0 against 2.0 at step 3 of a resumed run).
+TIME_KEYS = ("time/", "perf/", "logprob_diff/", "rollout/groups_per_engine_", "rollout/engines")
 
 
 def env() -> dict[str, str]:
