@@ -19,7 +19,7 @@ PKG = REPO / "mtrain"
 # Bottom to top. A unit is a subpackage or top-level module of mtrain; it may import its own layer and those below.
 LAYERS: list[set[str]] = [
     {"compat", "fileperm", "debug_signals", "dist", "metrics", "wandb_log", "plot", "run_output", "tiny_configs", "tiny_vlm",
-     "tiny_hf", "tokenizer_files", "paths"},                                    # plain utilities: no knowledge of models or training
+     "tiny_hf", "tokenizer_files", "paths", "run_files"},                                    # plain utilities: no knowledge of models or training
     {"config", "config_sections", "config_data", "config_checks", "config_error", "engine_args", "job_split"},  # the dataclass tree; every layer may read it
     {"kernels"},                                    # Triton/torch kernels on plain tensors
     {"layouts"},                                    # per-architecture weight-layout tables

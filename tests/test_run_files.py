@@ -1,4 +1,4 @@
-"""train.resume=never in a run dir with checkpoints sets the earlier run aside (mtrain/run_files.py).
+"""train.resume=never in a run dir with checkpoints sets the earlier run aside (mtrain/trainer/run_dir.py).
 
 The files here are stand-ins (a checkpoint's names, not its tensors); the real run, then a never run, then an auto
 resume is tests/trainer/test_loop_torchrun.py::test_never_sets_the_earlier_run_aside.
@@ -12,7 +12,8 @@ import pytest
 
 from mtrain.config import ConfigError, load_config
 from mtrain.preflight import check_resume
-from mtrain.run_files import PREVIOUS, earlier_outputs, moved_config_path, set_aside
+from mtrain.run_files import PREVIOUS
+from mtrain.trainer.run_dir import earlier_outputs, moved_config_path, set_aside
 from mtrain.trainer.checkpoint import find_latest
 
 REPO = Path(__file__).resolve().parents[1]

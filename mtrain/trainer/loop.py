@@ -29,7 +29,8 @@ from mtrain.layouts import model_layout
 from mtrain.models.hf_config import context_length
 from mtrain.metrics import MetricsWriter
 from mtrain.wandb_log import wandb_sink
-from mtrain.run_files import CONFIG_FILE, set_aside
+from mtrain.run_files import CONFIG_FILE
+from mtrain.trainer.run_dir import set_aside
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
 from mtrain.trainer.decisions import decide
