@@ -385,7 +385,53 @@ def map_hf_config(hf_config: dict) -> MappedConfig:
     mt = hf_config.get("model_type")
     if mt not in _MAPPERS:
         raise ModelConfigError(f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return _MAPPERS[mt](hf_config)
+    try:
+        mapped = _MAPPERS[mt](hf_config)
+    except ModelConfigError:
+        raise
+    except Exception:  # a field left out made the mapping fail (int(None)): name it
+        _check_unstated_fields(hf_config)
+        raise
+    _check_unstated_fields(hf_config)
+    return mapped
+
+
+# mapped values that do not change the forward pass of loaded weights
+_NOT_NUMERICS = ("max_sequence_length", "init_method_std")
+
+
+def _mapped_or_error(hf: dict) -> Any:
+    try:
+        m = _MAPPERS[hf["model_type"]](hf)
+    except Exception as e:  # a field left out can make the mapping itself fail (int(None))
+        return type(e).__name__
+    drop = lambda d: {k: v for k, v in d.items() if k not in _NOT_NUMERICS}  # noqa: E731
+    return drop(m.config_kwargs), drop(m.model_kwargs)
+
+
+def _check_unstated_fields(hf: dict) -> None:
+    """A field config.json leaves out is what transformers' config class makes of it (its default, or a value
+    derived from the other fields): transformers and SGLang compute with that. Where the mapping would assume
+    another value (n_group, first_k_dense_replace, q_lora_rank, routed_scaling_factor of DeepSeek-V3; head_dim and
+    num_key_value_heads of Qwen2/3 ...), the field is refused by name: never built from a value HF does not use."""
+    if hf.get("model_type") == "qwen2_5_vl":  # its text fields may sit in text_config (layouts.vlm.flat_config)
+        return
+    try:
+        import transformers
+        level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            full = transformers.AutoConfig.for_model(**hf).to_dict()
+        finally:
+            transformers.logging.set_verbosity(level)
+    except Exception:  # transformers cannot read the config itself: the mapping names what it can
+        return
+    base = _mapped_or_error(hf)
+    for key, value in full.items():
+        if key not in hf and _mapped_or_error({**hf, key: value}) != base:
+            raise ModelConfigError(
+                f"{hf['model_type']} config.json has no '{key}': transformers then uses {key}={value!r}, which mtrain "
+                f"would not assume; write the model's value of '{key}' into config.json")
 
 
 def context_length(hf_config: dict) -> int | None:
