@@ -58,3 +58,27 @@ def test_preflight_names_the_field_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.hf_path: deepseek_v3 config.json has no 'n_group'") as e:
         preflight(run, world=1)
     assert "\n" not in str(e.value)
+
+
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0,
+            mscale_all_dim=1.0)
+# Each trained silently against other logits than transformers' (max relative logit error, tiny DeepSeek-V3, 40
+# tokens: 6e-3, 3e-2, 0.4); moe_layer_freq failed with a KeyError when the weights loaded.
+DISAGREE = [("mscale=0.707 with mscale_all_dim=0", dict(rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0))),
+            ("mscale=None with mscale_all_dim=1.0", dict(rope_scaling={k: v for k, v in YARN.items() if k != "mscale"})),
+            ("truncate=False", dict(rope_scaling=dict(YARN, truncate=False))),
+            ("attention_factor=1.3", dict(rope_scaling=dict(YARN, attention_factor=1.3))),
+            ("moe_layer_freq=2", dict(moe_layer_freq=2))]
+
+
+@pytest.mark.parametrize("field, changes", DISAGREE, ids=[f for f, _ in DISAGREE])
+def test_deepseek_fields_transformers_reads_otherwise_are_refused(field, changes):
+    with pytest.raises(ModelConfigError, match=f"deepseek_v3 .*{field} is not supported") as e:
+        map_hf_config(tiny_config("deepseek_v3", **changes))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(1.0, 1.0), (0.707, 0.707), (1.0, None), (None, None)])
+def test_yarn_mscales_all_three_compute_alike_are_mapped(mscale, mscale_all_dim):
+    scaling = {k: v for k, v in dict(YARN, mscale=mscale, mscale_all_dim=mscale_all_dim).items() if v is not None}
+    map_hf_config(tiny_config("deepseek_v3", rope_scaling=scaling))
