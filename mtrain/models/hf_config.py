@@ -340,6 +340,10 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
         n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
         group_kwargs: dict[str, Any] = {}
         if n_group and int(n_group) > 1:
+            if not topk_group or int(experts) % int(n_group) or int(experts) // int(n_group) < 2:
+                raise ModelConfigError(f"deepseek_v3 n_routed_experts={experts} in n_group={n_group} groups with "
+                                       f"topk_group={topk_group}: each group must hold 2 experts or more (both sides "
+                                       "score a group by its top 2) and topk_group must be set")
             if topk // int(topk_group) != 2:
                 raise ModelConfigError(
                     f"deepseek_v3 num_experts_per_tok/topk_group = {topk}/{topk_group} must be 2: HF scores a group by "
