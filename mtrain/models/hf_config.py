@@ -265,6 +265,39 @@ _MOE_RUNTIME = dict(
 )
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_yarn(scaling: dict) -> dict:
+    """MLA's yarn fields. Megatron (and SGLang) scale cos/sin by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), mscale defaulting to 1 and mscale_all_dim to 0; transformers does so only where both are set,
+    else by mscale(factor), and takes attention_factor and truncate=false, which neither of the others reads."""
+    if not scaling.get("factor"):
+        raise ModelConfigError("deepseek_v3 rope_scaling (yarn) needs 'factor'")
+    factor = float(scaling["factor"])
+    for key, fine in (("attention_factor", scaling.get("attention_factor") is None),
+                      ("truncate", scaling.get("truncate", True) is not False)):
+        if not fine:
+            raise ModelConfigError(f"deepseek_v3 rope_scaling {key}={scaling[key]!r} is not supported: transformers "
+                                   f"applies it, Megatron's and SGLang's yarn do not")
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    ours = _yarn_mscale(factor, float(1.0 if m is None else m)) / _yarn_mscale(factor, float(m_all or 0.0))
+    hf = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if (m and m_all) else _yarn_mscale(factor)
+    if abs(ours - hf) > 1e-9 * hf:
+        raise ModelConfigError(f"deepseek_v3 rope_scaling mscale={m!r} with mscale_all_dim={m_all!r} is not supported: "
+                               f"transformers scales cos/sin by {hf:.6g}, Megatron and SGLang by {ours:.6g}")
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=factor,
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(scaling.get("beta_fast") or 32),  # transformers: `or 32`, `or 1`
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=float(1.0 if m is None else m),
+        mscale_all_dim=float(m_all or 0.0),
+    )
+
+
 def _map_deepseek_v3(hf: dict) -> MappedConfig:
     mt = "deepseek_v3"
     cfg, model = _common(hf, mt)
@@ -291,15 +324,7 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
     if scaling is None:
         cfg.update(rope_type="rope", mscale_all_dim=0.0, mscale=1.0, rotary_scaling_factor=1.0)
     elif scaling["rope_type"] == "yarn":
-        cfg.update(
-            rope_type="yarn",
-            rotary_scaling_factor=float(scaling["factor"]),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(scaling.get("beta_fast", 32)),
-            beta_slow=float(scaling.get("beta_slow", 1)),
-            mscale=float(scaling.get("mscale", 1.0)),
-            mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
-        )
+        cfg.update(_mla_yarn(scaling))
     else:
         raise ModelConfigError(f"deepseek_v3 rope_scaling rope_type={scaling['rope_type']!r} is not supported (yarn only)")
     model["position_embedding_type"] = "none"  # MLA applies its own rotary embedding inside attention
@@ -315,6 +340,10 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
         n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
         group_kwargs: dict[str, Any] = {}
         if n_group and int(n_group) > 1:
+            if not topk_group or int(experts) % int(n_group) or int(experts) // int(n_group) < 2:
+                raise ModelConfigError(f"deepseek_v3 n_routed_experts={experts} in n_group={n_group} groups with "
+                                       f"topk_group={topk_group}: each group must hold 2 experts or more (both sides "
+                                       "score a group by its top 2) and topk_group must be set")
             if topk // int(topk_group) != 2:
                 raise ModelConfigError(
                     f"deepseek_v3 num_experts_per_tok/topk_group = {topk}/{topk_group} must be 2: HF scores a group by "
@@ -323,6 +352,10 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
             group_kwargs = dict(moe_router_num_groups=int(n_group), moe_router_group_topk=int(topk_group))
         first_dense = int(hf.get("first_k_dense_replace", 0))
         every = int(hf.get("moe_layer_freq", 1))
+        if every != 1:  # transformers' DeepseekV3 has no such field: every layer from first_k_dense_replace is MoE
+            raise ModelConfigError(f"deepseek_v3 moe_layer_freq={every} is not supported: transformers makes every "
+                                   "layer from first_k_dense_replace on a MoE layer, SGLang one in "
+                                   f"{every}")
         n = cfg["num_layers"]
         freq = [1 if (i >= first_dense and i % every == 0) else 0 for i in range(n)]
         shared = int(hf.get("n_shared_experts") or 0)
@@ -385,7 +418,53 @@ def map_hf_config(hf_config: dict) -> MappedConfig:
     mt = hf_config.get("model_type")
     if mt not in _MAPPERS:
         raise ModelConfigError(f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return _MAPPERS[mt](hf_config)
+    try:
+        mapped = _MAPPERS[mt](hf_config)
+    except ModelConfigError:
+        raise
+    except Exception:  # a field left out made the mapping fail (int(None)): name it
+        _check_unstated_fields(hf_config)
+        raise
+    _check_unstated_fields(hf_config)
+    return mapped
+
+
+# mapped values that do not change the forward pass of loaded weights
+_NOT_NUMERICS = ("max_sequence_length", "init_method_std")
+
+
+def _mapped_or_error(hf: dict) -> Any:
+    try:
+        m = _MAPPERS[hf["model_type"]](hf)
+    except Exception as e:  # a field left out can make the mapping itself fail (int(None))
+        return type(e).__name__
+    drop = lambda d: {k: v for k, v in d.items() if k not in _NOT_NUMERICS}  # noqa: E731
+    return drop(m.config_kwargs), drop(m.model_kwargs)
+
+
+def _check_unstated_fields(hf: dict) -> None:
+    """A field config.json leaves out is what transformers' config class makes of it (its default, or a value
+    derived from the other fields): transformers and SGLang compute with that. Where the mapping would assume
+    another value (n_group, first_k_dense_replace, q_lora_rank, routed_scaling_factor of DeepSeek-V3; head_dim and
+    num_key_value_heads of Qwen2/3 ...), the field is refused by name: never built from a value HF does not use."""
+    if hf.get("model_type") == "qwen2_5_vl":  # its text fields may sit in text_config (layouts.vlm.flat_config)
+        return
+    try:
+        import transformers
+        level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            full = transformers.AutoConfig.for_model(**hf).to_dict()
+        finally:
+            transformers.logging.set_verbosity(level)
+    except Exception:  # transformers cannot read the config itself: the mapping names what it can
+        return
+    base = _mapped_or_error(hf)
+    for key, value in full.items():
+        if key not in hf and _mapped_or_error({**hf, key: value}) != base:
+            raise ModelConfigError(
+                f"{hf['model_type']} config.json has no '{key}': transformers then uses {key}={value!r}, which mtrain "
+                f"would not assume; write the model's value of '{key}' into config.json")
 
 
 def context_length(hf_config: dict) -> int | None:

@@ -1,0 +1,90 @@
+"""A config.json field left out means transformers' value for it (its config class's default, or one derived from
+the other fields): transformers and SGLang compute with that. Where mtrain would have built another model from the
+same file (DeepSeek-V3 without n_group: no expert groups, where transformers routes within 8; Qwen3 without
+head_dim: hidden/heads, where transformers takes 128), the field is refused by name, before any work."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtrain.models.hf_config import ModelConfigError, map_hf_config
+from mtrain.tiny_configs import TINY, numerics_config, tiny_config
+
+LEFT_OUT = [("deepseek_v3", "n_group", 8), ("deepseek_v3", "topk_group", 4), ("deepseek_v3", "first_k_dense_replace", 3),
+            ("deepseek_v3", "routed_scaling_factor", 2.5), ("deepseek_v3", "n_shared_experts", 1),
+            ("deepseek_v3", "q_lora_rank", 1536), ("qwen3", "head_dim", 128), ("qwen2", "num_key_value_heads", 32),
+            ("qwen3_moe", "num_key_value_heads", 4)]
+
+
+@pytest.mark.parametrize("arch, key, hf_value", LEFT_OUT, ids=[f"{a}-{k}" for a, k, _ in LEFT_OUT])
+def test_a_left_out_field_that_transformers_fills_otherwise_is_refused(arch, key, hf_value):
+    from transformers import AutoConfig
+    cfg = tiny_config(arch)
+    del cfg[key]
+    assert AutoConfig.for_model(**cfg).to_dict()[key] == hf_value  # what transformers computes with
+    want = f"no '{key}': transformers then uses {key}={hf_value}"
+    if key == "topk_group":  # the group check names it first
+        want = "topk_group=None: .* topk_group must be set"
+    with pytest.raises(ModelConfigError, match=want) as e:
+        map_hf_config(cfg)  # was: a model built from another value (or a TypeError for topk_group)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_only_layers",
+                                 "norm_topk_prob", "decoder_sparse_step", "max_position_embeddings"])
+def test_a_left_out_field_with_the_same_value_is_not_refused(key):
+    cfg = tiny_config("qwen3_moe")
+    cfg.pop(key)
+    map_hf_config(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TINY if not n.startswith("qwen2_5_vl")))
+def test_complete_configs_map(name):
+    map_hf_config(tiny_config(name))
+    if name in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
+        map_hf_config(numerics_config(name))
+
+
+def test_preflight_names_the_field_in_one_line(tmp_path):
+    from mtrain.config import ConfigError, load_config
+    from mtrain.preflight import preflight
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("deepseek_v3", tmp_path / "dsv3", overrides={"n_routed_experts": 16, "n_group": 8,
+                                                                    "topk_group": 4})
+    cfg = json.loads((hf / "config.json").read_text())
+    del cfg["n_group"], cfg["topk_group"]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    from pathlib import Path
+    config = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    run = load_config(config, [f"model.hf_path={hf}", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: deepseek_v3 config.json has no 'n_group'") as e:
+        preflight(run, world=1)
+    assert "\n" not in str(e.value)
+
+
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0,
+            mscale_all_dim=1.0)
+# Each trained silently against other logits than transformers' (max relative logit error, tiny DeepSeek-V3, 40
+# tokens: 6e-3, 3e-2, 0.4); moe_layer_freq failed with a KeyError when the weights loaded.
+DISAGREE = [("mscale=0.707 with mscale_all_dim=0", dict(rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0))),
+            ("mscale=None with mscale_all_dim=1.0", dict(rope_scaling={k: v for k, v in YARN.items() if k != "mscale"})),
+            ("truncate=False", dict(rope_scaling=dict(YARN, truncate=False))),
+            ("attention_factor=1.3", dict(rope_scaling=dict(YARN, attention_factor=1.3))),
+            ("moe_layer_freq=2", dict(moe_layer_freq=2)),
+            # a group of one expert: transformers' topk(2) and Megatron's failed at the first forward, once per rank
+            ("n_routed_experts=8 in n_group=8 groups", dict(n_group=8, topk_group=2)),
+            ("n_routed_experts=8 in n_group=4 groups with topk_group=None", dict(topk_group=None))]
+
+
+@pytest.mark.parametrize("field, changes", DISAGREE, ids=[f for f, _ in DISAGREE])
+def test_deepseek_fields_transformers_reads_otherwise_are_refused(field, changes):
+    with pytest.raises(ModelConfigError, match=f"deepseek_v3 .*{field}") as e:
+        map_hf_config(tiny_config("deepseek_v3", **changes))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(1.0, 1.0), (0.707, 0.707), (1.0, None), (None, None)])
+def test_yarn_mscales_all_three_compute_alike_are_mapped(mscale, mscale_all_dim):
+    scaling = {k: v for k, v in dict(YARN, mscale=mscale, mscale_all_dim=mscale_all_dim).items() if v is not None}
+    map_hf_config(tiny_config("deepseek_v3", rope_scaling=scaling))
