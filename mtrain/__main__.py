@@ -1,4 +1,4 @@
-"""`mtrain` command line: train, plot, init-tiny.
+"""`mtrain` command line: train, serve, plot, gap-probe, init-tiny.
 
     mtrain train --nproc-per-node N CONFIG.yaml [a.b.c=value ...]  # checks the config, then starts N ranks
     mtrain train CONFIG.yaml [a.b.c=value ...]     # one rank, or each rank under torchrun

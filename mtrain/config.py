@@ -283,6 +283,10 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {f'{context}: ' if context else ''}{problem}"
 
 
+# Set by `mtrain train --nproc-per-node N` for the ranks it starts: it printed the config's notes already.
+NOTES_SHOWN = "MTRAIN_CONFIG_NOTES_SHOWN"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 check_files: bool = False) -> RunConfig:
     """Load a YAML file (or start from defaults when None), apply `a.b.c=value` overrides, validate;
@@ -306,7 +310,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     for o in overrides:
         _apply_override(tree, o)
     for note in switch_data_source(file_tree, tree, overrides):
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and not os.environ.get(NOTES_SHOWN):
             print(f"mtrain: note: {note}", file=sys.stderr)
     cfg = _build(RunConfig, tree, "", f"{source} + overrides" if overrides else source)
     expand_user_paths(cfg)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mtrain.config import ConfigError
+from mtrain.config import NOTES_SHOWN, ConfigError
 
 
 def inside_launcher() -> bool:
@@ -61,6 +61,8 @@ def launch(config: str | None, overrides: list[str], nproc: int) -> int:
     from torch.distributed.run import get_args_parser, run as elastic_run
     cmd = ["--standalone", "--nproc-per-node", str(nproc), "-m", "mtrain", "train",
            *([config] if config else []), *overrides, *resolved_overrides(asked, cfg)]
+    # the ranks load the same config again: its notes were printed above, once (mtrain.config.load_config)
+    os.environ[NOTES_SHOWN] = "1"
     try:
         elastic_run(get_args_parser().parse_args(cmd))
     except ChildFailedError as e:

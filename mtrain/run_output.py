@@ -61,9 +61,11 @@ def summary(cfg, hf_config: dict, world: int, train_ranks: int | None = None) ->
     if engine == "auto":
         import torch
         engine = "sglang" if torch.cuda.is_available() else "reference"
+    # a vision-language config (Qwen2.5-VL) keeps the language model's sizes under text_config
+    text = {**(hf_config.get("text_config") or {}), **hf_config}
     return "\n".join([
-        f"mtrain: model {hf_config.get('model_type', '?')} ({hf_config.get('num_hidden_layers', '?')} layers, hidden "
-        f"{hf_config.get('hidden_size', '?')}) from {src}, {cfg.model.dtype}",
+        f"mtrain: model {hf_config.get('model_type', '?')} ({text.get('num_hidden_layers', '?')} layers, hidden "
+        f"{text.get('hidden_size', '?')}) from {src}, {cfg.model.dtype}",
         f"mtrain: {world} rank(s): tp={p.tp} pp={p.pp} ep={p.ep} cp={p.cp} dp={dp}; engine {engine} "
         f"tp={cfg.engine.tp}",
         f"mtrain: {cfg.algo.name}, {t.steps} steps x {r.prompts_per_step} prompts x {r.samples_per_prompt} samples "

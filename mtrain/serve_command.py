@@ -57,7 +57,7 @@ def serve(cfg) -> int:
                              read_timeout_s=sv.read_timeout_s)
         server.start()
         print(f"mtrain serve: model {front.model_name!r} at {server.base_url}", flush=True)
-        print(f"mtrain serve: API key from {source}", flush=True)
+        print(f"mtrain serve: API key: {source}", flush=True)
         if key is None:
             print(f"mtrain serve: API key {server.api_key}", flush=True)
         print("mtrain serve: sessions: POST /sessions, then base_url /sessions/{id}/v1; stop with SIGINT/SIGTERM",

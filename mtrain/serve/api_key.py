@@ -11,4 +11,4 @@ def api_key_of(cfg) -> tuple[str | None, str]:
     env = os.environ.get(cfg.serve.api_key_env)
     if env:
         return env, f"${cfg.serve.api_key_env}"
-    return None, "generated for this run (printed below)"
+    return None, "none given (serve.api_key_env unset): a fresh one for this run, printed below"

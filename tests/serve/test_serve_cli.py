@@ -32,7 +32,7 @@ def test_mtrain_serve_answers_and_stops_on_sigterm(tmp_path):
             if " at http" in line:
                 url = line.rsplit(" at ", 1)[1].strip()
         assert url, "".join(lines)
-        assert any("API key from $MTRAIN_API_KEY" in x for x in lines + [p.stdout.readline()])
+        assert any("API key: $MTRAIN_API_KEY" in x for x in lines + [p.stdout.readline()])
         c = OpenAI(base_url=url, api_key="secret-test-key", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+3="}])
@@ -43,3 +43,14 @@ def test_mtrain_serve_answers_and_stops_on_sigterm(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_api_key_source_reads_as_a_sentence(monkeypatch):
+    # `mtrain serve: API key: SOURCE` (it read "API key from generated for this run")
+    from mtrain.config import load_config
+    from mtrain.serve.api_key import api_key_of
+    cfg = load_config(None, ["model.hf_path=/m", "data.task=arithmetic"])
+    monkeypatch.delenv(cfg.serve.api_key_env, raising=False)
+    assert api_key_of(cfg) == (None, "none given (serve.api_key_env unset): a fresh one for this run, printed below")
+    monkeypatch.setenv(cfg.serve.api_key_env, "k")
+    assert api_key_of(cfg) == ("k", f"${cfg.serve.api_key_env}")

@@ -38,6 +38,18 @@ def test_one_override_trains_on_the_example_jsonl(tiny_llama, tmp_path):
     assert prompts and "task arithmetic" not in p.stdout and str(EXAMPLE) in p.stdout  # the summary names the file
 
 
+def test_the_launcher_prints_the_data_notes_once(tiny_llama, tmp_path):
+    # `mtrain train --nproc-per-node 2`: the launcher checks the config and prints its notes; rank 0 loads the
+    # same config again and printed them a second time
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mtrain", "train", "--nproc-per-node", "2", str(CONFIG), f"model.hf_path={tiny_llama}",
+           f"train.run_dir={run}", "train.steps=1", f"data.train_path={EXAMPLE}"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("mtrain: note: data.train_path replaces the config file's data.task") == 1, p.stderr
+    assert p.stderr.count("mtrain: note: no data.eval_path") == 1, p.stderr
+
+
 def test_a_broken_prompt_file_is_one_line_before_any_work(tiny_llama, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "2+2?", "answer": "4"}\n{"question": "no prompt key"}\n')
