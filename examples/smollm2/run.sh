@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on addition with SmolLM2-135M-Instruct. On a CPU box: the CPU recipe (grpo_addition.yaml: float32, the
-# reference engine, data parallel over 2 ranks, as 9 heads / 3 KV heads do not split over TP2; about 31 minutes on 2
-# shared cores). On a machine with a CUDA GPU and SGLang: the GPU recipe (the same file plus gpu.overrides: SGLang,
+# reference engine, data parallel over 2 ranks, as 9 heads / 3 KV heads do not split over TP2; about 29 minutes on 2
+# idle cores). On a machine with a CUDA GPU and SGLang: the GPU recipe (the same file plus gpu.overrides: SGLang,
 # bf16, one rank per GPU). Results go to RUN_DIR (summary.json, summary.png); the committed docs figures change only
 # with `bash examples/smollm2/update_docs.sh RUN_DIR`.
 # OVERRIDES=FILE adds FILE's key=value lines after the recipe's (examples/smollm2/lora.overrides: the LoRA demo).
