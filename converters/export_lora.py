@@ -74,20 +74,21 @@ def write_adapter(mcore: Path, hf: Path, out: Path) -> int:
     cfg = dict(cfg, num_nextn_predict_layers=0)
     table = lora_layout(model_layout(cfg, mtp=False), spec)
     LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-               base_model_name_or_path=str(hf), **peft_targets(table, cfg.get("model_type"))).save_pretrained(str(out))
+               base_model_name_or_path=str(hf), **peft_targets(table, hf)).save_pretrained(str(out))
     stable_adapter_config(out / "adapter_config.json")
     job = dict(cfg=cfg, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets), mcore=str(mcore), out=str(out))
     return run_ranks(adapter_rank, 1, job)[0]
 
 
-def peft_targets(table, model_type: str | None) -> dict:
+def peft_targets(table, hf: Path) -> dict:
     """LoraConfig's target_modules and target_parameters for the adapter table (tensors keep the table's HF names).
 
-    PEFT under transformers 5 rewrites, on a MoE model, every target_modules entry ending in gate_proj / up_proj /
-    down_proj into the fused experts' parameters (peft.utils.transformers_weight_conversion: adapters saved on
-    transformers 4's per-expert linears). Routed experts rely on that: their per-expert tensors and last-component
-    targets are what it converts on load. A dense layer's MLP and DeepSeek's shared experts would lose their adapters
-    to it, so their linears are named by weight in target_parameters (`mlp.gate_proj.weight`,
+    PEFT 0.21 under transformers 5 rewrites, on a MoE model, every target_modules entry ending in gate_proj /
+    up_proj / down_proj into the fused experts' parameters (peft.utils.transformers_weight_conversion: adapters saved
+    on transformers 4's per-expert linears); PEFT 0.22 reads the model's modules and leaves real linears alone.
+    Routed experts rely on the rewrite: their per-expert tensors and last-component targets are what it converts on
+    load. Where the installed PEFT would take a dense layer's MLP or DeepSeek's shared experts off their linears
+    (`rewritten_by_peft` asks it), those linears are named by weight in target_parameters (`mlp.gate_proj.weight`,
     `shared_experts.down_proj.weight`): PEFT wraps a 2-d parameter as W + (alpha/r) B A, with the same
     `<module>.lora_A.weight` tensor names, and never rewrites target_parameters."""
     from dataclasses import replace
@@ -96,7 +97,7 @@ def peft_targets(table, model_type: str | None) -> dict:
 
     dense = replace(table, weights=[w for w in table.weights if w.expert is None])
     experts = replace(table, weights=[w for w in table.weights if w.expert is not None])
-    moved = rewritten_by_peft(peft_module_paths(dense), model_type)
+    moved = rewritten_by_peft(peft_module_paths(dense), hf)
     kept = [w for w in dense.weights if peft_module_path(w.hf[0].name) not in moved]
     modules = set(peft_target_modules(experts)) | set(peft_target_modules(replace(table, weights=kept)))
     out = {"target_modules": sorted(modules) or None}
@@ -105,18 +106,24 @@ def peft_targets(table, model_type: str | None) -> dict:
     return out
 
 
-def rewritten_by_peft(module_paths: list[str], model_type: str | None) -> set[str]:
-    """The target_modules entries PEFT's transformers-5 conversion takes off their modules for this model type
-    (asked of PEFT itself, on a config naming only them)."""
-    from types import SimpleNamespace
-
+def rewritten_by_peft(module_paths: list[str], hf: Path) -> set[str]:
+    """The target_modules entries PEFT's transformers-5 conversion takes off their modules for the model in `hf`
+    (asked of PEFT itself, on a config naming only them). PEFT 0.22 reads the model's modules to decide, so it is
+    given the model itself, built on the meta device (no weights, no memory); only for model types that
+    transformers converts at all (MoE models), as for the others PEFT changes nothing."""
+    import torch
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    if not module_paths or not model_type:
+    config = AutoConfig.from_pretrained(str(hf))
+    if not module_paths or get_checkpoint_conversion_mapping(config.model_type) is None:
         return set()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     cfg = LoraConfig(target_modules=list(module_paths))
-    convert_peft_config_for_transformers(cfg, SimpleNamespace(config=SimpleNamespace(model_type=model_type)), None)
+    convert_peft_config_for_transformers(cfg, model, None)
     return set(module_paths) - set(cfg.target_modules or ())
 
 
