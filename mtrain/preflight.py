@@ -282,7 +282,7 @@ def check_run_dir(cfg: RunConfig) -> None:
 
 def check_resume(cfg: RunConfig) -> None:
     """An explicit train.resume path must be a complete, intact checkpoint (auto falls back by itself); with never, no
-    configured path may lie in what the start moves aside (mtrain/run_files.py)."""
+    configured path may lie in what the start moves aside (mtrain/trainer/run_dir.py)."""
     r = cfg.train.resume
     from mtrain.trainer.run_dir import moved_config_path
     problem = moved_config_path(cfg)  # never: a configured path in what the start moves aside

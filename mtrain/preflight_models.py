@@ -85,6 +85,8 @@ def tokenizer_loader(cfg: RunConfig, hf_config: dict):
     chat-template and prompt-context checks both need it: a real tokenizer takes seconds to load)."""
     import functools
 
+    from mtrain.tokenizer_files import tokenizer_files
+
     @functools.cache
     def tokenizer():
         from mtrain.trainer.engines import load_tokenizer
@@ -95,7 +97,6 @@ def tokenizer_loader(cfg: RunConfig, hf_config: dict):
             raise ConfigError(f"model.hf_path: the tokenizer files in {hf} ({', '.join(tokenizer_files(hf))}) do "
                               f"not load ({' '.join(str(e).split())}): copy the model's complete tokenizer from "
                               f"where the weights came from") from None
-    from mtrain.tokenizer_files import tokenizer_files
     return tokenizer
 
 

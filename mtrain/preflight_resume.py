@@ -22,19 +22,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FUSABLE_NORM = re.compile(r"(input_layernorm|pre_mlp_layernorm|layer_norm_weight)")
 
 
-def resumed_checkpoint(cfg: RunConfig) -> Path | None:
-    """The checkpoint the trainer will load (loop.Trainer._resume decides alike), or None."""
-    r = cfg.train.resume
-    if r == "never":
-        return None
-    if r != "auto":
-        return Path(r)
-    from mtrain.trainer.checkpoint import find_latest
-    return find_latest(cfg.train.run_dir, report=None)
-
-
 def check_resume_model(cfg: RunConfig, hf_config: dict) -> None:
-    path = resumed_checkpoint(cfg)
+    from mtrain.trainer.checkpoint import resume_path
+    path = resume_path(cfg.train.resume, cfg.train.run_dir, report=None)  # the checkpoint the trainer will load
     if path is None or not (path / "mcore").is_dir():
         return  # check_resume names a broken explicit path
     problem = model_mismatch(path / "mcore", hf_config)

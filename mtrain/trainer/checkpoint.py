@@ -208,6 +208,14 @@ def checkpoint_problem(path: str | Path) -> str | None:
     return None
 
 
+def resume_path(resume: str, run_dir: str | Path, report=print) -> Path | None:
+    """The checkpoint train.resume names: none for "never", the newest loadable one in run_dir for "auto" (find_latest,
+    `report` as there), else the path given. The trainer loads it; preflight checks it holds the run's model."""
+    if resume == "never":
+        return None
+    return find_latest(run_dir, report) if resume == "auto" else Path(resume)
+
+
 def find_latest(run_dir: str | Path, report=print) -> Path | None:
     """The intact checkpoint with the highest step, or None. Directories are scanned rather than trusting
     `latest` alone: a kill between the rename and the pointer update leaves `latest` one save behind. A newer

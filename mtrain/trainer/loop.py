@@ -122,7 +122,7 @@ class Trainer:
             dist.barrier()  # no rank goes on (and none writes into run_dir) before the move is done
             return False
         report = print if self.rank == 0 else None  # why a newer checkpoint is skipped, said once
-        path = checkpoint.find_latest(self.run_dir, report) if r == "auto" else Path(r)
+        path = checkpoint.resume_path(r, self.run_dir, report)
         if path is None:
             return False
         state = self.learner.load(path)  # engine ranks: the step and the sources' state only
