@@ -19,6 +19,10 @@
 Prints the table (per phase: the run's median (min-max) over the measured steps, the floor, the ratio), the step
 against the sum of the floors, MFU of the train phase, generated tokens/s/GPU, tokens/GPU/day, the trainable share.
 A heartbeat line at least every 20 s.
+
+A shape whose run and floors do not fit one 10-minute call (Qwen3-4B on an H100) is taken in two: `--part run` trains
+and keeps the run's result in WORK/runs.json, `--part floors` (the next call, on the same warm machine: /tmp stays)
+measures the floors against it and prints the table.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PHASES = ("time/rollout", "time/logprobs", "time/train", "time/sync", "time/release_memory", "time/resume_memory",
+          "time/offload", "time/reload",  # engine.offload_train's moves of the optimizer state (0 without it)
           "time/logprobs_prepare", "time/logprobs_policy", "time/logprobs_reference")  # the last three: within logprobs
 DATASHEET_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 T0 = time.perf_counter()
@@ -331,7 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--async-modes", default="off", help="rollout.async modes, one run each (the table: the first)")
     ap.add_argument("--floor-repeats", type=int, default=2, help="timed repeats of each floor, after a warm-up")
     ap.add_argument("--actor-train", action="store_true", help="also time the Actor's training step alone")
-    ap.add_argument("--no-floors", action="store_true", help="the run(s) only")
+    ap.add_argument("--no-floors", action="store_true", help="the run(s) only: no floors, no table against them")
+    ap.add_argument("--part", choices=("all", "run", "floors"), default="all",
+                    help="run: train and keep the result in WORK/runs.json; floors: the floors against that result")
     ap.add_argument("--write-only", action="store_true", help="write the random model into --work and stop")
     ap.add_argument("--out", default=None)
     ap.add_argument("extra", nargs="*", help="further a.b.c=value overrides for the run and the trainer floors")
@@ -352,7 +359,13 @@ def main() -> None:
     hf_cfg = json.loads((hf / "config.json").read_text())
     n = args.prompts * args.samples
     res = {"config": vars(args), "device": torch.cuda.get_device_name(0), "runs": {}}
-    for mode in args.async_modes.split(","):
+    kept = work / "runs.json"
+    if args.part == "floors":
+        if not kept.exists():
+            raise SystemExit(f"--part floors: no {kept} (run --part run first, on this machine)")
+        res["runs"] = json.loads(kept.read_text())["runs"]
+        say(f"the run's result from {kept}: modes {', '.join(res['runs'])}")
+    for mode in args.async_modes.split(",") if args.part != "floors" else ():
         run_dir = work / f"run_{mode}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         run_dir.mkdir(parents=True)
@@ -362,7 +375,9 @@ def main() -> None:
         r["phases"] = {k: spread([m.get(k, 0.0) for m in steps]) for k in PHASES + ("time/step",)}
         res["runs"][mode] = r
         say(f"{mode}: step {r['phases']['time/step']['median']:.2f} s median over {len(steps)} steps")
+        kept.write_text(json.dumps(res, indent=1, default=str))
         if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     first = res["runs"][args.async_modes.split(",")[0]]
     steps = first["steps"]
@@ -370,7 +385,7 @@ def main() -> None:
     prompt_len = round(statistics.mean(m["prompt_len/mean"] for m in steps))
     response_len = round(statistics.mean(m["response_len/mean"] for m in steps))
     lines = []
-    if not args.no_floors:
+    if not args.no_floors and args.part != "run":
         _phase[0] = "rollout floor: standalone SGLang engine"
         try:
             roll = rollout_floor(args, hf, prompt_len, n)
@@ -395,6 +410,7 @@ def main() -> None:
         rows = [("rollout", ph["time/rollout"], f["rollout"]), ("logprobs", logprob_run, f["logprobs"]),
                 ("train", ph["time/train"], f["train"]), ("sync", ph["time/sync"], f["sync"]),
                 ("release memory", ph["time/release_memory"], None), ("resume memory", ph["time/resume_memory"], None),
+                ("offload", ph["time/offload"], None), ("reload", ph["time/reload"], None),
                 ("step", ph["time/step"], sum(f.values()))]
         lines.append(f"{'phase':<16}{'run median (min-max) s':>30}{'floor s':>10}{'ratio':>8}")
         for label, s, floor in rows:

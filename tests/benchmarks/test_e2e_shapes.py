@@ -60,7 +60,7 @@ def _e2e_entries() -> dict[str, list[str]]:
     for name, command in re.findall(r"^    ([a-z0-9_]+)\) (.*?) ;;", body, re.M | re.S):
         if "benchmarks/gpu_e2e_step.py" not in command or "--write-only" in command:
             continue  # (other entries' commands are not all shlex-able: comments with quotes)
-        words = shlex.split(command)
+        words = shlex.split(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", command))  # ${E2E_PART:-all}: its default
         args = words[words.index("benchmarks/gpu_e2e_step.py") + 1:]
         if "--out" in args:
             i = args.index("--out")

@@ -115,7 +115,7 @@ class PolicyLearner:
         batch, rows, filtered = self.groups_filter(full, n)
         local.update(filtered)
         moves, train_metrics, old_lp, mine = self._moves, {}, None, None
-        t2 = t3 = time.perf_counter()
+        t2 = t3 = t_train = time.perf_counter()
         if batch is not None:
             # The rollout is over: colocated engines hand their weights and KV cache back before the scoring pass,
             # which then has the training step's memory (with the engine resident, a Qwen3-4B shape on one H200 ran
@@ -166,16 +166,19 @@ class PolicyLearner:
                 local.update(term.metrics())
             # engine vs trainer's own routing (from the scoring pass), and the routing bytes the engines sent
             local.update(routing_metrics(self.actor, res.completions if res.trajectories is None else res.trajectories))
+            # the optimizer state's way back (engine.offload_train) is its own phase, time/reload: neither scoring
+            # nor training (it was counted as scoring before)
+            t2 = _synced_clock()
             moves.update(self.offload.reload())
             moves.update(self.side.reload())
-            t2 = time.perf_counter()
+            t_train = _synced_clock()
             per_update = [self.actor.train_step(mb, old, a, ref, norms) for mb, a, old, ref, norms in minibatches
                           ] if self.side.policy_trains else []  # the critic's warm-up: the policy waits
             train_metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]} \
                 if per_update else {}
             train_metrics["ppo/updates"] = float(len(per_update))
             train_metrics.update(self.side.update(minibatches, slices))
-            t3 = time.perf_counter()
+            t3 = _synced_clock()
             mine = RolloutBatch.concat([m[0] for m in minibatches])
             old_lp = None if minibatches[0][2] is None else torch.cat([m[2] for m in minibatches])
             moves.update(self.offload.offload())
@@ -187,7 +190,7 @@ class PolicyLearner:
         summary = {"reward/mean": float(full.rewards.mean()),
                    "response_len/mean": float(full.response_lens.float().mean()),
                    "prompt_len/mean": float((full.seq_lens - full.response_lens).float().mean()),
-                   "time/logprobs": t2 - t1, "time/train": t3 - t2}
+                   "time/logprobs": t2 - t1, "time/train": t3 - t_train}
         if batch is None:
             summary["update_skipped"] = 1.0  # every group was uniform: nothing to learn from this rollout
         return local, summary
