@@ -55,7 +55,8 @@ e2e_1_7b|1|600|GRPO steps of a Qwen3-1.7B shape, 32 x 8 x 1,024 tokens, and ever
 e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: engine.offload_train, full recompute and micro-batches of 2,048 tokens, as the memory plan says); E2E_PART=run, then E2E_PART=floors in the next call: the two do not fit one
 e2e_moe|1|600|the same on Qwen3-30B-A3B's layer shape cut to 5 layers (128 experts, 8 active), 16 x 8 x 512 tokens (offload and full recompute, as the memory plan says)
 e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the same steps, one run per mode)
-parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 rounds (SmolLM2 staged)
+parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 interleaved rounds (SmolLM2 staged)
+parity_4b|1|420|the same on the Qwen3-4B shape (e2e_setup's random weights), 256 x 256 tokens
 smollm2_learn|1|600|the SmolLM2 GPU recipe's runs side by side (gpu_smollm2.sh learn; SmolLM2 staged)
 smollm2_onpolicy|1|600|SGLang's on-policy kernels (2 seeds), PPO, one_step beside the recipe (SmolLM2 staged)
 smollm2_bitwise|1|600|the SmolLM2 GPU recipe with numerics.on_policy=bitwise, 3 seeds, beside the recipe (SmolLM2 staged)
@@ -183,6 +184,8 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
     e2e_async_1_7b) python benchmarks/gpu_e2e_step.py --model qwen3_1_7b --async-modes off,one_step --no-floors \
                         --mem-fraction 0.3 --out "$out/e2e_async_1_7b.json" ;;
     parity) bash benchmarks/gpu_smollm2.sh parity ;;
+    parity_4b) python benchmarks/gpu_engine_parity.py --hf /tmp/e2e-qwen3_4b/hf --batches 256 --new 256 \
+                   --out "$out/parity_4b.json" ;;
     smollm2_learn) bash benchmarks/gpu_smollm2.sh learn ;;
     smollm2_onpolicy) STAGGER=3 RUN_LIMIT=300 bash benchmarks/gpu_smollm2.sh learn recipe:train.seed=1234 \
                           fsdp1234:engine.server_args.rl_on_policy_target=fsdp,train.seed=1234 \
