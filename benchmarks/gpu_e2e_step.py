@@ -71,6 +71,13 @@ class GpuMemory:
         self.total = pynvml.nvmlDeviceGetMemoryInfo(self.h).total
         self.period, self.peak, self.stop = period, 0, threading.Event()
 
+    @staticmethod
+    def device_name() -> str:
+        import pynvml
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return name.decode() if isinstance(name, bytes) else name
+
     def used(self) -> int:
         return self.nvml.nvmlDeviceGetMemoryInfo(self.h).used
 
@@ -352,13 +359,18 @@ def main() -> None:
     hf = work / "hf"
     if not (hf / "mtrain_char_tokenizer.json").exists():
         _phase[0] = "writing the random model"
-        write_random_model(REPO / "benchmarks" / "configs" / f"{args.model}.json", hf)
-        say(f"random model written to {hf}")
+        if args.write_only:
+            write_random_model(REPO / "benchmarks" / "configs" / f"{args.model}.json", hf)
+            say(f"random model written to {hf}")
+        else:  # in a process of its own: a CUDA context here would hold ~1.1 GiB beside the run (2026-12-07)
+            subprocess.run([sys.executable, __file__, "--model", args.model, "--work", str(work), "--write-only"],
+                           check=True)
     if args.write_only:
         return
     hf_cfg = json.loads((hf / "config.json").read_text())
     n = args.prompts * args.samples
-    res = {"config": vars(args), "device": torch.cuda.get_device_name(0), "runs": {}}
+    # the device's name from NVML: this process stays off CUDA while the run trains (a context is ~1.1 GiB)
+    res = {"config": vars(args), "device": GpuMemory.device_name(), "runs": {}}
     kept = work / "runs.json"
     if args.part == "floors":
         if not kept.exists():

@@ -35,7 +35,7 @@ def main() -> None:
 
     from mtrain.layouts import model_layout
     from mtrain.layouts.lora import LoraSpec, lora_layout
-    from mtrain.rollout.lora_adapters import peft_config, switch_adapter
+    from mtrain.rollout.lora_adapters import adapter_name, peft_config, switch_adapter
     from mtrain.rollout.protocol import Request, SamplingParams
     from mtrain.rollout.sglang_engine import SGLangEngine
     from mtrain.tiny_hf import write_tiny_hf
@@ -51,7 +51,7 @@ def main() -> None:
     table = lora_layout(base, spec)
     lora = engine_lora_args(base, spec)
     experts = sum(".experts." in w.hf[0].name for w in table.weights)
-    print(f"model {args.arch}: {cfg.get('num_experts')} experts x {cfg['num_hidden_layers']} layers; adapter rows "
+    print(f"model {args.arch}: {cfg.get('num_experts', cfg.get('num_local_experts'))} experts x {cfg['num_hidden_layers']} layers; adapter rows "
           f"{len(table.weights)} ({experts} on experts); PEFT target_modules {lora['target_modules']}")
 
     def tensors(seed):
@@ -83,11 +83,12 @@ def main() -> None:
         save_file({f"base_model.model.{k}": v.cpu().contiguous() for k, v in v1.items()},
                   str(d / "adapter_model.safetensors"))
         (d / "adapter_config.json").write_text(json.dumps(peft_config(lora)))
+        fresh_name = adapter_name(1000)  # a policy-v name: the engine reads each request's version from it
         ok = engine._run(engine._engine.tokenizer_manager.load_lora_adapter(
-            engine._io.LoadLoRAAdapterReqInput(lora_name="fresh", lora_path=str(d)), None), "load fresh")
+            engine._io.LoadLoRAAdapterReqInput(lora_name=fresh_name, lora_path=str(d)), None), "load fresh")
         if not getattr(ok, "success", False):
             raise SystemExit(f"FAIL: SGLang could not load the PEFT directory: {getattr(ok, 'error_message', ok)}")
-        engine.adapters.activate("fresh")
+        engine.adapters.activate(fresh_name)
         fresh = run("fresh")
         checks = {"synced v1 == fresh load of v1": out1 == fresh, "v1 differs from base": out1 != plain,
                   "v1 differs from v0": out1 != out0}
