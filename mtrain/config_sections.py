@@ -317,7 +317,9 @@ class TrainConfig:
     eval_samples: int = 1  # responses generated per eval prompt
     val_before_train: bool = False
     val_only: bool = False
-    resume: str = "auto"  # "auto" (latest in run_dir if any), "never", or a checkpoint path
+    # "auto" (latest in run_dir if any), "never", or a checkpoint path; what is not the resumed history moves to
+    # RUN_DIR/previous/ (mtrain/trainer/run_dir.py)
+    resume: str = "auto"
     # The newest N complete checkpoints stay in RUN_DIR/checkpoints, older ones are deleted after each save (a full
     # SmolLM2-135M checkpoint with Adam's state is ~2 GB); None keeps every one.
     keep_checkpoints: int | None = 2

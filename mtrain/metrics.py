@@ -2,7 +2,9 @@
 tqdm progress bar. Create it on one rank only (rank 0).
 
 Resuming from the checkpoint of step k keeps the lines with step <= k and drops the rest (the steps that
-ran after the checkpoint and will run again), so a resumed run's file equals an uninterrupted run's.
+ran after the checkpoint and will run again), so a resumed run's file equals an uninterrupted run's. Rows of steps
+that have a checkpoint after k (a resume from an earlier step) were moved to RUN_DIR/previous/ first
+(mtrain/trainer/run_dir.py).
 """
 from __future__ import annotations
 
@@ -14,11 +16,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mtrain.fileperm import replace_text
-from mtrain.run_files import TENSORBOARD_DIR
+from mtrain.run_files import METRICS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsError(ValueError):

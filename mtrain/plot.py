@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 from mtrain.fileperm import chmod_umask
-from mtrain.metrics import METRICS_FILE, MetricsError, read_metrics
+from mtrain.metrics import MetricsError, read_metrics
+from mtrain.run_files import METRICS_FILE
 from mtrain.run_files import PLOT_FILE
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")

@@ -281,19 +281,18 @@ def check_run_dir(cfg: RunConfig) -> None:
 
 
 def check_resume(cfg: RunConfig) -> None:
-    """An explicit train.resume path must be a complete, intact checkpoint (auto falls back by itself); with never, no
-    configured path may lie in what the start moves aside (mtrain/trainer/run_dir.py)."""
+    """An explicit train.resume path must be a complete, intact checkpoint (auto falls back by itself); no configured
+    path may lie in what the start moves aside (mtrain/trainer/run_dir.py)."""
     r = cfg.train.resume
+    if r not in ("auto", "never"):
+        from mtrain.trainer.checkpoint import checkpoint_problem
+        problem = checkpoint_problem(Path(r))
+        if problem:
+            raise _fail("train.resume", problem)
     from mtrain.trainer.run_dir import moved_config_path
-    problem = moved_config_path(cfg)  # never: a configured path in what the start moves aside
+    problem = moved_config_path(cfg)  # a configured path in what the start moves aside
     if problem:
         raise ConfigError(problem)
-    if r in ("auto", "never"):
-        return
-    from mtrain.trainer.checkpoint import checkpoint_problem
-    problem = checkpoint_problem(Path(r))
-    if problem:
-        raise _fail("train.resume", problem)
 
 
 def check_data(cfg: RunConfig) -> None:

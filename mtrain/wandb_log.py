@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-ID_FILE = "wandb_run_id"
+from mtrain.run_files import WANDB_ID_FILE
 
 
 class WandbSink:
@@ -27,7 +27,7 @@ class WandbSink:
                 from None
         self._wandb = wandb
         run_dir = Path(run_dir)
-        id_file = run_dir / ID_FILE
+        id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=project, entity=entity, name=name or run_dir.resolve().name, tags=list(tags),

@@ -55,6 +55,14 @@ def test_run_writes_to_the_run_dir_and_docs_change_only_on_request(tmp_path):
                          env=script_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "summary.json missing" in bad.stderr
     assert digest(TRACKED) == before
+    # The demo's train.resume=never sets the summary aside with the run it sums up (it stayed behind, to be taken for
+    # the next run's).
+    from mtrain.trainer.run_dir import set_aside
+    written = {name: (run / name).read_bytes() for name in ("summary.json", "summary.png")}
+    assert set_aside(run) is not None
+    (moved,) = (run / "previous").iterdir()
+    assert {name: (moved / name).read_bytes() for name in written} == written
+    assert not any((run / name).exists() for name in written)
 
 
 @pytest.mark.slow  # a second torchrun of the script (~60 s); the LoRA loop itself is in tests/trainer/test_loop_lora.py

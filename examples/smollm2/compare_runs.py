@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mtrain.metrics import read_metrics
+from mtrain.run_files import SUMMARY_FILE
 
 SPLIT = ("rollout", "logprobs", "train", "sync")
 
@@ -33,7 +34,7 @@ def run_summary(name: str, run_dir: str, target: float | None, base: dict | None
     if target is not None:
         out["target_accuracy"] = target
         out["first_step_at_target"] = next((e["step"] for e in evals if e["accuracy"] >= target - 1e-9), None)
-    cfg = Path(run_dir) / "summary.json"
+    cfg = Path(run_dir) / SUMMARY_FILE
     if cfg.is_file():  # examples/smollm2/summarize.py's file: the resolved config and the command
         s = json.loads(cfg.read_text())
         out.update({k: s[k] for k in ("command", "wall_time_s", "mean_step_s", "config") if k in s})

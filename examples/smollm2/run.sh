@@ -48,5 +48,4 @@ start=$(date +%s)
 end=$(date +%s)
 "$PY" examples/smollm2/summarize.py "$RUN_DIR" --wall-s $((end - start)) \
     --command "bash examples/smollm2/run.sh $* (runs: ${CMD[*]})"
-echo "results: $RUN_DIR/summary.json, $RUN_DIR/summary.png"
 echo "to replace the committed figures with them: bash examples/smollm2/update_docs.sh $RUN_DIR"

@@ -1,4 +1,5 @@
-"""Turn a finished demo run into RUN_DIR/summary.json (measured numbers) and RUN_DIR/summary.png.
+"""Turn a finished demo run into RUN_DIR/summary.json (measured numbers) and RUN_DIR/summary.png (mtrain/run_files.py's
+SUMMARY_FILE and SUMMARY_PLOT).
 
     python examples/smollm2/summarize.py RUN_DIR --wall-s 1234 --command "bash examples/smollm2/run.sh"
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from mtrain.fileperm import chmod_umask
 from mtrain.metrics import read_metrics
 from mtrain.plot import plot_run
+from mtrain.run_files import SUMMARY_FILE, SUMMARY_PLOT
 
 # mtrain.plot overlays eval/reward_mean on the reward/mean panel; no KL panel: the demo runs with kl_coef 0.
 PLOT_KEYS = ("reward/mean", "response_len/mean", "logprob_diff/max_abs")
@@ -106,11 +108,12 @@ def main(summarize_fn=None, plot_keys=None, hide: tuple[str, ...] = ("config",),
     p.add_argument("run_dir", type=Path)
     p.add_argument("--wall-s", type=float, required=True)
     p.add_argument("--command", required=True)
-    p.add_argument("--json", type=Path, default=None, help="default RUN_DIR/summary.json")
-    p.add_argument("--png", type=Path, default=None, help="default RUN_DIR/summary.png")
+    p.add_argument("--json", type=Path, default=None, help=f"default RUN_DIR/{SUMMARY_FILE}")
+    p.add_argument("--png", type=Path, default=None, help=f"default RUN_DIR/{SUMMARY_PLOT}")
     args = p.parse_args()
-    args.json = args.json or args.run_dir / "summary.json"
-    args.png = args.png or args.run_dir / "summary.png"
+    # in the run dir under run_files' names: a train.resume=never start sets them aside with the run they sum up
+    args.json = args.json or args.run_dir / SUMMARY_FILE
+    args.png = args.png or args.run_dir / SUMMARY_PLOT
     summary = summarize_fn(args.run_dir, args.wall_s, args.command)
     _write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     plot_run(args.run_dir, args.png, keys=plot_keys)
@@ -118,6 +121,7 @@ def main(summarize_fn=None, plot_keys=None, hide: tuple[str, ...] = ("config",),
     for k, v in summary.items():
         if k not in hide and not isinstance(v, (list, dict)) and k != "command":
             print(f"{k}: {round(v, 4) if isinstance(v, float) else v}")
+    print(f"results: {args.json}, {args.png}")
 
 
 if __name__ == "__main__":

@@ -20,4 +20,3 @@ start=$(date +%s)
 end=$(date +%s)
 "$PYTHON" examples/smollm2_tools/summarize.py "$RUN_DIR" --wall-s $((end - start)) \
     --command "bash examples/smollm2_tools/run.sh $* (runs: ${CMD[*]})"
-echo "results: $RUN_DIR/summary.json, $RUN_DIR/summary.png"

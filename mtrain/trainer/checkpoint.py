@@ -97,12 +97,34 @@ def save(run_dir: str | Path, step: int, actor, trainer_state: dict, extra: dict
         if final.exists():  # an older save of this step (a run resumed from before it): replace it
             shutil.rmtree(final)
         os.replace(part, final)
-        tmp = root / f".latest.{os.getpid()}"
-        tmp.write_text(final.name)
-        os.replace(tmp, root / "latest")
+        point_latest(root, final.name)
         prune_checkpoints(root, actor.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def point_latest(root: Path, name: str) -> None:
+    """`latest` names `name`, replaced atomically: a reader finds the old name or the new, never half of one."""
+    tmp = root / f".latest.{os.getpid()}"
+    tmp.write_text(name)
+    os.replace(tmp, root / "latest")
+
+
+def entry_step(name: str) -> int | None:
+    """The step of an entry of RUN_DIR/checkpoints (step_N, or .partial_step_N: a save of step N that did not finish),
+    else None (`latest`, a user's own file)."""
+    rest = name[len(".partial_"):] if name.startswith(".partial_") else name
+    return int(rest[5:]) if rest.startswith("step_") and rest[5:].isdigit() else None
+
+
+def saved_step(path: str | Path) -> int | None:
+    """The step a complete checkpoint was saved at, from its COMPLETE marker (save writes the step there), without
+    loading anything; None when the marker holds no step."""
+    try:
+        text = (Path(path) / "COMPLETE").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def prune_checkpoints(root: Path, keep: int | None) -> list[Path]:

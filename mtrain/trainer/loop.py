@@ -29,7 +29,7 @@ from mtrain.layouts import model_layout
 from mtrain.models.hf_config import context_length
 from mtrain.metrics import MetricsWriter
 from mtrain.wandb_log import wandb_sink
-from mtrain.run_files import CONFIG_FILE
+from mtrain.run_files import CONFIG_FILE, EVAL_SAMPLES_FILE
 from mtrain.trainer.run_dir import set_aside
 from mtrain.run_output import summary as run_summary
 from mtrain.trainer import checkpoint
@@ -40,7 +40,7 @@ from mtrain.trainer.generation.rollouts import tool_metrics
 from mtrain.trainer.placement import Placement
 from mtrain.trainer.roles import build_roles
 from mtrain.trainer.reward_check import checked_rewards
-from mtrain.trainer.train_samples import EVAL_FILE_NAME, keep_rows_through
+from mtrain.trainer.train_samples import keep_rows_through
 
 log = logging.getLogger("mtrain")
 
@@ -115,22 +115,21 @@ class Trainer:
 
     def _resume(self) -> bool:
         r = self.cfg.train.resume
-        if r == "never":  # an earlier run's checkpoints and records are moved aside, not overwritten or mixed
-            line = set_aside(self.run_dir) if self.rank == 0 else None
-            if line:
-                print(line, flush=True)
-            dist.barrier()  # no rank goes on (and none writes into run_dir) before the move is done
-            return False
         report = print if self.rank == 0 else None  # why a newer checkpoint is skipped, said once
         path = checkpoint.resume_path(r, self.run_dir, report)
-        if path is None:
-            return False
-        state = self.learner.load(path)  # engine ranks: the step and the sources' state only
-        self.step = state["step"]
-        self.source.load_state_dict(state, path)
-        if self.rank == 0:
+        if path is not None:
+            state = self.learner.load(path)  # engine ranks: the step and the sources' state only
+            self.step = state["step"]
+            self.source.load_state_dict(state, path)
+        # What is not this run's history (an earlier run, or the steps after the resumed one) is moved aside, not
+        # overwritten or mixed; after the load, so that a checkpoint that does not load moves nothing.
+        line = set_aside(self.run_dir, r, path, self.step) if self.rank == 0 else None
+        if line:
+            print(line, flush=True)
+        dist.barrier()  # no rank goes on (and none writes into run_dir) before the move is done
+        if path is not None and self.rank == 0:
             print(f"resumed from {path} at step {self.step}", flush=True)
-        return True
+        return path is not None
 
     def _rollout(self, samples, *, n, seed, prefix, greedy=False, max_new_tokens=None):
         return self.generate(self.pool, samples, n=n, seed=seed, prefix=prefix, greedy=greedy,
@@ -153,7 +152,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             shown = [{"step": self.step, "index": sample.index, "answer": str(sample.answer), "response": text,
                       "reward": r} for sample, text, r in rows[:8 * n]]
-            with open(self.run_dir / EVAL_FILE_NAME, "a", encoding="utf-8") as f:
+            with open(self.run_dir / EVAL_SAMPLES_FILE, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(row) + "\n" for row in shown)
             if self.metrics is not None:
                 self.metrics.log_table(self.step, "eval/samples", shown)

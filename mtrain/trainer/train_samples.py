@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtrain.run_files import EVAL_SAMPLES_FILE, TRAIN_SAMPLES_FILE
+
 SAMPLES_PER_STEP = 4
 MAX_CHARS = 2000
 MAX_FILE_BYTES = 16 << 20
-FILE_NAME = "train_samples.jsonl"
-EVAL_FILE_NAME = "eval_samples.jsonl"  # the trainer's evaluate(): a few answers per eval
 
 
 def _cut(text: str) -> str:
@@ -38,14 +38,14 @@ def write_train_samples(run_dir: str | Path, step: int, batch, tokenizer, rank: 
     """Append this step's few samples to RUN_DIR/train_samples.jsonl (rank 0; a no-op elsewhere)."""
     if rank != 0:
         return
-    path = Path(run_dir) / FILE_NAME
+    path = Path(run_dir) / TRAIN_SAMPLES_FILE
     size = path.stat().st_size if path.exists() else 0
     if size >= MAX_FILE_BYTES:
         return
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in sample_rows(batch, tokenizer, step)]
     if size + sum(len(x.encode()) for x in lines) >= MAX_FILE_BYTES:
-        lines = [json.dumps({"step": step, "note": f"{FILE_NAME} reached its bound of {MAX_FILE_BYTES >> 20} MB: "
-                                                  f"no further samples are written"}) + "\n"]
+        note = f"{TRAIN_SAMPLES_FILE} reached its bound of {MAX_FILE_BYTES >> 20} MB: no further samples are written"
+        lines = [json.dumps({"step": step, "note": note}) + "\n"]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.writelines(lines)
@@ -56,7 +56,7 @@ def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
     metrics.jsonl does: the steps after k run again and write their rows again. A line cut short by a stop is
     dropped. Rank 0, before the first step."""
     from mtrain.fileperm import replace_text
-    for name in (FILE_NAME, EVAL_FILE_NAME):
+    for name in (TRAIN_SAMPLES_FILE, EVAL_SAMPLES_FILE):
         path = Path(run_dir) / name
         if not path.is_file():
             continue

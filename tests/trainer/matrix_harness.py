@@ -12,7 +12,7 @@ Axes (values in the order the ids use them):
 Every cell: tiny random models in float32, CPU reference engines, gloo, 2 steps; step 1's engine-vs-trainer logprob
 gap <= 1e-5 (the engines generated with exactly the weights the trainer scores with); every trained token's version
 within the mode's staleness bound. Cells of rollout.async one_step / stream are also SIGKILLed after step 1's
-checkpoint and resumed: their ledger of trained prompts (sources/one_step.py LEDGER) must hold every prompt the
+checkpoint and resumed: their ledger of trained prompts (mtrain/run_files.py LEDGER) must hold every prompt the
 sampler handed out exactly once. The synchronous sources keep no ledger; their exact resume is
 tests/trainer/test_separate_restart.py and test_loop_torchrun.py.
 """

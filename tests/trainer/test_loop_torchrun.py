@@ -6,9 +6,12 @@ same metrics for steps 1-4, exactly, except wall-clock times.
 """
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +104,38 @@ def test_never_sets_the_earlier_run_aside(tiny_llama, tmp_path):
     p = launch(base_overrides(tiny_llama, run, **{"train.steps": 2}), cwd=tmp_path)
     assert f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in p.stdout
     assert sorted(train_records(run)) == [1, 2] and len(list((run / "previous").iterdir())) == 1
+
+
+def test_resume_from_an_earlier_step_sets_the_later_steps_aside(tiny_llama, reference_run, tmp_path):
+    """train.resume=RUN_DIR/checkpoints/step_2 where the run went to step 4: steps 3 and 4 (the step_4 checkpoint, their
+    metrics rows, config.yaml) move whole into RUN_DIR/previous/<time>/ before any step runs, one line saying so; the
+    run dir then holds one history, the same as an uninterrupted run's. Was: step_4 overwritten in place, the rows of
+    steps 3-4 dropped. A checkpoint of this run dir given to a run in another run dir leaves this one untouched."""
+    run = Path(shutil.copytree(reference_run, tmp_path / "run"))
+    before = files(run)
+    common = {"train.save_interval": 2, "train.eval_interval": 2, "train.val_before_train": "true"}
+    step_2 = run / "checkpoints" / "step_2"
+    p = launch(base_overrides(tiny_llama, run, **common, **{"train.steps": STEPS, "train.resume": step_2}),
+               cwd=tmp_path)
+    (moved,) = (run / "previous").iterdir()
+    assert p.stdout.count(f"train.resume={step_2}: this run dir's steps after 2 (checkpoints/step_4") == 1
+    assert str(moved) in p.stdout and f"resumed from {step_2} at step 2" in p.stdout
+    whole = {k: v for k, v in files(moved).items() if not k.endswith(".jsonl")}
+    assert whole == {k: before[k] for k in whole} and "config.yaml" in whole  # bytes intact
+    step_4 = {k for k in before if k.startswith("checkpoints/step_4/")}
+    assert {k for k in whole if k.startswith("checkpoints/")} == step_4
+    old_rows = [x for x in before["metrics.jsonl"].splitlines(keepends=True) if json.loads(x)["step"] > 2]
+    assert (moved / "metrics.jsonl").read_bytes() == b"".join(old_rows)
+    _assert_same_metrics(run, reference_run)  # steps 0-4 once each, step_4 written again
+    assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["latest", "step_2", "step_4"]
+    kept = files(run)
+    launch(base_overrides(tiny_llama, tmp_path / "other", **{"train.steps": 2, "train.resume": step_2}),
+           cwd=tmp_path)
+    assert files(run) == kept and not (tmp_path / "other" / "previous").exists()
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_plot_writes_png(reference_run, tmp_path):

@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from mtrain.rollout.partial import length_budget
 from mtrain.rollout.pool import RolloutPool
+from mtrain.run_files import LEDGER
 from mtrain.trainer.generation.rollouts import RolloutResult
 from mtrain.trainer.sources.base import step_seed
 
-ONE_STEP_STALENESS = 1
-# run_dir file: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart
-# check counts (every sampled prompt trained once)
-LEDGER = "trained_prompts.jsonl"  # what rollout.max_staleness means for one_step when unset
+ONE_STEP_STALENESS = 1  # what rollout.max_staleness means for one_step when unset
+# LEDGER: one line per trained step, {"step": the record's step, "prompts": dataset indices}; what a restart check
+# counts (every sampled prompt trained once)
 
 
 def rollout_for_step(trainer, pool: RolloutPool, step: int, drawn: dict, samples=None) -> RolloutResult:
