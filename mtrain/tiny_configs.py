@@ -20,6 +20,8 @@ _COMMON = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attentio
 TINY = {
     "llama": dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
                   attention_bias=False, mlp_bias=False),
+    "mistral": dict(_COMMON, model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
+                    sliding_window=None),
     "qwen2": dict(_COMMON, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False,
                   use_sliding_window=False),
     "qwen3": dict(_COMMON, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
@@ -50,6 +52,10 @@ TINY["qwen2_5_vl"] = dict(
                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
                        in_channels=3, hidden_act="silu", tokens_per_second=2, initializer_range=0.05))
 TINY["qwen2_5_vl_tied"] = dict(TINY["qwen2_5_vl"], tie_word_embeddings=True)
+# Qwen3 with Qwen's long-context rope_scaling (yarn), scaled down: 16 original positions, 256 in all, so the trainer
+# tests' samples (up to 34 tokens) run past the original length.
+TINY["qwen3_yarn"] = dict(TINY["qwen3"], rope_scaling=dict(rope_type="yarn", factor=16.0,
+                                                           original_max_position_embeddings=16))
 # DeepSeek-style MLA without q-LoRA (DeepSeek-V2-Lite's attention) on the V3 code path.
 TINY["deepseek_v3_no_qlora"] = dict(TINY["deepseek_v3"], q_lora_rank=None)
 
@@ -83,7 +89,7 @@ TINY["deepseek_v3_small_gpu"] = dict(
 
 def tiny_config(name: str, **overrides) -> dict:
     cfg = copy.deepcopy(TINY[name])
-    cfg.update(overrides)
+    cfg.update(copy.deepcopy(overrides))  # transformers' config classes fill nested dicts (rope_scaling) in place
     return cfg
 
 # ---------------------------------------------------------------- numerics family (model tests)
@@ -114,6 +120,16 @@ NUMERICS_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=True,
         attention_bias=False,
         mlp_bias=False,
+    ),
+    "mistral": dict(
+        _BASE,
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        head_dim=32,  # head_dim * heads != hidden, as in Mistral-Nemo
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        sliding_window=None,  # Mistral 7B v0.2 on: no window (v0.1's 4096 is refused)
     ),
     "qwen2": dict(
         _BASE,
@@ -197,5 +213,5 @@ def numerics_config(model_type: str, **changes) -> dict:
     if model_type not in NUMERICS_CONFIGS:
         raise KeyError(f"no numerics config for model_type={model_type!r}; have {sorted(NUMERICS_CONFIGS)}")
     cfg = copy.deepcopy(NUMERICS_CONFIGS[model_type])
-    cfg.update(changes)
+    cfg.update(copy.deepcopy(changes))  # transformers' config classes fill nested dicts (rope_scaling) in place
     return cfg

@@ -154,6 +154,8 @@ def test_bitwise_tensor_parallel_needs_power_of_two_row_parallel_slices(hf, tmp_
     ("deepseek_v3", {}, "deepseek_v3 with these settings is not built for it"),  # MLA, sigmoid router, yarn
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192}}, "llama with these settings"),
+    ("qwen3_yarn", {}, "qwen3 with these settings"),
+    ("mistral", {}, "the reference engine computes llama, qwen2, qwen3, qwen3_moe with plain RoPE; got mistral"),
 ])
 def test_bitwise_refuses_a_model_it_does_not_compute_before_any_process_group(tmp_path, arch, changes, match):
     """Was a ValueError traceback on every rank once the process groups had started (exit 1)."""

@@ -14,7 +14,7 @@ from mtrain.layouts.table import COL, ModelLayout, Weight, one
 from mtrain.layouts.vlm import VLM_ARCHS, flat_config, vision_rows
 
 DECODER = "decoder.layers.{layer}."  # {layer}: index inside the pipeline chunk, resolved by placement
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3") + VLM_ARCHS
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3") + VLM_ARCHS
 QKV_BIAS_ARCHS = ("qwen2", "qwen2_5_vl")  # q/k/v_proj always biased, o_proj never (Qwen2Attention)
 
 

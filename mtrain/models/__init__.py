@@ -1,4 +1,5 @@
-"""Megatron-core models from HF config.json dicts (llama, qwen2, qwen3, qwen3_moe, deepseek_v3, qwen2_5_vl).
+"""Megatron-core models from HF config.json dicts (llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v3,
+qwen2_5_vl).
 
 Public API (imported lazily so that ``mtrain.models.hf_config`` stays cheap to import without megatron-core):
 ``build_model``, ``forward_logits``, ``model_config_summary``, ``model_sharded_state_dict``, ``load_model_checkpoint``,
@@ -16,7 +17,7 @@ _EXPORTS = {
     "load_model_checkpoint": "mtrain.models.builder",
     "forward_logits": "mtrain.models.forward",
     "SUPPORTED_MODEL_TYPES": "mtrain.models.hf_config",
-    "ModelConfigError": "mtrain.models.hf_config",
+    "ModelConfigError": "mtrain.models.config_error",
     "map_hf_config": "mtrain.models.hf_config",
     "padded_vocab_size": "mtrain.models.hf_config",
 }

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from mtrain.compat import cpu_shim
 from mtrain.models.hf_config import ModelConfigError, dtype_flags, map_hf_config, padded_vocab_size
+from mtrain.models.hf_rope import YARN_CONFIG_ATTRS
 from mtrain.models.specs import build_specs, te_available
 
 
@@ -127,8 +128,12 @@ def make_transformer_config(
     if use_te and kwargs.get("num_moe_experts"):
         kwargs["moe_grouped_gemm"] = True  # TEGroupedMLP: one grouped GEMM per layer instead of E linears
     kwargs.update(config_overrides or {})
+    undeclared = {k: kwargs.pop(k) for k in YARN_CONFIG_ATTRS if k in kwargs}  # read as attributes (hf_rope.py)
     cls = MLATransformerConfig if mapped.mla else TransformerConfig
-    return cls(**kwargs)
+    config = cls(**kwargs)
+    for key, value in undeclared.items():
+        setattr(config, key, value)
+    return config
 
 
 def build_model(

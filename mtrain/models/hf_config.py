@@ -3,10 +3,10 @@
 Every field that changes numerics is mapped here and nowhere else. Fields HF has that Megatron cannot
 express the same way raise ``ModelConfigError`` naming the field (never a silent approximation).
 Accepts both on-disk configs (``rope_theta``, ``rope_scaling``) and transformers-5 dicts
-(``rope_parameters``).
+(``rope_parameters``). The RoPE fields (plain, llama3, yarn) have their own table in mtrain.models.hf_rope.
 
-Common to all five architectures (llama, qwen2, qwen3, qwen3_moe, deepseek_v3)
--------------------------------------------------------------------------------
+Common to all six architectures (llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v3)
+--------------------------------------------------------------------------------------
 | HF field                         | Megatron field                                         |
 |----------------------------------|--------------------------------------------------------|
 | num_hidden_layers                | num_layers                                             |
@@ -18,6 +18,7 @@ Common to all five architectures (llama, qwen2, qwen3, qwen3_moe, deepseek_v3)
 | rms_norm_eps                     | layernorm_epsilon, normalization="RMSNorm"             |
 | hidden_act == "silu"             | activation_func=F.silu, gated_linear_unit=True (SwiGLU)|
 | rope_theta / rope_parameters     | GPTModel(rotary_base=...), position_embedding_type=rope|
+| rope_scaling (llama3, yarn)      | mtrain.models.hf_rope                                  |
 | max_position_embeddings          | GPTModel(max_sequence_length=...)                      |
 | vocab_size                       | GPTModel(vocab_size=padded_vocab_size(...)); logits cut|
 | tie_word_embeddings              | GPTModel(share_embeddings_and_output_weights=...)      |
@@ -25,10 +26,9 @@ Common to all five architectures (llama, qwen2, qwen3, qwen3_moe, deepseek_v3)
 | attention_dropout (must be 0)    | attention_dropout=0, hidden_dropout=0                  |
 | (no biases)                      | add_bias_linear=False                                  |
 
-llama:   attention_bias -> add_qkv_bias (o_proj bias unsupported -> error); mlp_bias -> error if true;
-         rope_scaling {rope_type: llama3, factor, low_freq_factor=1, high_freq_factor=4,
-         original_max_position_embeddings=8192} -> GPTModel(rope_scaling=True, rope_scaling_factor=factor)
-         (Megatron hard-codes low/high/original; other values -> error).
+llama:   attention_bias -> add_qkv_bias (o_proj bias unsupported -> error); mlp_bias -> error if true.
+mistral: llama's fields, no biases (attention_bias/bias true -> error); sliding_window null or >=
+         max_position_embeddings (it never applies), else error (mtrain computes full causal attention).
 qwen2:   add_qkv_bias=True (HF Qwen2 always has q/k/v bias, no o_proj bias); sliding window -> error if used.
 qwen3:   qk_layernorm=True (RMSNorm over head_dim: q_norm/k_norm); attention_bias -> add_qkv_bias.
 qwen3_moe (qwen3 +):
@@ -48,10 +48,7 @@ deepseek_v3 (MLATransformerConfig):
 | v_head_dim                       | v_head_dim                                             |
 | (q_a_layernorm, kv_a_layernorm)  | qk_layernorm=True (q_layernorm / kv_layernorm)         |
 | rope_interleave (default True)   | always on in Megatron MLA (False -> error)             |
-| rope_scaling yarn: factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, |
-|   mscale_all_dim                 | rope_type="yarn", rotary_scaling_factor, original_..., |
-|                                  | beta_fast, beta_slow, mscale, mscale_all_dim (softmax  |
-|                                  | scale = mscale(factor, mscale_all_dim)^2/sqrt(q_dim))  |
+| rope_scaling yarn                | mtrain.models.hf_rope (rope_type="yarn", ...)          |
 | (no scaling)                     | rope_type="rope", mscale_all_dim=0 (scale 1/sqrt(q_dim))|
 | n_routed_experts                 | num_moe_experts                                        |
 | moe_intermediate_size            | moe_ffn_hidden_size                                    |
@@ -74,6 +71,7 @@ qwen2_5_vl (qwen2's decoder; text fields at the top or in text_config, mtrain.la
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,11 +79,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mtrain.models.config_error import ModelConfigError
+from mtrain.models.hf_rope import gqa_rope, mla_yarn, rope_of
+
 # model_type -> the model class config.json's "architectures" names. SGLang 0.5.17 picks its model class by
 # hf_config.architectures[0] and dies at start on a config without the key (a TypeError, nothing more); the
 # converters write it into every config.json they produce (converters/hf_config_file.py).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -100,10 +102,6 @@ def with_architectures(hf_config: dict) -> dict:
     if hf_config.get("architectures") or hf_config.get("model_type") not in ARCHITECTURES:
         return hf_config
     return {**hf_config, "architectures": [ARCHITECTURES[hf_config["model_type"]]]}
-
-
-class ModelConfigError(ValueError):
-    """A HF config field that mtrain cannot map faithfully onto Megatron-core (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -129,21 +127,6 @@ def _req(hf: dict, key: str, model_type: str) -> Any:
     if key not in hf or hf[key] is None:
         raise ModelConfigError(f"{model_type} config.json is missing required field '{key}'")
     return hf[key]
-
-
-def _rope(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from either config style."""
-    params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", "default") not in ("default", None):
-        scaling = params
-    if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.get("type"))
-        if scaling["rope_type"] in ("default", None):
-            scaling = None
-    return float(theta), scaling
 
 
 def _common(hf: dict, mt: str) -> tuple[dict, dict]:
@@ -179,7 +162,7 @@ def _common(hf: dict, mt: str) -> tuple[dict, dict]:
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
     )
-    theta, _ = _rope(hf)
+    theta, _ = rope_of(hf)
     model = dict(
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
@@ -190,35 +173,36 @@ def _common(hf: dict, mt: str) -> tuple[dict, dict]:
     return cfg, model
 
 
-def _llama_rope_scaling(hf: dict, model: dict) -> None:
-    _, scaling = _rope(hf)
-    if scaling is None:
-        return
-    kind = scaling["rope_type"]
-    if kind != "llama3":
-        raise ModelConfigError(f"rope_scaling rope_type={kind!r} is not supported for this model (llama3 only)")
-    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    for key, want in fixed.items():
-        if float(scaling.get(key, want)) != want:
-            raise ModelConfigError(
-                f"rope_scaling {key}={scaling.get(key)} is not supported: Megatron's llama3 scaling fixes it to {want}"
-            )
-    model["rope_scaling"] = True
-    model["rope_scaling_factor"] = float(scaling["factor"])
-
-
 def _map_llama(hf: dict) -> MappedConfig:
     cfg, model = _common(hf, "llama")
     if hf.get("attention_bias"):
         raise ModelConfigError("llama attention_bias=True is not supported (HF also biases o_proj; Megatron cannot)")
-    _llama_rope_scaling(hf, model)
+    gqa_rope(hf, "llama", cfg, model)
     return MappedConfig("llama", False, cfg, model, int(_req(hf, "vocab_size", "llama")))
+
+
+def _map_mistral(hf: dict) -> MappedConfig:
+    """Llama's architecture with an optional sliding window. mtrain's packed attention computes full causal attention
+    (so does SGLang's MistralForCausalLM, its Llama class): taken where the window never applies."""
+    mt = "mistral"
+    cfg, model = _common(hf, mt)
+    window, context = hf.get("sliding_window"), model["max_sequence_length"]
+    if window is not None and int(window) < context:
+        raise ModelConfigError(f"mistral sliding_window={window} is not supported: mtrain's packed attention computes "
+                               f"full causal attention; sliding_window null, or max_position_embeddings ({context}) "
+                               f"or more, never applies and loads")
+    for key in ("attention_bias", "bias"):
+        if hf.get(key):
+            raise ModelConfigError(f"mistral {key}={hf[key]!r} is not supported: transformers' Mistral has no "
+                                   f"attention biases, SGLang's reads them")
+    gqa_rope(hf, mt, cfg, model)
+    return MappedConfig(mt, False, cfg, model, int(_req(hf, "vocab_size", mt)))
 
 
 def _map_qwen2(hf: dict) -> MappedConfig:
     cfg, model = _common(hf, "qwen2")
     cfg["add_qkv_bias"] = True  # Qwen2Attention: q/k/v_proj bias=True, o_proj bias=False, unconditionally
-    _llama_rope_scaling(hf, model)
+    gqa_rope(hf, "qwen2", cfg, model)
     return MappedConfig("qwen2", False, cfg, model, int(_req(hf, "vocab_size", "qwen2")))
 
 
@@ -227,7 +211,7 @@ def _map_qwen3(hf: dict, mt: str = "qwen3") -> MappedConfig:
     if hf.get("attention_bias"):
         raise ModelConfigError(f"{mt} attention_bias=True is not supported (HF also biases o_proj; Megatron cannot)")
     cfg["qk_layernorm"] = True
-    _llama_rope_scaling(hf, model)
+    gqa_rope(hf, mt, cfg, model)
     return MappedConfig(mt, False, cfg, model, int(_req(hf, "vocab_size", mt)))
 
 
@@ -265,39 +249,6 @@ _MOE_RUNTIME = dict(
 )
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _mla_yarn(scaling: dict) -> dict:
-    """MLA's yarn fields. Megatron (and SGLang) scale cos/sin by mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim), mscale defaulting to 1 and mscale_all_dim to 0; transformers does so only where both are set,
-    else by mscale(factor), and takes attention_factor and truncate=false, which neither of the others reads."""
-    if not scaling.get("factor"):
-        raise ModelConfigError("deepseek_v3 rope_scaling (yarn) needs 'factor'")
-    factor = float(scaling["factor"])
-    for key, fine in (("attention_factor", scaling.get("attention_factor") is None),
-                      ("truncate", scaling.get("truncate", True) is not False)):
-        if not fine:
-            raise ModelConfigError(f"deepseek_v3 rope_scaling {key}={scaling[key]!r} is not supported: transformers "
-                                   f"applies it, Megatron's and SGLang's yarn do not")
-    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    ours = _yarn_mscale(factor, float(1.0 if m is None else m)) / _yarn_mscale(factor, float(m_all or 0.0))
-    hf = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if (m and m_all) else _yarn_mscale(factor)
-    if abs(ours - hf) > 1e-9 * hf:
-        raise ModelConfigError(f"deepseek_v3 rope_scaling mscale={m!r} with mscale_all_dim={m_all!r} is not supported: "
-                               f"transformers scales cos/sin by {hf:.6g}, Megatron and SGLang by {ours:.6g}")
-    return dict(
-        rope_type="yarn",
-        rotary_scaling_factor=factor,
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
-        beta_fast=float(scaling.get("beta_fast") or 32),  # transformers: `or 32`, `or 1`
-        beta_slow=float(scaling.get("beta_slow") or 1),
-        mscale=float(1.0 if m is None else m),
-        mscale_all_dim=float(m_all or 0.0),
-    )
-
-
 def _map_deepseek_v3(hf: dict) -> MappedConfig:
     mt = "deepseek_v3"
     cfg, model = _common(hf, mt)
@@ -320,11 +271,11 @@ def _map_deepseek_v3(hf: dict) -> MappedConfig:
         qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm on the low-rank latents
         rotary_base=model["rotary_base"],
     )
-    _, scaling = _rope(hf)
+    _, scaling = rope_of(hf)
     if scaling is None:
         cfg.update(rope_type="rope", mscale_all_dim=0.0, mscale=1.0, rotary_scaling_factor=1.0)
     elif scaling["rope_type"] == "yarn":
-        cfg.update(_mla_yarn(scaling))
+        cfg.update(mla_yarn(scaling))
     else:
         raise ModelConfigError(f"deepseek_v3 rope_scaling rope_type={scaling['rope_type']!r} is not supported (yarn only)")
     model["position_embedding_type"] = "none"  # MLA applies its own rotary embedding inside attention
@@ -405,6 +356,7 @@ def _map_qwen2_5_vl(hf: dict) -> MappedConfig:
 
 _MAPPERS = {
     "llama": _map_llama,
+    "mistral": _map_mistral,
     "qwen2": _map_qwen2,
     "qwen3": _map_qwen3,
     "qwen3_moe": _map_qwen3_moe,
@@ -454,7 +406,7 @@ def _check_unstated_fields(hf: dict) -> None:
         level = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()
         try:
-            full = transformers.AutoConfig.for_model(**hf).to_dict()
+            full = transformers.AutoConfig.for_model(**copy.deepcopy(hf)).to_dict()  # it fills rope_scaling in place
         finally:
             transformers.logging.set_verbosity(level)
     except Exception:  # transformers cannot read the config itself: the mapping names what it can

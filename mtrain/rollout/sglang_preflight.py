@@ -13,6 +13,9 @@ Failures found by reading SGLang 0.5.17 and the GPU bundle (/work/shared/device)
 - A rotary head size without SGLang's fused rope kernel: on CUDA only 64/128/256/512 take it
   (layers/rotary_embedding/base.py:103-124); other sizes go to a JIT fallback, and the schedulers died with head size
   32 (tiny Llama, /work/shared/device/README.md) and 16 (tiny Qwen2.5-VL, mtrain/tiny_vlm.py) on the H200.
+
+And one that would not fail but compute another model: Qwen3-MoE with rope_scaling yarn under the fused QK-norm +
+RoPE kernel (`enable_fused_qk_norm_rope`, off by default), which takes another yarn factor than config.json states.
 """
 from __future__ import annotations
 
@@ -95,6 +98,26 @@ def rope_problem(hf_config: Mapping[str, Any]) -> str | None:
             f"sizes 16 and 32: give the model a head size of 64 or 128")
 
 
+def fused_yarn_problem(args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> str | None:
+    """SGLang's fused QK-norm + RoPE kernel for Qwen3-MoE takes yarn's factor as max_position_embeddings /
+    original_max_position_embeddings (models/qwen3_moe.py, compute_yarn_parameters), not the factor config.json
+    states, with which transformers, Megatron-core and SGLang's own unfused path compute."""
+    from mtrain.models.hf_rope import rope_of
+    if not args.get("enable_fused_qk_norm_rope") or hf_config.get("model_type") != "qwen3_moe":
+        return None
+    _, scaling = rope_of(dict(hf_config))
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return None
+    context = hf_config.get("max_position_embeddings")
+    original = hf_config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
+        or context
+    if not context or abs(float(context) / float(original) - float(scaling.get("factor") or 0)) < 1e-9:
+        return None
+    return (f"enable_fused_qk_norm_rope: SGLang's fused Qwen3-MoE kernel computes yarn with factor "
+            f"max_position_embeddings / original_max_position_embeddings = {context}/{original}, not the "
+            f"rope_scaling factor {scaling.get('factor')} the model has: leave it off")
+
+
 def default_attention_backend(extensions: set[str] | None) -> str:
     """SGLang's own choice on Hopper ("fa3") where the installed sgl_kernel carries its kernels, else "triton"
     (the GPU bundle strips flash_ops; flashinfer would build its kernels with nvcc at the first start)."""
@@ -138,7 +161,5 @@ def preflight_problems(args: Mapping[str, Any], hf_config: Mapping[str, Any] | N
         if missing:
             out.append(f"a vision model needs {', '.join(missing)} (SGLang's Qwen2.5-VL processor and vision tower "
                        f"import them; the GPU bundle lacks them): install or carry the .gpu-extra/ wheels")
-        rope = rope_problem(hf_config)
-        if rope:
-            out.append(rope)
+        out += [p for p in (rope_problem(hf_config), fused_yarn_problem(args, hf_config)) if p]
     return out

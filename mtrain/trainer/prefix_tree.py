@@ -134,7 +134,7 @@ class TreePack:
         takes arbitrary positions) and the tree for mtrain's local attention."""
         if not host_cu_seqlens or rope_positions is None:
             raise PackingError("train.shared_prefix needs mtrain's local attention with per-token RoPE positions "
-                               "(no Transformer Engine attention, parallel.cp=1, plain RoPE, no vision model)")
+                               "(no Transformer Engine attention, parallel.cp=1, plain RoPE or YaRN, no vision model)")
         from megatron.core.packed_seq_params import PackedSeqParams
         cu = torch.tensor([0, self.total], dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.max_seqlen,

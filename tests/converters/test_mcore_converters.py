@@ -75,6 +75,7 @@ def make_hf(root: Path, arch: str, seed: int = 0) -> Path:
 # (arch, layout) -> a converted dist checkpoint, made once per module and shared by the tests below.
 CASES = {
     "llama-tp2": ("llama", dict(tp=2)),
+    "mistral-tp2": ("mistral", dict(tp=2)),
     "qwen2-pp2": ("qwen2", dict(pp=2)),
     "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2)),
     "deepseek_v3-tp2xep2": ("deepseek_v3", dict(tp=2, ep=2, etp=1)),

@@ -5,6 +5,7 @@ head_dim: hidden/heads, where transformers takes 128), the field is refused by n
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_a_left_out_field_with_the_same_value_is_not_refused(key):
 @pytest.mark.parametrize("name", sorted(n for n in TINY if not n.startswith("qwen2_5_vl")))
 def test_complete_configs_map(name):
     map_hf_config(tiny_config(name))
-    if name in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
+    if name in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         map_hf_config(numerics_config(name))
 
 
@@ -88,3 +89,69 @@ def test_deepseek_fields_transformers_reads_otherwise_are_refused(field, changes
 def test_yarn_mscales_all_three_compute_alike_are_mapped(mscale, mscale_all_dim):
     scaling = {k: v for k, v in dict(YARN, mscale=mscale, mscale_all_dim=mscale_all_dim).items() if v is not None}
     map_hf_config(tiny_config("deepseek_v3", rope_scaling=scaling))
+
+
+# Qwen's long-context recipe (rope_scaling yarn), scaled down; tests/models/test_hf_numerics.py checks its logits.
+GQA_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+# Each read otherwise by transformers, Megatron-core or SGLang (mtrain/models/hf_rope.py says how).
+GQA_YARN_REFUSED = [
+    ("attention_factor=1.3 is not supported", dict(GQA_YARN, attention_factor=1.3)),
+    ("attn_factor=2.0 is not supported", dict(GQA_YARN, attn_factor=2.0)),
+    ("extrapolation_factor=0.5 is not supported", dict(GQA_YARN, extrapolation_factor=0.5)),
+    ("beta_fast=0 is not supported", dict(GQA_YARN, beta_fast=0)),
+    ("mscale=0.707 with mscale_all_dim=0 is not supported", dict(GQA_YARN, mscale=0.707, mscale_all_dim=0)),
+    ("needs 'factor'", dict(rope_type="yarn", original_max_position_embeddings=64)),
+    ("max_position_embeddings=256 is more than .* = 128", dict(GQA_YARN, factor=2.0)),
+    ("rope_type='dynamic' is not supported", dict(rope_type="dynamic", factor=2.0)),
+    ("partial_rotary_factor=0.5 is not supported", dict(GQA_YARN, partial_rotary_factor=0.5)),
+]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "mistral"])
+@pytest.mark.parametrize("needle, scaling", GQA_YARN_REFUSED, ids=[n.split(" ")[0] for n, _ in GQA_YARN_REFUSED])
+def test_gqa_rope_fields_read_otherwise_are_refused_in_one_line(arch, needle, scaling):
+    with pytest.raises(ModelConfigError, match=f"^{arch} .*{needle}") as e:
+        map_hf_config(numerics_config(arch, rope_scaling=scaling))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scaling", [dict(GQA_YARN, truncate=False), dict(GQA_YARN, mscale=1.0, mscale_all_dim=0.5),
+                                     dict(GQA_YARN, attention_factor=0.1 * math.log(4.0) + 1.0),
+                                     dict(GQA_YARN, type="yarn", beta_fast=16, beta_slow=2),
+                                     {k: v for k, v in GQA_YARN.items() if k != "original_max_position_embeddings"}],
+                         ids=["untruncated", "mscales", "attention_factor_as_computed", "betas", "no_original"])
+def test_gqa_yarn_that_all_three_compute_alike_is_mapped(scaling):
+    m = map_hf_config(numerics_config("qwen3", rope_scaling=scaling))
+    assert m.model_kwargs["position_embedding_type"] == "yarn"
+    assert m.config_kwargs["yarn_rotary_scaling_factor"] == 4.0
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(sliding_window=128), "^mistral sliding_window=128 is not supported: mtrain's packed attention computes full "
+                               "causal attention"),
+    (dict(attention_bias=True), "^mistral attention_bias=True is not supported"),
+    # transformers' Mistral windows 4096 tokens when config.json says nothing: refused past that length
+    (dict(sliding_window=None, max_position_embeddings=8192), "^mistral config.json has no 'sliding_window': "
+                                                               "transformers then uses sliding_window=4096"),
+])
+def test_mistral_fields_that_would_compute_another_model_are_refused(changes, needle):
+    cfg = numerics_config("mistral", **changes)
+    if "sliding_window" in changes and changes["sliding_window"] is None:
+        del cfg["sliding_window"]
+    with pytest.raises(ModelConfigError, match=needle) as e:
+        map_hf_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_mistral_window_preflight_is_one_line(tmp_path):
+    from pathlib import Path
+
+    from mtrain.config import ConfigError, load_config
+    from mtrain.preflight import preflight
+    from mtrain.tiny_hf import write_tiny_hf
+    hf = write_tiny_hf("mistral", tmp_path / "mistral", overrides={"sliding_window": 64})
+    config = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    run = load_config(config, [f"model.hf_path={hf}", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: mistral sliding_window=64 is not supported") as e:
+        preflight(run, world=1)
+    assert "\n" not in str(e.value)

@@ -2,7 +2,8 @@
 
 All cases run in one spawned gloo rank (one Megatron import, one parallel_state) and report the max
 |logit difference| against the HF class for the same weights. A negative control shows the comparison
-detects a single wrong config field.
+detects a single wrong config field. The yarn cases of the GQA models run 200 tokens, past their
+original_max_position_embeddings of 64, where the interpolated frequencies turn further than training saw.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from mtrain.dist import run_on_ranks
 
 TOL = 1e-4
+# Qwen's long-context recipe (rope_scaling yarn, factor 4), scaled down: 64 original positions, 256 in all.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 CASES = {
     "llama_tied": ("llama", {}),
@@ -29,9 +32,19 @@ CASES = {
             },
         },
     ),
+    "mistral_no_window": ("mistral", {}),
+    "mistral_window_past_context": ("mistral", {"sliding_window": 256}),
     "qwen2_qkv_bias": ("qwen2", {}),
+    "qwen2_yarn": ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
     "qwen3_qk_norm": ("qwen3", {}),
+    "qwen3_yarn": ("qwen3", {"rope_scaling": YARN}),
+    "qwen3_yarn_rope_parameters": ("qwen3", {"rope_parameters": dict(YARN, rope_theta=1e6)}),
+    "qwen3_yarn_untruncated_mscales": ("qwen3", {"rope_scaling": dict(YARN, truncate=False, mscale=1.0,
+                                                                      mscale_all_dim=0.5, beta_fast=16)}),
+    "llama_yarn": ("llama", {"rope_scaling": YARN}),
+    "mistral_yarn": ("mistral", {"rope_scaling": YARN}),
     "qwen3_moe_norm_topk": ("qwen3_moe", {}),
+    "qwen3_moe_yarn": ("qwen3_moe", {"rope_scaling": YARN}),
     "qwen3_moe_no_norm_topk": ("qwen3_moe", {"norm_topk_prob": False}),
     "deepseek_v3_yarn": ("deepseek_v3", {}),
     "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
@@ -41,6 +54,8 @@ CASES = {
 NEGATIVE = {
     "llama_wrong_eps": ("llama", {}, {"layernorm_epsilon": 1e-3}),
     "deepseek_v3_wrong_softmax_scale": ("deepseek_v3", {}, {"mscale_all_dim": 0.0}),
+    "qwen3_yarn_wrong_factor": ("qwen3", {"rope_scaling": YARN}, {"yarn_rotary_scaling_factor": 2.0}),
+    "qwen3_yarn_unscaled_cos_sin": ("qwen3", {"rope_scaling": YARN}, {"yarn_mscale": 1.0, "yarn_mscale_all_dim": 1.0}),
 }
 
 
@@ -52,17 +67,21 @@ def _compare_all(rank: int, world: int, cases: dict, negative: dict) -> dict:
     from mtrain.tiny_configs import numerics_config as tiny_config
 
     init_distributed()
-    tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(3))
+    short = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(3))
+    long = torch.randint(0, 250, (2, 200), generator=torch.Generator().manual_seed(4))
     results = {}
     for name, (arch, changes, *override) in {**cases, **negative}.items():
         hf_config = tiny_config(arch, **changes)
+        if "rope_parameters" in changes:  # transformers 5's form: rope_theta inside it
+            del hf_config["rope_theta"]
+        tokens = long if "yarn" in name and arch != "deepseek_v3" else short
         chunks, _ = build_model(hf_config, config_overrides=override[0] if override else None)
         hf = make_hf_model(hf_config)
         chunks[0].load_state_dict(hf_to_megatron_tp1(hf, hf_config, chunks[0].state_dict()))
         logits = forward_logits(chunks, tokens)
         with torch.no_grad():
             ref = hf(tokens).logits.float()
-        assert logits.shape == ref.shape == (2, 11, hf_config["vocab_size"]), (logits.shape, ref.shape)
+        assert logits.shape == ref.shape == (*tokens.shape, hf_config["vocab_size"]), (logits.shape, ref.shape)
         results[name] = float((logits - ref).abs().max())
     return results
 

@@ -22,47 +22,57 @@ class _OneRank:
         return 0
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_per_token_rope_equals_megatron_thd_in_float64(interleaved):
+@pytest.mark.parametrize("kind", ["plain", "interleaved", "yarn"])
+def test_per_token_rope_equals_megatron_thd_in_float64(kind):
     # in a fresh interpreter: on a CPU build megatron's RotaryEmbedding needs mtrain's CPU shim, which this process
     # should not keep for the tests after it
-    proc = subprocess.run([sys.executable, __file__, "rope", str(int(interleaved))], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, "rope", kind], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
     assert proc.returncode == 0 and "rope ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def _rope_check(interleaved: bool) -> None:
+def _rope_check(kind: str) -> None:
     from mtrain.compat import cpu_shim
     if not torch.cuda.is_available():
         cpu_shim.apply()  # megatron-core builds its inverse frequencies on torch.cuda.current_device()
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    from mtrain.models.packed_rope import PerTokenRotaryEmbedding
+    from mtrain.models.packed_rope import PerTokenRotaryEmbedding, PerTokenYarnRotaryEmbedding
     from mtrain.trainer.packing import make_pack
 
     lengths = [5, 1, 17, 9, 3]
     pk = make_pack(list(range(len(lengths))), lengths, min_total=40, pad_to_multiple=8)  # with a padding segment
-    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=10000)
-    freqs = rope(pk.max_seqlen, packed_seq=True).double()  # [max_seqlen, 1, 1, 16]
+    interleaved = kind == "interleaved"
+    if kind == "yarn":  # megatron returns YaRN's cos/sin scale beside its table; the attention applies it
+        rope = YarnRotaryEmbedding(kv_channels=16, rotary_base=10000, scaling_factor=4.0,
+                                   original_max_position_embeddings=8)
+        cls, table = PerTokenYarnRotaryEmbedding, lambda r: r(pk.max_seqlen, packed_seq=True)
+    else:
+        rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=10000)
+        cls, table = PerTokenRotaryEmbedding, lambda r: (r(pk.max_seqlen, packed_seq=True), 1.0)
+    freqs, mscale = table(rope)  # [max_seqlen, 1, 1, 16]
+    assert (mscale != 1.0) == (kind == "yarn")
     g = torch.Generator().manual_seed(0)
     t = torch.randn(pk.total, 4, 16, generator=g, dtype=torch.float64)
-    ref = _apply_rotary_pos_emb_thd(t, pk.cu_seqlens, freqs, rotary_interleaved=interleaved, cp_group=_OneRank())
+    ref = _apply_rotary_pos_emb_thd(t, pk.cu_seqlens, freqs.double(), rotary_interleaved=interleaved, mscale=mscale,
+                                    cp_group=_OneRank())
 
     params = pk.packed_seq_params("cpu", host_cu_seqlens=True, rope_positions=pk.position_ids())
-    per_token = PerTokenRotaryEmbedding.__new__(PerTokenRotaryEmbedding)
+    per_token = cls.__new__(cls)
     per_token.__dict__.update(rope.__dict__)
     assert per_token.get_rotary_seq_len(None, None, None, None, params) == pk.max_seqlen
-    f_tok = per_token(pk.max_seqlen, packed_seq=True).double()
-    assert f_tok.shape == (pk.total, 1, 1, 16)
+    f_tok, m_tok = table(per_token)
+    assert f_tok.shape == (pk.total, 1, 1, 16) and m_tok == mscale
     assert params.cu_seqlens_q.tolist() == [0, pk.total]  # what megatron-core's RoPE sees: one segment
-    out = _apply_rotary_pos_emb_thd(t, params.cu_seqlens_q, f_tok, rotary_interleaved=interleaved,
-                                    cp_group=_OneRank())
+    out = _apply_rotary_pos_emb_thd(t, params.cu_seqlens_q, f_tok.double(), rotary_interleaved=interleaved,
+                                    mscale=m_tok, cp_group=_OneRank())
     assert torch.equal(out, ref)
     # the attention still reads the real boundaries
     assert params.mtrain_host_cu_seqlens == pk.cu_seqlens.tolist()
     # without positions (padded micro-batches, or no stash) it is the parent's table
-    assert torch.equal(per_token(pk.max_seqlen, packed_seq=True), rope(pk.max_seqlen, packed_seq=True))
+    assert torch.equal(table(per_token)[0], table(rope)[0])
     print("rope ok")
 
 
@@ -101,4 +111,4 @@ def test_host_sync_ops_per_micro_batch_do_not_grow_with_layers_or_sequences(tmp_
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["rope"]:
-    _rope_check(bool(int(sys.argv[2])))
+    _rope_check(sys.argv[2])

@@ -14,7 +14,7 @@ import torch
 
 from mtrain.dist import run_on_ranks
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 MOE = ("qwen3_moe", "deepseek_v3")
 TOL = 1e-4
 

@@ -8,6 +8,7 @@ from mtrain.tiny_configs import tiny_config
 
 CASES = [
     ("llama", dict(tp=1), 1), ("llama", dict(tp=2), 2), ("llama", dict(pp=2), 2),
+    ("mistral", dict(tp=2), 2),
     ("qwen2", dict(tp=2), 2), ("qwen2", dict(pp=2), 2),
     ("qwen3", dict(tp=2), 2),
     ("qwen3_moe", dict(tp=1), 1), ("qwen3_moe", dict(ep=2), 2), ("qwen3_moe", dict(tp=2), 2),

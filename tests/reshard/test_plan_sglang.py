@@ -15,7 +15,7 @@ TRAIN = {"tp1": MegatronLayout(), "tp2": MegatronLayout(tp=2), "tp2pp2": Megatro
          "ep2": MegatronLayout(dp=2, ep=2), "tp2ep2": MegatronLayout(tp=2, dp=2, ep=2),
          "pp2vpp2": MegatronLayout(pp=2, vpp=2), "tp2etp1ep2": MegatronLayout(tp=2, ep=2, etp=1),
          "pp2uneven": MegatronLayout(pp=2, first_stage_layers=1, last_stage_layers=3)}
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_qlora"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_qlora"]
 
 
 def random_hf_state(layout, seed=0):

@@ -64,6 +64,17 @@ def test_rope_head_sizes_that_crashed_the_schedulers_are_refused():
     assert rope_problem(dict(model_type="llama", hidden_size=3072, num_attention_heads=32)) is None  # head 96
 
 
+def test_fused_qk_norm_rope_with_another_yarn_factor_is_refused():
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)  # max_position_embeddings 256
+    moe = dict(tiny_config("qwen3_moe", rope_scaling=yarn), head_dim=64)
+    assert preflight_problems(_args(enable_fused_qk_norm_rope=True), moe, None) == []  # 256 / 64 = 4: the same
+    (msg,) = preflight_problems(_args(enable_fused_qk_norm_rope=True), dict(moe, max_position_embeddings=128), None)
+    assert msg.startswith("enable_fused_qk_norm_rope: SGLang's fused Qwen3-MoE kernel computes yarn with factor "
+                          "max_position_embeddings / original_max_position_embeddings = 128/64, not the rope_scaling "
+                          "factor 4.0")
+    assert preflight_problems(_args(), dict(moe, max_position_embeddings=128), None) == []  # off: the unfused path
+
+
 def test_vision_model_needs_its_python_packages():
     vlm = tiny_vlm_config(**TINY_VLM_GPU_OVERRIDES)
     assert missing_vision_modules(vlm, ("json", "mtrain_no_such_module")) == ["mtrain_no_such_module"]

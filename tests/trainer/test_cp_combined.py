@@ -19,6 +19,7 @@ CASES = {  # name: (ranks, parallel sizes, architecture)
     "cp2_pp2_llama": (4, {"cp": 2, "pp": 2}, "llama"),  # tied embeddings across the pipeline
     "cp2_pp2_vpp2_qwen3": (4, {"cp": 2, "pp": 2, "vpp": 2}, "qwen3"),  # interleaved schedule
     "cp2_ep2_deepseek_v3": (2, {"cp": 2, "ep": 2}, "deepseek_v3"),  # MLA, shared experts, expert bias
+    "cp2_qwen3_yarn": (2, {"cp": 2}, "qwen3_yarn"),  # rope_scaling yarn: its table split over the CP ranks
 }
 
 
@@ -91,6 +92,11 @@ def check_case(tmp_path, case, with_single: bool = True) -> dict:
 def test_cp2_ep2_moe_equals_transformers(tmp_path):
     """The default run's case (2 ranks; against transformers only, to stay short): CP2xEP2 Qwen3-MoE."""
     print(check_case(tmp_path, CASES["cp2_ep2_qwen3_moe"], with_single=False))
+
+
+def test_cp2_yarn_equals_transformers(tmp_path):
+    """Qwen3 with rope_scaling yarn at CP2, padded and packed, against transformers (2 ranks)."""
+    print(check_case(tmp_path, CASES["cp2_qwen3_yarn"], with_single=False))
 
 
 @SLOW

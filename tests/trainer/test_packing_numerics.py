@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (ranks, parallel sizes, architecture); the default run keep
     "tp2_qwen3": (2, {"tp": 2}, "qwen3"),
     "pp2_llama": (2, {"pp": 2}, "llama"),
     "ep2_qwen3_moe": (2, {"ep": 2}, "qwen3_moe"),
+    "tp1_qwen3_yarn": (1, {}, "qwen3_yarn"),  # rope_scaling yarn: per-token rows of its table when packed
     "tp1_qwen3_moe": pytest.param((1, {}, "qwen3_moe"), marks=SLOW),
     "pp2_vpp2_qwen3_moe": pytest.param((2, {"pp": 2, "vpp": 2}, "qwen3_moe"), marks=SLOW),
     "dp2_qwen2": pytest.param((2, {}, "qwen2"), marks=SLOW),  # token-balanced DP split vs equal counts

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mtrain.trainer.packing import make_pack, pack, unpack
@@ -68,13 +69,14 @@ def test_planner_keeps_a_group_together_and_splits_only_when_too_big():
         assert make_tree_pack(mb, [rows[i] for i in mb], [keys[i] for i in mb]).total <= 45
 
 
-def test_logprobs_and_gradients_equal_the_unshared_computation_in_float64():
-    proc = subprocess.run([sys.executable, __file__, "model"], capture_output=True, text=True, timeout=300,
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_logprobs_and_gradients_equal_the_unshared_computation_in_float64(rope):
+    proc = subprocess.run([sys.executable, __file__, "model", rope], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
     assert proc.returncode == 0 and "model ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-4000:]
 
 
-def _model_check() -> None:
+def _model_check(rope: str) -> None:
     import socket
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
@@ -90,6 +92,9 @@ def _model_check() -> None:
               eos_token_id=2, initializer_range=0.02, max_position_embeddings=4096, hidden_size=64,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
               vocab_size=97, tie_word_embeddings=False)
+    if rope == "yarn":  # rope_scaling yarn (Qwen's long-context recipe): the prompts run past its 16 original positions
+        hf.update(max_position_embeddings=64,
+                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16))
     cfg = load_config(REPO / "mtrain/configs/tiny_llama_grpo.yaml",
                       ["model.hf_path=unused", "train.max_tokens_per_micro_batch=512", "train.shared_prefix=true",
                        "algo.kl_coef=0"])
@@ -131,5 +136,5 @@ def _model_check() -> None:
     print("model ok", float(d), worst)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["model"]:
-    _model_check()
+if __name__ == "__main__" and sys.argv[1:2] == ["model"]:
+    _model_check(sys.argv[2])

@@ -138,7 +138,7 @@ class Actor:
         # Packed streams: megatron-core gets cu_seqlens on the host when mtrain's local core attention serves it
         # (no device sync in its THD RoPE, Pack.packed_seq_params); TE's attention and MTP read it on the device.
         self.host_cu_seqlens = not te_installed() and not c.mtp_num_layers
-        # ... and, with one CP rank and plain RoPE, one rotary row per token instead of megatron-core's split /
+        # ... and, with one CP rank and plain RoPE or YaRN, one rotary row per token instead of megatron-core's split /
         # slice / cat per sequence in every layer (mtrain/models/packed_rope.py; the same rotation bit for bit).
         # MTRAIN_ROPE_PER_TOKEN=0: megatron-core's own per-sequence path (for an A/B on a GPU)
         self.rope_per_token = (self.host_cu_seqlens and c.context_parallel_size == 1 and self.vision is None
@@ -146,7 +146,7 @@ class Actor:
                                and packed_rope.install(chunks))
         if cfg.train.shared_prefix and not self.rope_per_token:  # the tree stream's positions need per-token RoPE
             raise ModelConfigError("train.shared_prefix needs mtrain's local attention with per-token RoPE (no "
-                                   "Transformer Engine, parallel.cp=1, plain RoPE, no vision tower)")
+                                   "Transformer Engine, parallel.cp=1, plain RoPE or YaRN, no vision tower)")
         if trainable and c.num_moe_experts and c.tensor_model_parallel_size > 1 and not c.sequence_parallel and \
                 not self.bitwise:  # the bitwise MoE layer needs no SP (preflight.py says why)
             # megatron-core refuses MoE + TP training without sequence parallelism, which its local (non-TE)
