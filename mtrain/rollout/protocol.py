@@ -19,11 +19,7 @@ log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
-# What an engine hands back while training runs: its weights, its KV cache and the memory pool of its decode CUDA
-# graphs (SGLang captures them under torch_memory_saver's "cuda_graph" tag; 3.2-5.1 GiB that stayed resident while
-# a Qwen3-4B shape's first optimizer step ran out of memory on an H100, 2026-12-07). The reference engine captures
-# no graphs: it tracks the tag so that generating before it is resumed fails there as it would in SGLang.
-MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs: the front's requests (mtrain/serve/schemas.py)
 # the engines' own: score centering (algo.score_centering_k, docs/design-score-centering.md) asks for up to this many
 MAX_ENGINE_TOP_LOGPROBS = 1024
@@ -293,7 +289,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
-        """Free the memory of `tags` (MEMORY_TAGS) so training can use it (colocated mode)."""
+        """Free the memory of `tags` ("weights", "kv_cache") so training can use it (colocated mode)."""
 
     @abc.abstractmethod
     def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:

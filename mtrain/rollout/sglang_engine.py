@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Mapping
 from mtrain.rollout.engine_env import engine_environment
 from mtrain.rollout.lora_adapters import AdapterVersions
 from mtrain.rollout.protocol import EngineError, Request, RolloutEngine
-from mtrain.rollout.sglang_engine_control import SGLangControl
+from mtrain.rollout.sglang_engine_control import SGLANG_MEMORY_TAGS, SGLangControl  # noqa: F401 - re-exported
 from mtrain.rollout.sglang_engine_process import (_LIVE, _child_pids, _config_of, _kill_new_children,  # noqa: F401
                                                   _on_sigquit, _server_arg_names, _vision_of, logging_state,
                                                   restore_logging)

@@ -14,6 +14,7 @@ import torch
 from mtrain.rollout.protocol import MEMORY_TAGS, EngineError
 from mtrain.rollout.sglang_loader import DUMP_PARAMS, DUMP_PREFIX
 
+SGLANG_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class SGLangControl:
@@ -76,9 +77,9 @@ class SGLangControl:
     # -- memory and cache -------------------------------------------------------------------------------
     def _tags(self, tags: Sequence[str], what: str) -> list[str]:
         tags = list(tags)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
+        bad = [t for t in tags if t not in SGLANG_MEMORY_TAGS]
         if bad or not tags:
-            raise EngineError(f"{what}: tags must be a non-empty subset of {MEMORY_TAGS}, got {tags}")
+            raise EngineError(f"{what}: tags must be a non-empty subset of {SGLANG_MEMORY_TAGS}, got {tags}")
         return tags
 
     def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:

@@ -52,13 +52,9 @@ class EngineMemory:
         self.seconds: dict[str, float] = {}
         self._released = False
 
-    # what goes and comes back with the KV cache: the decode graphs' pool too (protocol.MEMORY_TAGS says why); they
-    # are needed again only when generating, after the publish
-    WITH_KV = ("kv_cache", "cuda_graph")
-
     def release(self) -> None:
         self._released = True
-        self._call("release_memory", self.WITH_KV + self.weight_tags)
+        self._call("release_memory", ("kv_cache",) + self.weight_tags)
 
     def resume_weights(self) -> None:
         self._call("resume_memory", self.weight_tags)
@@ -67,7 +63,7 @@ class EngineMemory:
         """After the publish: the KV cache comes back once the new weights are in (when it was given away)."""
         if self._released:
             self._released = False
-            self._call("resume_memory", self.WITH_KV)
+            self._call("resume_memory", ("kv_cache",))
 
     def take_seconds(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}
