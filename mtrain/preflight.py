@@ -102,6 +102,8 @@ def check_model(cfg: RunConfig, hf_config: dict, dp: int) -> None:
     e = cfg.engine
     if _engine_is_sglang(cfg):  # SGLang's own sharding of heads, experts, vocab
         from mtrain.reshard.placement import SGLangLayout
+        if model.meta.get("sglang_unsupported"):  # a model SGLang builds otherwise, whatever its sharding
+            raise _fail("model.hf_path", f"{model.meta['sglang_unsupported']}; engine.kind=reference computes it")
         try:
             build_plan(model, MegatronLayout(), SGLangLayout(e.tp, e.ep), colocate=lambda r: 0)
         except LayoutError as err:

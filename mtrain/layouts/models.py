@@ -118,7 +118,9 @@ def model_layout(cfg: dict, *, te: bool = False, make_vocab_size_divisible_by: i
     meta = {"te": te, "divisible_by": make_vocab_size_divisible_by, "vision": arch in VLM_ARCHS}
     if arch == "qwen3_moe" and not all(moe_layer_pattern(cfg)):
         # SGLang 0.5.17 builds every Qwen3-MoE layer sparse, ignoring mlp_only_layers/decoder_sparse_step.
-        meta["sglang_unsupported"] = "SGLang 0.5.17 makes every Qwen3-MoE layer sparse; this config has dense layers"
+        meta["sglang_unsupported"] = (f"SGLang 0.5.17 makes every Qwen3-MoE layer sparse; this config has dense layers "
+                                      f"(mlp_only_layers={cfg.get('mlp_only_layers')}, decoder_sparse_step="
+                                      f"{cfg.get('decoder_sparse_step', 1)})")
 
     return ModelLayout(arch=arch, weights=weights, num_layers=cfg["num_hidden_layers"], num_experts=experts,
                        mtp_layers=mtp_layers, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),

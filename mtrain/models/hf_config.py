@@ -26,7 +26,8 @@ Common to all six architectures (llama, mistral, qwen2, qwen3, qwen3_moe, deepse
 | attention_dropout (must be 0)    | attention_dropout=0, hidden_dropout=0                  |
 | (no biases)                      | add_bias_linear=False                                  |
 
-llama:   attention_bias -> add_qkv_bias (o_proj bias unsupported -> error); mlp_bias -> error if true.
+all:     dual_chunk_attention_config, rope_is_neox_style=False -> error (SGLang alone reads them).
+llama:   attention_bias -> add_qkv_bias (o_proj bias unsupported -> error); mlp_bias, bias -> error if true.
 mistral: llama's fields, no biases (attention_bias/bias true -> error); sliding_window null or >=
          max_position_embeddings (it never applies), else error (mtrain computes full causal attention).
 qwen2:   add_qkv_bias=True (HF Qwen2 always has q/k/v bias, no o_proj bias); sliding window -> error if used.
@@ -140,6 +141,13 @@ def _common(hf: dict, mt: str) -> tuple[dict, dict]:
     if hf.get("use_sliding_window"):
         raise ModelConfigError("use_sliding_window=True is not supported: mtrain's packed attention computes full "
                                "causal attention (docs/design-trainer.md, 'Model options refused at load')")
+    if hf.get("dual_chunk_attention_config"):  # Qwen2.5-7B/14B-Instruct-1M
+        raise ModelConfigError(f"{mt} dual_chunk_attention_config is not supported: SGLang then computes dual-chunk "
+                               f"attention past chunk_size on its dual_chunk_flash_attn backend only, transformers and "
+                               f"mtrain full attention; delete the field (full attention, as transformers computes)")
+    if hf.get("rope_is_neox_style") is False:
+        raise ModelConfigError(f"{mt} rope_is_neox_style=False is not supported: SGLang's Llama then rotates "
+                               f"interleaved pairs, transformers and Megatron rotate halves")
     heads = int(_req(hf, "num_attention_heads", mt))
     hidden = int(_req(hf, "hidden_size", mt))
     cfg = dict(
@@ -177,6 +185,9 @@ def _map_llama(hf: dict) -> MappedConfig:
     cfg, model = _common(hf, "llama")
     if hf.get("attention_bias"):
         raise ModelConfigError("llama attention_bias=True is not supported (HF also biases o_proj; Megatron cannot)")
+    if hf.get("bias"):  # InternLM's field: transformers' Llama ignores it
+        raise ModelConfigError("llama bias=True is not supported: SGLang's Llama then biases q/k/v/o_proj, "
+                               "transformers' Llama has no biases")
     gqa_rope(hf, "llama", cfg, model)
     return MappedConfig("llama", False, cfg, model, int(_req(hf, "vocab_size", "llama")))
 

@@ -32,18 +32,39 @@ YARN_CONFIG_ATTRS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_e
 
 
 def rope_of(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from either config style."""
-    params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", "default") not in ("default", None):
-        scaling = params
+    """(rope_theta, scaling dict or None) from either config style, read as transformers 5 reads them (SGLang 0.5.17
+    computes with transformers' config object): a non-empty rope_scaling replaces rope_parameters whole, and the
+    theta inside the chosen dict wins over a top-level rope_theta (10000 where neither states one). Both styles in
+    one file with different values (a transformers-5 config.json, whose rope_theta sits in rope_parameters, given
+    the rope_scaling block of a model card) are refused: transformers would drop the values the file states."""
+    mt = hf.get("model_type")
+    stated, legacy = hf.get("rope_parameters") or None, hf.get("rope_scaling") or None
+    params = dict(legacy or stated or {})
+    top = hf.get("rope_theta")
+    theta = float(params.get("rope_theta", 10000.0 if top is None else top))
+    if top is not None and float(top) != theta:
+        where = "rope_scaling" if legacy else "rope_parameters"
+        raise ModelConfigError(f"{mt} config.json states rope_theta={top} at the top and rope_theta="
+                               f"{params['rope_theta']} in {where}: transformers and SGLang use {where}'; keep one")
+    if legacy and stated:
+        kind = params.get("rope_type", params.get("type", "default"))
+        # what transformers fills in where rope_scaling leaves a key out (its to_dict() writes these back)
+        filled = {"rope_theta": theta, "rope_type": kind, "type": kind,
+                  "original_max_position_embeddings": hf.get("original_max_position_embeddings",
+                                                             hf.get("max_position_embeddings"))}
+        lost = {k: v for k, v in stated.items() if params.get(k, filled.get(k)) != v
+                and not (k in ("rope_type", "type") and v in ("default", None))}
+        if lost:
+            raise ModelConfigError(f"{mt} config.json has both rope_scaling and rope_parameters: transformers and "
+                                   f"SGLang read rope_scaling alone (rope_theta={theta:g}) and drop rope_parameters' "
+                                   f"{', '.join(f'{k}={v!r}' for k, v in lost.items())}; put the rope_scaling keys "
+                                   f"into rope_parameters and delete rope_scaling")
+    scaling = params or None
     if scaling is not None:
-        scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type"))
         if scaling["rope_type"] in ("default", None):
             scaling = None
-    return float(theta), scaling
+    return theta, scaling
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

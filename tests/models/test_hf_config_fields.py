@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from hf_real_configs import QWEN3_YARN, REAL, REFUSED, shrink, transformers5_form
 
 from mtrain.models.hf_config import ModelConfigError, map_hf_config
 from mtrain.tiny_configs import TINY, numerics_config, tiny_config
@@ -153,5 +154,79 @@ def test_mistral_window_preflight_is_one_line(tmp_path):
     config = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
     run = load_config(config, [f"model.hf_path={hf}", f"train.run_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"^model\.hf_path: mistral sliding_window=64 is not supported") as e:
+        preflight(run, world=1)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- published checkpoints' config.json (hf_real_configs)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_published_configs_map_or_are_refused_in_one_line(name):
+    """As shipped, and as transformers 5 writes them back (rope_parameters, dtype, layer_types, num_local_experts):
+    the same model, or the same one-line refusal. tests/models/test_hf_numerics.py runs the mapped ones' logits."""
+    if name in REFUSED:
+        for cfg in (REAL[name], transformers5_form(REAL[name])):
+            with pytest.raises(ModelConfigError, match="^" + REFUSED[name]) as e:
+                map_hf_config(cfg)
+            assert "\n" not in str(e.value)
+        return
+    mapped, written_back = map_hf_config(REAL[name]), map_hf_config(transformers5_form(REAL[name]))
+    assert (mapped.config_kwargs, mapped.model_kwargs) == (written_back.config_kwargs, written_back.model_kwargs)
+
+
+def _qwen3_written_back(**changes) -> dict:
+    return dict(transformers5_form(REAL["Qwen3-8B"]), **changes)
+
+
+# Each loaded and trained against other logits than transformers' and SGLang's (tiny Qwen3-8B, 160 tokens: max
+# |logit error| 1.2 and 0.3): transformers takes rope_scaling whole, in place of rope_parameters, and the theta
+# inside rope_parameters over a top-level rope_theta.
+@pytest.mark.parametrize("cfg, needle", [
+    # Qwen's model card block added to a config.json transformers 5 wrote: transformers computes with theta 10000
+    (_qwen3_written_back(rope_scaling=QWEN3_YARN), "has both rope_scaling and rope_parameters: transformers and SGLang "
+     r"read rope_scaling alone \(rope_theta=10000\) and drop rope_parameters' rope_theta=1000000; put the rope_scaling "
+     "keys into rope_parameters"),
+    (_qwen3_written_back(rope_theta=5e6), r"states rope_theta=5000000.0 at the top and rope_theta=1000000 in "
+     "rope_parameters: transformers and SGLang use rope_parameters'"),
+], ids=["rope_scaling_beside_rope_parameters", "rope_theta_beside_rope_parameters"])
+def test_rope_fields_stated_twice_are_refused(cfg, needle):
+    with pytest.raises(ModelConfigError, match="^qwen3 config.json " + needle) as e:
+        map_hf_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_rope_fields_stated_twice_alike_map():
+    map_hf_config(_qwen3_written_back(rope_theta=1000000))
+    map_hf_config(_qwen3_written_back(rope_scaling=dict(QWEN3_YARN, rope_theta=1000000)))
+
+
+@pytest.mark.parametrize("arch, changes, needle", [
+    ("llama", dict(bias=True), "llama bias=True is not supported: SGLang's Llama then biases q/k/v/o_proj"),
+    ("mistral", dict(rope_is_neox_style=False), "mistral rope_is_neox_style=False is not supported"),
+])
+def test_fields_only_sglang_reads_are_refused(arch, changes, needle):
+    with pytest.raises(ModelConfigError, match="^" + needle):
+        map_hf_config(numerics_config(arch, **changes))
+
+
+@pytest.mark.parametrize("name, changes, over, needle", [
+    ("gemma-2b", {}, (), r"model\.hf_path: model_type='gemma' is not supported"),
+    # SGLang builds every Qwen3-MoE layer sparse: was "engine.tp: engine tp=1 ep=1 does not fit the model: ..."
+    ("Qwen3-30B-A3B", dict(mlp_only_layers=[0]), ("engine.kind=sglang",),
+     r"model\.hf_path: SGLang 0\.5\.17 makes every Qwen3-MoE layer sparse; this config has dense layers "
+     r"\(mlp_only_layers=\[0\], decoder_sparse_step=1\); engine\.kind=reference computes it"),
+])
+def test_a_published_model_refused_at_preflight_in_one_line(tmp_path, name, changes, over, needle):
+    from pathlib import Path
+
+    from mtrain.config import ConfigError, load_config
+    from mtrain.preflight import preflight
+    from mtrain.tiny_hf import write_tiny_hf
+    (tmp_path / "config.json").write_text(json.dumps(dict(shrink(name), **changes)))
+    hf = write_tiny_hf(None, tmp_path / "model", config_path=tmp_path / "config.json")
+    config = Path(__file__).resolve().parents[2] / "mtrain" / "configs" / "tiny_llama_grpo.yaml"
+    run = load_config(config, [f"model.hf_path={hf}", f"train.run_dir={tmp_path / 'run'}", *over])
+    with pytest.raises(ConfigError, match="^" + needle) as e:
         preflight(run, world=1)
     assert "\n" not in str(e.value)

@@ -50,6 +50,17 @@ CASES = {
     "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
     "deepseek_v3_plain_rope": ("deepseek_v3", {"rope_scaling": None}),
 }
+# Published checkpoints' config.json (tests/models/hf_real_configs.py), shrunk with every structural field kept, as
+# shipped and as transformers 5 writes them back. "@64": the yarn block's original length (and the context) scaled
+# down so that the 200 tokens run past it; Qwen2.5's card keeps max_position_embeddings = original, Qwen3's 40960.
+REAL_CASES = ["Llama-3.2-1B-Instruct", "Llama-3.2-3B-Instruct", "Llama-3.1-8B-Instruct", "TinyLlama-1.1B-Chat-v1.0",
+              "SmolLM2-135M", "SmolLM2-1.7B-Instruct", "Qwen2.5-0.5B-Instruct", "Qwen2.5-Math-1.5B-Instruct",
+              "DeepSeek-R1-Distill-Qwen-1.5B", "Qwen3-0.6B", "Qwen3-4B-Instruct-2507", "Qwen3-30B-A3B",
+              "Mistral-7B-Instruct-v0.3", "Mistral-Nemo-Base-2407", "Ministral-8B-Instruct-2410",
+              "Qwen2.5-7B-Instruct+yarn", "Qwen2.5-7B-Instruct+yarn@64", "Qwen3-8B+yarn@64", "Qwen3-30B-A3B+yarn@64"]
+CASES.update({f"real {n}": (n, "real") for n in REAL_CASES})
+CASES.update({f"real {n} (transformers 5)": (n, "transformers5") for n in
+              ("Llama-3.2-1B-Instruct", "Qwen2.5-7B-Instruct+yarn@64", "Qwen3-30B-A3B")})
 # Same weights, one Megatron field deliberately wrong: the comparison must see it.
 NEGATIVE = {
     "llama_wrong_eps": ("llama", {}, {"layernorm_epsilon": 1e-3}),
@@ -60,6 +71,7 @@ NEGATIVE = {
 
 
 def _compare_all(rank: int, world: int, cases: dict, negative: dict) -> dict:
+    from hf_real_configs import shrink, transformers5_form
     from hf_reference import hf_to_megatron_tp1, make_hf_model
 
     from mtrain.dist import init_distributed
@@ -71,10 +83,17 @@ def _compare_all(rank: int, world: int, cases: dict, negative: dict) -> dict:
     long = torch.randint(0, 250, (2, 200), generator=torch.Generator().manual_seed(4))
     results = {}
     for name, (arch, changes, *override) in {**cases, **negative}.items():
-        hf_config = tiny_config(arch, **changes)
-        if "rope_parameters" in changes:  # transformers 5's form: rope_theta inside it
-            del hf_config["rope_theta"]
-        tokens = long if "yarn" in name and arch != "deepseek_v3" else short
+        if changes in ("real", "transformers5"):
+            published, _, original = arch.partition("@")
+            hf_config = shrink(published, int(original) if original else None)
+            hf_config = transformers5_form(hf_config) if changes == "transformers5" else hf_config
+        else:
+            hf_config = tiny_config(arch, **changes)
+            if "rope_parameters" in changes:  # transformers 5's form: rope_theta inside it
+                del hf_config["rope_theta"]
+        scaled = "yarn" in name or hf_config.get("rope_scaling") or hf_config.get("rope_parameters", {}).get(
+            "rope_type", "default") != "default"
+        tokens = long if scaled and hf_config["model_type"] != "deepseek_v3" else short
         chunks, _ = build_model(hf_config, config_overrides=override[0] if override else None)
         hf = make_hf_model(hf_config)
         chunks[0].load_state_dict(hf_to_megatron_tp1(hf, hf_config, chunks[0].state_dict()))
