@@ -362,14 +362,14 @@ def main() -> None:
         if args.write_only:
             write_random_model(REPO / "benchmarks" / "configs" / f"{args.model}.json", hf)
             say(f"random model written to {hf}")
-        else:  # in a process of its own: a CUDA context here would hold ~1.1 GiB beside the run (2026-12-07)
+        else:  # in a process of its own: this one holds no CUDA context beside the run it measures
             subprocess.run([sys.executable, __file__, "--model", args.model, "--work", str(work), "--write-only"],
                            check=True)
     if args.write_only:
         return
     hf_cfg = json.loads((hf / "config.json").read_text())
     n = args.prompts * args.samples
-    # the device's name from NVML: this process stays off CUDA while the run trains (a context is ~1.1 GiB)
+    # the device's name from NVML: this process stays off CUDA while the run trains (a context is GPU memory)
     res = {"config": vars(args), "device": GpuMemory.device_name(), "runs": {}}
     kept = work / "runs.json"
     if args.part == "floors":

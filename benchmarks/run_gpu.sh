@@ -52,7 +52,7 @@ lora_sync|1|420|LoRA sync into SGLang: full vs load_lora_adapter_from_tensors vs
 lora_moe|1|300|expert LoRA on SGLang (tiny Qwen3-MoE): synced adapter generates as a fresh load
 e2e_setup|1|300|write the e2e shapes' random bf16 weights (Qwen3-1.7B, Qwen3-4B) into /tmp (a warm machine keeps them)
 e2e_1_7b|1|600|GRPO steps of a Qwen3-1.7B shape, 32 x 8 x 1,024 tokens, and every phase's floor in the same call
-e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: engine.offload_train, full recompute and micro-batches of 2,048 tokens, as the memory plan says); E2E_PART=run, then E2E_PART=floors in the next call: the two do not fit one
+e2e_4b|1|600|the same on a Qwen3-4B shape (one H100: optim.cpu_offload, the fp32 main copy and Adam on the host, as the memory plan says); E2E_PART=run, then E2E_PART=floors in the next call: the two do not fit one
 e2e_moe|1|600|the same on Qwen3-30B-A3B's layer shape cut to 5 layers (128 experts, 8 active), 16 x 8 x 512 tokens (offload and full recompute, as the memory plan says)
 e2e_async_1_7b|1|600|rollout.async=off vs one_step on the Qwen3-1.7B shape (the same steps, one run per mode)
 parity|1|400|mtrain's in-process engine vs a standalone sglang.Engine, 8 interleaved rounds (SmolLM2 staged)
@@ -175,8 +175,10 @@ run_one() {  # name: the command of one benchmark (run from /tmp where it starts
                done ;;
     e2e_1_7b) python benchmarks/gpu_e2e_step.py --model qwen3_1_7b --out "$out/e2e_1_7b.json" ;;
     # E2E_PART (all, run, floors): a shape's run and floors in two calls where one call's 10 minutes hold not both
-    e2e_4b) python benchmarks/gpu_e2e_step.py --model qwen3_4b --budget 2048 --part "${E2E_PART:-all}" \
-                --out "$out/e2e_4b_${E2E_PART:-all}.json" engine.offload_train=true train.recompute.granularity=full ;;
+    # Qwen3-4B on an H100: with Adam on the GPU (engine.offload_train, full recompute, micro-batches of 2,048) the
+    # first optimizer step ran out of memory (2026-12-07); the memory plan now refuses that and passes this
+    e2e_4b) python benchmarks/gpu_e2e_step.py --model qwen3_4b --part "${E2E_PART:-all}" \
+                --out "$out/e2e_4b_${E2E_PART:-all}.json" optim.cpu_offload=true ;;
     e2e_moe) python benchmarks/gpu_e2e_step.py --model qwen3_30b_a3b_5l --prompts 16 --new-tokens 512 \
                  --part "${E2E_PART:-all}" --out "$out/e2e_moe_${E2E_PART:-all}.json" engine.offload_train=true \
                  train.recompute.granularity=full ;;

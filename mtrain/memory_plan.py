@@ -37,10 +37,22 @@ from dataclasses import dataclass
 
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # one process's CUDA context and library handles (cuBLAS workspace, NCCL)
-# SGLang's memory outside mem_fraction_static beyond its scheduler's CUDA context: the GPU's measured peak less the
-# plan, where the peak was in rollout (Qwen3-1.7B shape, one H100, engine at 0.5, 2026-12-06: 67.0 GiB measured
-# against 61.3 planned). One figure for every model until it is measured apart (CUDA graphs, prefill, sampler).
+# Memory beside the counted terms with a colocated engine, beyond the CUDA contexts: taken for SGLang's outside
+# mem_fraction_static (CUDA graphs, prefill, sampler). Fitted to two runs on one H100, not derived:
+# - Qwen3-1.7B's shape (28 layers x 2,048), engine at 0.5, 2026-12-06: the GPU's peak, in rollout, 5.1 GiB above
+#   the plan (67.0 measured, 61.3 planned);
+# - Qwen3-4B's shape (36 x 2,560), engine.offload_train, 2026-12-07: out of memory in the first optimizer step with
+#   at least 3.1 GiB more beside PyTorch's blocks than the 1.7B figure leaves room for (docs/design-memory-plan.md).
+# Scaled by layers x hidden size (a layer's activations in the engine's graphs and work space) against the 1.7B
+# shape, never below its figure: 5.1 GiB there, 8.2 GiB for the 4B shape.
 ENGINE_OUTSIDE_SHARE = int(5.1 * GIB)
+OUTSIDE_SHARE_SHAPE = 28 * 2048  # the shape ENGINE_OUTSIDE_SHARE was measured on: layers x hidden size
+
+
+def engine_outside_share(hf_config: dict) -> int:
+    """ENGINE_OUTSIDE_SHARE for this model's shape (layers x hidden size against the 1.7B shape, at least 1x)."""
+    size = int(hf_config.get("num_hidden_layers", 0)) * int(hf_config.get("hidden_size", 0))
+    return int(ENGINE_OUTSIDE_SHARE * max(1.0, size / OUTSIDE_SHARE_SHAPE))
 
 
 def _numel(shape) -> int:
@@ -124,6 +136,8 @@ class MemoryPlan:
     state_at_engine_start: int = 0
     reference: int = 0  # the frozen KL reference model's weights (algo.kl_coef > 0)
     offloaded_in_rollout: int = 0  # engine.offload_train: grads, main copy and Adam on the host while generating
+    outside_share: int = ENGINE_OUTSIDE_SHARE  # engine_outside_share(model): what a colocated engine adds uncounted
+    full_recompute: bool = False  # train.recompute.granularity=full already: the refusal does not suggest it
 
     @property
     def state(self) -> int:
@@ -131,7 +145,7 @@ class MemoryPlan:
 
     @property
     def engine_outside(self) -> int:
-        return ENGINE_OUTSIDE_SHARE if self.engine else 0
+        return self.outside_share if self.engine else 0
 
     @property
     def slack(self) -> int:
@@ -187,7 +201,8 @@ class MemoryPlan:
             if self.engine_resident_in_training:
                 fixes.append("set rollout.async=off (the engine then leaves the GPU while training runs)")
             if self.activations + self.logits + self.slack > self.train_peak - self.device_bytes:
-                fixes.append("lower train.max_tokens_per_micro_batch or set train.recompute.granularity=full")
+                fixes.append("lower train.max_tokens_per_micro_batch" + (
+                    "" if self.full_recompute else " or set train.recompute.granularity=full"))
         fixes.append("set optim.cpu_offload=true (with optim.use_distributed_optimizer), shard over more ranks "
                      "(parallel.tp/pp, data parallelism with the distributed optimizer) or use model.lora")
         key = fixes[0].split("=")[0].split()[-1]
@@ -240,7 +255,7 @@ def plan(cfg, hf_config: dict, dp: int, device_bytes: int, colocated_engine: boo
     logits = 3 * tokens * vocab_local * 2 if stage == p.pp - 1 else 0
     out = MemoryPlan(device_bytes=device_bytes, weights=n * wbytes, grads=4 * t, main=main, adam=adam,
                      activations=act, logits=logits, engine=0, engine_weights=0, kv_tokens=0, sample_tokens=sample,
-                     engine_resident_in_training=False,
+                     engine_resident_in_training=False, full_recompute=tr.recompute.granularity == "full",
                      reference=((n - t) if lo.targets else n) * wbytes if cfg.algo.kl_coef else 0)
     if colocated_engine:
         e = cfg.engine
@@ -256,6 +271,7 @@ def plan(cfg, hf_config: dict, dp: int, device_bytes: int, colocated_engine: boo
         per_token = 2 * layout.num_layers * max(kv_heads // e.tp, 1) * hd * 2  # K and V, bf16
         out.kv_tokens = max(out.engine - out.engine_weights, 0) // per_token
         out.engine_resident_in_training = cfg.rollout.async_mode != "off" or not e.colocate
+        out.outside_share = engine_outside_share(hf_config)
         if e.offload_train:
             out.offloaded_in_rollout = out.grads + out.main + out.adam
     return out

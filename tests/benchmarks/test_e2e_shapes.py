@@ -51,7 +51,7 @@ H100_BYTES = 85_031_714_816  # torch.cuda.get_device_properties(0).total_memory 
 
 def _e2e_entries() -> dict[str, list[str]]:
     """{run_gpu.sh entry: its gpu_e2e_step.py arguments, without --out} for every entry that runs steps (not the
-    --write-only set-up): e2e_4b and e2e_moe pass offload and full recompute, e2e_moe a smaller batch."""
+    --write-only set-up): e2e_4b passes optim.cpu_offload, e2e_moe offload, full recompute and a smaller batch."""
     import re
     import shlex
     text = (REPO / "benchmarks" / "run_gpu.sh").read_text()
