@@ -37,14 +37,16 @@ from dataclasses import dataclass
 
 GIB = 1 << 30
 CUDA_CONTEXT = int(0.6 * GIB)  # one process's CUDA context and library handles (cuBLAS workspace, NCCL)
-# Memory beside the counted terms with a colocated engine, beyond the CUDA contexts: taken for SGLang's outside
-# mem_fraction_static (CUDA graphs, prefill, sampler). Fitted to two runs on one H100, not derived:
+# Memory beside the counted terms with a colocated engine, beyond the CUDA contexts (SGLang's graphs, prefill and
+# sampler work space, and what else the two processes hold: not yet measured apart). Fitted to two runs on one
+# H100, not derived:
 # - Qwen3-1.7B's shape (28 layers x 2,048), engine at 0.5, 2026-12-06: the GPU's peak, in rollout, 5.1 GiB above
 #   the plan (67.0 measured, 61.3 planned);
-# - Qwen3-4B's shape (36 x 2,560), engine.offload_train, 2026-12-07: out of memory in the first optimizer step with
-#   at least 3.1 GiB more beside PyTorch's blocks than the 1.7B figure leaves room for (docs/design-memory-plan.md).
-# Scaled by layers x hidden size (a layer's activations in the engine's graphs and work space) against the 1.7B
-# shape, never below its figure: 5.1 GiB there, 8.2 GiB for the 4B shape.
+# - Qwen3-4B's shape (36 x 2,560), engine.offload_train, 2026-12-07: out of memory in the first optimizer step, the
+#   two processes holding 10.0 GiB beside PyTorch's blocks, 3.7 more than the contexts and the 1.7B figure, and the
+#   plan short by at least 1.3 GiB (docs/design-memory-plan.md).
+# Scaled by layers x hidden size against the 1.7B shape, never below its figure: 5.1 GiB there, 8.2 GiB for the 4B
+# shape, whose layout the plan then refuses.
 ENGINE_OUTSIDE_SHARE = int(5.1 * GIB)
 OUTSIDE_SHARE_SHAPE = 28 * 2048  # the shape ENGINE_OUTSIDE_SHARE was measured on: layers x hidden size
 
