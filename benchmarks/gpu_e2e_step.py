@@ -377,6 +377,9 @@ def main() -> None:
             raise SystemExit(f"--part floors: no {kept} (run --part run first, on this machine)")
         res["runs"] = json.loads(kept.read_text())["runs"]
         say(f"the run's result from {kept}: modes {', '.join(res['runs'])}")
+        if args.async_modes.split(",")[0] not in res["runs"]:
+            raise SystemExit(f"--part floors: {kept} holds runs of {', '.join(res['runs'])}, not "
+                             f"{args.async_modes.split(',')[0]} (give the --async-modes of the run part)")
     for mode in args.async_modes.split(",") if args.part != "floors" else ():
         run_dir = work / f"run_{mode}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
