@@ -108,27 +108,36 @@ def run_inprocess(hf: str, extra: dict, batches: list[int], new: int, repeats: i
     return out
 
 
-def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: int, vocab: int, *,
-                   mem_fraction: float = 0.5, prompt_len: int = 64) -> dict:
+def start_standalone(hf: str, extra: dict, mem_fraction: float):
+    """(engine, one_round, start seconds): a standalone sglang.Engine with the same server arguments, each round's
+    requests in one `generate` call, a seed per request."""
     import sglang
 
     from mtrain.rollout.engine_env import engine_environment
-    from mtrain.rollout.sglang_wire import engine_server_args, to_sglang_sampling
     from mtrain.rollout.protocol import SamplingParams
+    from mtrain.rollout.sglang_wire import engine_server_args, to_sglang_sampling
     kwargs = engine_server_args(hf, tp_size=1, mem_fraction_static=mem_fraction, base_gpu_id=0, load_format="auto",
                                 random_seed=0, extra=extra)
     t0 = time.perf_counter()
     with engine_environment():
         eng = sglang.Engine(**kwargs)
-    out = {"start_s": time.perf_counter() - t0}
-    params = SamplingParams(max_new_tokens=new, temperature=1.0)
+    start = time.perf_counter() - t0
     seeds = random.Random(1)
 
-    def one_round(b: int, r: int, prompts: list[list[int]]) -> list[int]:
+    def one_round(prompts: list[list[int]], new: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=new, temperature=1.0)
         sp = [to_sglang_sampling(params, seeds.getrandbits(62)) for _ in prompts]
         return [len(d["output_ids"]) for d in eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)]
+    return eng, one_round, start
+
+
+def run_standalone(hf: str, extra: dict, batches: list[int], new: int, repeats: int, vocab: int, *,
+                   mem_fraction: float = 0.5, prompt_len: int = 64) -> dict:
+    eng, one_round, start = start_standalone(hf, extra, mem_fraction)
+    out = {"start_s": start}
     try:
-        out.update(_timed_rounds(one_round, batches, new, repeats, vocab, prompt_len))
+        out.update(_timed_rounds(lambda b, r, prompts: one_round(prompts, new), batches, new, repeats, vocab,
+                                 prompt_len))
     finally:
         eng.shutdown()
     return out
@@ -168,27 +177,13 @@ class StandaloneWorker:
 
 def worker(hf: str, extra: dict, mem_fraction: float) -> None:
     """The standalone engine's side of StandaloneWorker."""
-    import sglang
-
-    from mtrain.rollout.engine_env import engine_environment
-    from mtrain.rollout.protocol import SamplingParams
-    from mtrain.rollout.sglang_wire import engine_server_args, to_sglang_sampling
-    kwargs = engine_server_args(hf, tp_size=1, mem_fraction_static=mem_fraction, base_gpu_id=0, load_format="auto",
-                                random_seed=0, extra=extra)
-    t0 = time.perf_counter()
-    with engine_environment():
-        eng = sglang.Engine(**kwargs)
-    print("PARITY " + json.dumps({"start_s": time.perf_counter() - t0}), flush=True)
+    eng, one_round, start = start_standalone(hf, extra, mem_fraction)
+    print("PARITY " + json.dumps({"start_s": start}), flush=True)
     vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
-    seeds = random.Random(1)
     try:
         while line := sys.stdin.readline():  # "" once the parent closes the pipe
             cmd = json.loads(line)
-            prompts = _prompts(cmd["b"], vocab)
-            sp = [to_sglang_sampling(SamplingParams(max_new_tokens=cmd["new"], temperature=1.0), seeds.getrandbits(62))
-                  for _ in prompts]
-            outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
-            print("PARITY " + json.dumps({"lengths": [len(d["output_ids"]) for d in outs]}), flush=True)
+            print("PARITY " + json.dumps({"lengths": one_round(_prompts(cmd["b"], vocab), cmd["new"])}), flush=True)
     finally:
         eng.shutdown()
 
