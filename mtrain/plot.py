@@ -14,8 +14,7 @@ from typing import Sequence
 
 from mtrain.fileperm import chmod_umask
 from mtrain.metrics import MetricsError, read_metrics
-from mtrain.run_files import METRICS_FILE
-from mtrain.run_files import PLOT_FILE
+from mtrain.run_files import METRICS_FILE, PLOT_FILE
 
 DEFAULT_KEYS = ("reward/mean", "kl/mean", "logprob_diff/max_abs")
 # PPO's critic and on-policy distillation: panels added to the default ones when the run logged them. A run without

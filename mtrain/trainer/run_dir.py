@@ -22,7 +22,6 @@ when read. docs/design-trainer.md.
 """
 from __future__ import annotations
 
-import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +30,7 @@ from mtrain.config import path_values
 from mtrain.fileperm import replace_text
 from mtrain.run_files import CHECKPOINTS, PREVIOUS, RUN_OUTPUTS, STEP_ROWS, WHOLE_RUN
 from mtrain.trainer.checkpoint import entry_step, point_latest, resume_path, saved_step
+from mtrain.trainer.train_samples import row_step
 
 
 def earlier_outputs(run_dir: str | os.PathLike) -> list[Path]:
@@ -86,15 +86,6 @@ def _new_folder(run_dir: Path, now: datetime | None) -> Path:
             dest, n = root / f"{stamp}-{n}", n + 1
 
 
-def _row_step(line: bytes) -> float:
-    """A row's step; a row that does not read (cut short by a stop) counts as after every step."""
-    try:
-        step = json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
-    return step if isinstance(step, int) else float("inf")
-
-
 def _move_rows_after(path: Path, step: int, dest: Path) -> bool:
     """Move the rows of steps after `step` from `path` into `dest` (a new file); True when there were any. The moved
     rows are written first: a stop between the two writes leaves them in both files, never in neither."""
@@ -103,7 +94,7 @@ def _move_rows_after(path: Path, step: int, dest: Path) -> bool:
     kept, later = [], []
     for line in path.read_bytes().splitlines(keepends=True):
         if line.strip():
-            (kept if _row_step(line) <= step else later).append(line if line.endswith(b"\n") else line + b"\n")
+            (kept if row_step(line) <= step else later).append(line if line.endswith(b"\n") else line + b"\n")
     if not later:
         return False
     dest.write_bytes(b"".join(later))

@@ -51,6 +51,16 @@ def write_train_samples(run_dir: str | Path, step: int, batch, tokenizer, rank: 
         f.writelines(lines)
 
 
+def row_step(line: str | bytes) -> float:
+    """The step of one row of a run dir's JSON-lines file; a row that does not read (cut short by a stop) counts as
+    after every step."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+    return step if isinstance(step, int) else float("inf")
+
+
 def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
     """On resuming from step k's checkpoint, keep the sample files' rows of steps <= k (none on a fresh start), as
     metrics.jsonl does: the steps after k run again and write their rows again. A line cut short by a stop is
@@ -62,10 +72,6 @@ def keep_rows_through(run_dir: str | Path, resume_step: int | None) -> None:
             continue
         kept = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
-            try:
-                step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if resume_step is not None and step <= resume_step:
+            if resume_step is not None and row_step(line) <= resume_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
         replace_text(path, "".join(kept))  # the old file or the new, never half
