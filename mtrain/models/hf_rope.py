@@ -92,6 +92,13 @@ def gqa_rope(hf: dict, mt: str, cfg: dict, model: dict) -> None:
         raise ModelConfigError(f"{mt} rope_scaling rope_type={kind!r} is not supported (llama3 and yarn only)")
 
 
+def yarn_original_length(hf, scaling, max_positions: int) -> int:
+    """The original context length yarn scales from: transformers (and SGLang, which reads transformers' config
+    object) prefer a top-level original_max_position_embeddings, then rope_scaling's, then max_position_embeddings."""
+    top = hf.get("original_max_position_embeddings")
+    return int(top if top is not None else scaling.get("original_max_position_embeddings") or max_positions)
+
+
 def _llama3(scaling: dict) -> dict:
     fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     for key, want in fixed.items():
@@ -130,9 +137,7 @@ def _gqa_yarn(hf: dict, s: dict, mt: str, max_positions: int) -> dict:
     if abs(ours - theirs) > 1e-9 * abs(theirs):
         raise ModelConfigError(f"{mt} rope_scaling {what} is not supported: transformers scales cos/sin by "
                                f"{theirs:.6g}, Megatron and SGLang by {ours:.6g}")
-    # transformers (and SGLang, which reads transformers' config object) prefer a top-level original length
-    top = hf.get("original_max_position_embeddings")
-    original = int(top if top is not None else s.get("original_max_position_embeddings") or max_positions)
+    original = yarn_original_length(hf, s, max_positions)
     table = math.ceil(original * factor)
     if max_positions > table:
         raise ModelConfigError(f"{mt} max_position_embeddings={max_positions} is more than rope_scaling's "

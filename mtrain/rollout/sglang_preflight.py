@@ -102,16 +102,17 @@ def fused_yarn_problem(args: Mapping[str, Any], hf_config: Mapping[str, Any]) ->
     """SGLang's fused QK-norm + RoPE kernel for Qwen3-MoE takes yarn's factor as max_position_embeddings /
     original_max_position_embeddings (models/qwen3_moe.py, compute_yarn_parameters), not the factor config.json
     states, with which transformers, Megatron-core and SGLang's own unfused path compute."""
-    from mtrain.models.hf_rope import rope_of
+    from mtrain.models.hf_rope import rope_of, yarn_original_length
     if not args.get("enable_fused_qk_norm_rope") or hf_config.get("model_type") != "qwen3_moe":
         return None
     _, scaling = rope_of(dict(hf_config))
     if scaling is None or scaling["rope_type"] != "yarn":
         return None
     context = hf_config.get("max_position_embeddings")
-    original = hf_config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
-        or context
-    if not context or abs(float(context) / float(original) - float(scaling.get("factor") or 0)) < 1e-9:
+    if not context:
+        return None
+    original = yarn_original_length(hf_config, scaling, context)
+    if not original or abs(float(context) / float(original) - float(scaling.get("factor") or 0)) < 1e-9:
         return None
     return (f"enable_fused_qk_norm_rope: SGLang's fused Qwen3-MoE kernel computes yarn with factor "
             f"max_position_embeddings / original_max_position_embeddings = {context}/{original}, not the "
